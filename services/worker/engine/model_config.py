@@ -1,0 +1,154 @@
+"""The model's shape, read from a Hugging Face config.json and checked before anything is built."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing, unreadable, or describes something we cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling (rope_scaling.rope_type == "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: int | None = None
+    torch_dtype: str = "bfloat16"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} not found: a model directory needs a config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ModelConfigError(f"{source}: 'architectures' is missing")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str, kind: type):
+            if key not in raw or raw[key] is None:
+                raise ModelConfigError(f"{source}: required field {key!r} is missing")
+            value = raw[key]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+                raise ModelConfigError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
+            return value
+
+        hidden = need("hidden_size", int)
+        heads = need("num_attention_heads", int)
+        kv_heads = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim") or (hidden // heads if heads else 0)
+        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                           ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        if head_dim % 2:
+            raise ModelConfigError(f"{source}: head_dim ({head_dim}) must be even for rotary embeddings")
+
+        scaling = None
+        rs = raw.get("rope_scaling")
+        if rs:
+            kind = rs.get("rope_type") or rs.get("type")
+            if kind == "llama3":
+                try:
+                    scaling = RopeScaling(
+                        factor=float(rs["factor"]),
+                        low_freq_factor=float(rs["low_freq_factor"]),
+                        high_freq_factor=float(rs["high_freq_factor"]),
+                        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                    )
+                except KeyError as e:
+                    raise ModelConfigError(f"{source}: rope_scaling of type llama3 lacks {e.args[0]!r}") from e
+            elif kind not in (None, "default"):
+                raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
+
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        cfg = cls(
+            architecture=arch,
+            vocab_size=need("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size", int),
+            num_hidden_layers=need("num_hidden_layers", int),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding if isinstance(sliding, int) else None,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+        for key in ("vocab_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings"):
+            if getattr(cfg, key) <= 0:
+                raise ModelConfigError(f"{source}: {key} must be positive")
+        return cfg
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence we serve: a sliding window shorter than the context caps it,
+        since the engine keeps full attention (exact within the window)."""
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window
+        return self.max_position_embeddings
