@@ -1,0 +1,47 @@
+"""The `inferno` command: one entry point that dispatches to each tool and service."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: inferno COMMAND [ARGS]
+
+commands:
+  up            run the whole stack (nats-server, scheduler, workers, gateway) in one command
+  gateway       run the HTTP gateway alone        (same as: python -m services.gateway)
+  scheduler     run the scheduler alone           (same as: python -m services.scheduler)
+  worker        run one worker alone              (same as: python -m services.worker)
+  make-model    write a random-weight Hugging Face model directory
+  bench         load-test any OpenAI-compatible endpoint
+  bench-engine  offline engine throughput: prefill and decode tokens/s
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "up":
+        from services.launcher import main as run
+    elif command == "gateway":
+        from services.gateway.main import main as run
+    elif command == "scheduler":
+        from services.scheduler.main import main as run
+    elif command == "worker":
+        from services.worker.main import main as run
+    elif command == "make-model":
+        from services.worker.engine.make_model import main as run
+    elif command == "bench":
+        from shared.loadgen.cli import main as run
+    elif command == "bench-engine":
+        from services.worker.engine.bench_engine import main as run
+    else:
+        print(f"inferno: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

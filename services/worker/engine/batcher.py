@@ -1,0 +1,228 @@
+"""Continuous batching under a per-step token budget: which requests run, how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.scheduler_config import SchedulerConfig
+
+__all__ = ["Batcher", "BatchPlan", "RequestRejected", "ScheduledRequest", "SchedulerConfig"]
+
+
+class RequestRejected(ValueError):
+    """The request could never run on this worker, not even alone."""
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens all_token_ids[start:start + num_new_tokens] are computed this step
+    start: int  # request.num_computed_tokens before the step
+    samples: bool  # the chunk reaches the last known token, so a token is sampled after it
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """One step's batch. `scheduled` is the batch's token layout order: the running requests
+    first, in admission order (decodes and continuing prefill chunks mixed), then the requests
+    admitted this step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Batcher:
+    """Each step, every request's computed tokens catch up with its known tokens as far as the
+    token budget allows. Prefill, chunked prefill, prefix hits, decode and recompute after
+    preemption all follow from that one rule (vLLM v1's scheduler, much reduced).
+
+    Not thread-safe: the step loop's thread owns it.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if config.enable_prefix_caching != block_manager.enable_prefix_caching:
+            raise ValueError(
+                f"SchedulerConfig.enable_prefix_caching ({config.enable_prefix_caching}) disagrees "
+                f"with the BlockManager's ({block_manager.enable_prefix_caching})")
+        self.config = config
+        self.block_manager = block_manager
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # in admission order: the last is preempted first
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected if it could never run even alone."""
+        cfg, bm = self.config, self.block_manager
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestRejected(f"request {rid!r}: a request with this id is already queued")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise RequestRejected(f"request {rid!r}: the prompt is empty")
+        if num_prompt + 1 > cfg.max_model_len:
+            raise RequestRejected(
+                f"request {rid!r}: the prompt has {num_prompt} tokens; with at least 1 output "
+                f"token that exceeds the maximum context length of {cfg.max_model_len} tokens")
+        # The last sampled token is never fed back, so its KV is never stored.
+        max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
+        blocks_needed = -(-(max_len - 1) // bm.block_size)
+        if blocks_needed > bm.num_total_blocks:
+            raise RequestRejected(
+                f"request {rid!r}: {num_prompt} prompt tokens + up to "
+                f"{max_len - num_prompt} output tokens need {blocks_needed} KV blocks of "
+                f"{bm.block_size} tokens, but the KV cache holds only {bm.num_total_blocks} blocks")
+        self._requests[rid] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request as aborted and free its blocks now; None if it is not queued."""
+        return self._finish_early(request_id, RequestStatus.FINISHED_ABORTED, None)
+
+    def finish_with_error(self, request_id: str, message: str) -> Request | None:
+        """Fail one request (its error is `message`) without touching the others."""
+        return self._finish_early(request_id, RequestStatus.FINISHED_ERROR, message)
+
+    def _finish_early(self, request_id: str, status: RequestStatus, error: str | None) -> Request | None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.error = error
+        return request
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> BatchPlan:
+        plan = BatchPlan()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # Running requests first, in admission order. When blocks run out, the latest admitted
+        # request is preempted (recomputed later) until the current one fits.
+        index = 0
+        while index < len(self._running) and budget > 0:
+            request = self._running[index]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            while not bm.allocate_slots(request, num_new):
+                victim = self._running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                budget -= num_new
+                self._add_to_plan(plan, request, num_new)
+                index += 1
+
+        # Then waiting requests, first come first served, unless this step had to preempt: a
+        # request that does not fit blocks those behind it, so long prompts are not starved.
+        if plan.preempted:
+            return plan
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            computed_blocks, num_cached = bm.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if not bm.allocate_slots(request, num_new, computed_blocks, num_cached):
+                break
+            self._waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumption
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            budget -= num_new
+            self._add_to_plan(plan, request, num_new)
+        return plan
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        return min(request.num_tokens - num_computed, budget,
+                   self.config.max_tokens_per_request_step)
+
+    @staticmethod
+    def _add_to_plan(plan: BatchPlan, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        plan.scheduled.append(ScheduledRequest(request, num_new, start,
+                                               samples=start + num_new == request.num_tokens))
+        plan.num_batched_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Drop the request's KV and put it back at the head of the queue, to be recomputed
+        (its own blocks are likely still cached then, so recompute is often a prefix hit)."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ after the step
+
+    def update_from_output(self, plan: BatchPlan, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request by its chunk, append the sampled tokens, and return
+        the requests that finished this step (their blocks are already freed)."""
+        finished: list[Request] = []
+        for item in plan.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted or failed since schedule()
+            request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if not item.samples:
+                continue
+            token = sampled.get(request.request_id)
+            if token is None:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = "the engine returned no sampled token for this request"
+            else:
+                request.all_token_ids.append(token)
+                status = self._stop_status(request, token)
+                if status is None:
+                    continue
+                request.status = status
+            finished.append(request)
+
+        if finished:
+            self._running = [r for r in self._running if not r.status.finished]
+            for request in finished:
+                self.block_manager.free(request)
+                del self._requests[request.request_id]
+        return finished
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens and (
+                token in params.stop_token_ids
+                or (not params.ignore_eos and token in request.eos_token_ids)):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

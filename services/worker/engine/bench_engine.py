@@ -1,0 +1,82 @@
+"""`inferno bench-engine`: offline prefill and decode tokens/s of the engine on one model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.engine_config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+
+def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+    # Warm-up (kernel compilation, allocator) on a throwaway request, then a clean prefix cache.
+    engine.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.block_manager.reset_prefix_cache()
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", p, params)
+    sync()
+    t0 = time.perf_counter()
+    # Prefill: steps until every request has its first token.
+    while any(r.num_output_tokens == 0 for r in engine.batcher.running_requests() + engine.batcher.waiting_requests()):
+        engine.step()
+    sync()
+    t1 = time.perf_counter()
+    decode_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        decode_steps += 1
+    sync()
+    t2 = time.perf_counter()
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    return {
+        "batch_size": batch_size, "prompt_len": prompt_len, "decode_tokens": decode_tokens,
+        "prefill_tokens_per_s": batch_size * prompt_len / prefill_s,
+        "decode_tokens_per_s": batch_size * decode_tokens / decode_s if decode_s else 0.0,
+        "decode_step_ms": 1000 * decode_s / max(1, decode_steps),
+        "prefill_s": prefill_s, "decode_s": decode_s,
+        "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        "kernels": engine.ops.name, "model_load_s": engine.load_seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="inferno bench-engine", description=__doc__)
+    ap.add_argument("--model", required=True, help="Hugging Face model directory")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(
+        model_dir=args.model, device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
+        max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graphs=not args.no_cuda_graphs))
+    result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model {args.model}  device {result['device']} {result['dtype']}  kernels {result['kernels']}")
+        print(f"batch {args.batch_size}  prompt {args.prompt_len}  decode {args.decode_tokens}")
+        print(f"prefill  {result['prefill_tokens_per_s']:10.1f} tok/s")
+        print(f"decode   {result['decode_tokens_per_s']:10.1f} tok/s  ({result['decode_step_ms']:.2f} ms/step)")
+    return 0

@@ -1,0 +1,188 @@
+"""The engine: add requests, step (schedule → run → postprocess), read outputs. Single-threaded;
+the worker service drives it from its step thread."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.loader import load_model
+from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.ops import make_ops
+from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.runner import ModelRunner
+from services.worker.engine.sampler import SampleResult, Sampler
+from shared.sampling_params import SamplingParams
+
+DEFAULT_CPU_BLOCKS = 1024
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens (0 or 1), and the end if it came."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_token_id: int | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    active_decode_tokens: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        dtype = getattr(torch, config.dtype) if config.dtype else (
+            getattr(torch, self.model_config.torch_dtype, torch.bfloat16) if config.is_cuda else torch.float32)
+        self.dtype = dtype
+        self.ops = make_ops(config.kernel_backend)
+        t0 = time.perf_counter()
+        self.model = model or load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads)
+        self.load_seconds = time.perf_counter() - t0
+        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
+                                 self.model_config.max_model_len)
+        self.sampler = Sampler(self.ops, self.model_config.vocab_size)
+        num_blocks = config.num_blocks or self._blocks_from_memory()
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype, self.device)
+        extra_key = f"{self.model_config.architecture}:{config.model_dir}".encode()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, extra_key)
+        self.batcher = Batcher(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ), self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self.steps = 0
+        self._rng = random.Random(config.seed)
+
+    def _blocks_from_memory(self) -> int:
+        if not self.config.is_cuda:
+            return DEFAULT_CPU_BLOCKS
+        from services.worker.engine.gpu_memory import profile_kv_blocks
+        return profile_kv_blocks(self)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"") -> Request:
+        """Raises SamplingParamsError or RequestRejected (both ValueError) for bad input."""
+        params.validate(self.model_config.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary ({self.model_config.vocab_size})")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
+                          arrival_time=time.monotonic(), cache_salt=cache_salt,
+                          seed=seed & ((1 << 63) - 1))
+        self.batcher.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        return self.batcher.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan: BatchPlan = self.batcher.schedule()
+        if not plan.scheduled:
+            return []
+        self.steps += 1
+        try:
+            result = self.runner.execute(plan.scheduled)
+        except Exception as e:  # a bad step fails its requests, never the engine
+            return self._fail_step(plan, e)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        sampled = dict(zip((r.request_id for r in sampling), result.token_ids)) if result else {}
+        self.batcher.update_from_output(plan, sampled)
+        return [self._output(r, i, result) for i, r in enumerate(sampling)]
+
+    def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
+        out = RequestOutput(r.request_id, [result.token_ids[row]], r.num_prompt_tokens, r.num_cached_tokens,
+                            r.num_output_tokens)
+        if r.status.finished:
+            out.finish_reason = r.status.value
+            last = r.all_token_ids[-1]
+            if r.status is RequestStatus.FINISHED_STOPPED:
+                out.stop_token_id = last
+        if result.logprobs is not None and r.sampling_params.logprobs is not None:
+            out.logprobs = [result.logprobs[row]]
+            k = r.sampling_params.logprobs
+            out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
+        return out
+
+    def _fail_step(self, plan: BatchPlan, error: Exception) -> list[RequestOutput]:
+        outputs = []
+        for s in plan.scheduled:
+            r = s.request
+            if r.status.finished:
+                continue
+            self.batcher.finish_with_error(r.request_id, f"{type(error).__name__}: {error}")
+            outputs.append(RequestOutput(r.request_id, [], r.num_prompt_tokens, r.num_cached_tokens,
+                                         r.num_output_tokens, finish_reason="error", error=str(error)))
+        return outputs
+
+    # -- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 eos_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+        """Run prompts to completion; returns each request's output tokens (tests, benchmarks)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self.steps}-{i}-{self._rng.getrandbits(32)}" for i in range(len(prompts))]
+        requests = [self.add_request(rid, p, sp, eos_token_ids) for rid, p, sp in zip(ids, prompts, params_list)]
+        while any(not r.status.finished for r in requests):
+            self.step()
+        return [r.output_token_ids for r in requests]
+
+    def stats(self) -> EngineStats:
+        running = self.batcher.running_requests()
+        waiting = self.batcher.waiting_requests()
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+            + sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in running),
+            active_decode_tokens=sum(r.num_tokens for r in running),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            steps=self.steps,
+        )

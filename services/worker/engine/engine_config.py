@@ -1,0 +1,44 @@
+"""Engine settings: which model, where it runs, how large the KV pool and the batches are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: config.json's torch_dtype (float32 on the CPU)
+    kernels: str | None = None  # "torch" | "triton"; None: triton on CUDA, torch elsewhere
+    block_size: int = 16
+    num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
+    gpu_memory_utilization: float = 0.92
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    load_threads: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be positive")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.kernels not in (None, "torch", "triton"):
+            raise ValueError("kernels must be torch or triton")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def kernel_backend(self) -> str:
+        return self.kernels or ("triton" if self.is_cuda else "torch")

@@ -1,0 +1,167 @@
+"""Loads a Hugging Face model directory into a DecoderLM: meta-device build, fused q/k/v and
+gate/up, bytes streamed from safetensors straight into place (pinned staging on the GPU)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.model import DecoderLM
+from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.ops import TorchOps
+from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
+
+STAGING_BYTES = 64 << 20
+
+
+class WeightLoadError(ValueError):
+    """A tensor is missing, mis-shaped or unreadable; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one checkpoint tensor lands: a parameter, and the first row inside it."""
+
+    param: str
+    row: int
+    shape: tuple[int, ...]
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
+    h, q, kv, inter, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    out = {
+        "model.embed_tokens.weight": Placement("embed_tokens.weight", 0, (cfg.vocab_size, h)),
+        "model.norm.weight": Placement("norm", 0, (h,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = Placement("lm_head", 0, (cfg.vocab_size, h))
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = dst + "self_attn."
+        out[src + "self_attn.q_proj.weight"] = Placement(attn + "qkv_proj.weight", 0, (q, h))
+        out[src + "self_attn.k_proj.weight"] = Placement(attn + "qkv_proj.weight", q, (kv, h))
+        out[src + "self_attn.v_proj.weight"] = Placement(attn + "qkv_proj.weight", q + kv, (kv, h))
+        if cfg.attention_bias:
+            out[src + "self_attn.q_proj.bias"] = Placement(attn + "qkv_proj.bias", 0, (q,))
+            out[src + "self_attn.k_proj.bias"] = Placement(attn + "qkv_proj.bias", q, (kv,))
+            out[src + "self_attn.v_proj.bias"] = Placement(attn + "qkv_proj.bias", q + kv, (kv,))
+        if cfg.qk_norm:
+            out[src + "self_attn.q_norm.weight"] = Placement(attn + "q_norm", 0, (hd,))
+            out[src + "self_attn.k_norm.weight"] = Placement(attn + "k_norm", 0, (hd,))
+        out[src + "self_attn.o_proj.weight"] = Placement(attn + "o_proj.weight", 0, (h, q))
+        out[src + "mlp.gate_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", 0, (inter, h))
+        out[src + "mlp.up_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", inter, (inter, h))
+        out[src + "mlp.down_proj.weight"] = Placement(dst + "mlp.down_proj.weight", 0, (h, inter))
+        out[src + "input_layernorm.weight"] = Placement(dst + "input_layernorm", 0, (h,))
+        out[src + "post_attention_layernorm.weight"] = Placement(dst + "post_attention_layernorm", 0, (h,))
+    return out
+
+
+def plan_load(model_dir: Path, cfg: ModelConfig) -> list[tuple[TensorEntry, Placement]]:
+    """Match checkpoint tensors to parameters; every problem is reported before any allocation."""
+    entries = read_all_headers(model_dir)
+    plan = []
+    for name, place in expected_tensors(cfg).items():
+        entry = entries.get(name)
+        if entry is None:
+            raise WeightLoadError(
+                f"{model_dir}: missing tensor {name!r} (required by {cfg.architecture} per config.json)")
+        if entry.shape != place.shape:
+            raise WeightLoadError(
+                f"{model_dir}: tensor {name!r} has shape {list(entry.shape)}, "
+                f"but config.json implies {list(place.shape)}")
+        if not entry.dtype.is_floating_point:
+            raise WeightLoadError(f"{model_dir}: tensor {name!r} has non-float dtype {entry.dtype}")
+        plan.append((entry, place))
+    return plan
+
+
+class _Copier:
+    """One loading thread: reads byte ranges into its own staging buffer and copies them out."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        # Two pinned buffers: the disk read into one overlaps the DMA out of the other.
+        self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def copy(self, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """dst: a contiguous flat view of the destination elements."""
+        elem = entry.dtype.itemsize
+        step = (STAGING_BYTES // elem) * elem
+        done = 0
+        with open(entry.path, "rb", buffering=0) as f:
+            f.seek(entry.start)
+            while done < entry.nbytes:
+                n = min(step, entry.nbytes - done)
+                buf, event = self.buffers[self.turn], self.events[self.turn]
+                if event is not None:
+                    event.synchronize()  # the DMA that last read this buffer is over
+                view = buf[:n]
+                if f.readinto(memoryview(view.numpy())) != n:
+                    raise WeightLoadError(f"{entry.path}: tensor {entry.name!r} is truncated")
+                src = view.view(entry.dtype)
+                out = dst[done // elem:(done + n) // elem]
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        out.copy_(src, non_blocking=True)
+                        event.record(self.stream)
+                else:
+                    out.copy_(src)
+                self.turn ^= 1
+                done += n
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               ops: TorchOps | None = None, num_threads: int = 4) -> DecoderLM:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    dtype = dtype or getattr(torch, cfg.torch_dtype, torch.bfloat16)
+    plan = plan_load(model_dir, cfg)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, ops or TorchOps())
+    # Cast while still on meta (free), then allocate once in the final dtype.
+    model = model.to(dtype).to_empty(device=device)
+    params = dict(model.named_parameters())
+
+    def flat_target(place: Placement) -> torch.Tensor:
+        param = params[place.param].data
+        row_elems = math.prod(param.shape[1:])
+        count = math.prod(place.shape)
+        return param.view(-1)[place.row * row_elems: place.row * row_elems + count]
+
+    # Spread the tensors over threads by size so each thread moves about the same bytes.
+    jobs = sorted(plan, key=lambda item: -item[0].nbytes)
+    lanes: list[list] = [[] for _ in range(max(1, num_threads))]
+    loads = [0] * len(lanes)
+    for job in jobs:
+        i = loads.index(min(loads))
+        lanes[i].append(job)
+        loads[i] += job[0].nbytes
+
+    local = threading.local()
+
+    def run_lane(lane):
+        local.copier = _Copier(device)
+        for entry, place in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
+            local.copier.copy(entry, flat_target(place))
+        local.copier.finish()
+
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        for future in [pool.submit(run_lane, lane) for lane in lanes if lane]:
+            future.result()
+    model.init_rope(cfg.max_model_len, device)
+    return model.eval().requires_grad_(False)

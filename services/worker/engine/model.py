@@ -1,0 +1,106 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, with fused weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.ops import TorchOps
+from services.worker.kernels.rope import rope_cos_sin_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.eps = cfg.rms_norm_eps
+        # q, k and v in one GEMM: the rows are [q | k | v], filled by the loader from three tensors.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
+
+    def forward(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, ops: TorchOps):
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)
+            k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        q, _ = ops.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # gate and up in one GEMM: rows [gate | up].
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, ops: TorchOps):
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, meta, ops: TorchOps):
+        if residual is None:
+            residual = x
+            h = ops.rmsnorm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, positions, cos_sin, kv_cache, meta, ops)
+        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h, ops), residual
+
+
+class DecoderLM(nn.Module):
+    """Embeddings, N decoder layers, final norm and the LM head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # Rotary tables are computed, not loaded: a buffer filled by init_rope() after loading.
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def init_rope(self, max_positions: int, device) -> None:
+        cfg = self.cfg
+        self.cos_sin = rope_cos_sin_cache(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
+        h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return torch.matmul(hidden, head.t()).float()

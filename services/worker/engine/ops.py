@@ -1,0 +1,74 @@
+"""The seam between model math and kernels: torch references on the CPU, Triton on the GPU.
+
+The model calls only these methods, so swapping the backend changes neither the model nor
+the batcher nor the KV manager.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.kernels import decode_attention, extend_attention, rmsnorm, rope, sampling, silu_mul
+
+
+class TorchOps:
+    """Plain torch: what CI and the CPU demo run, and the reference for the Triton path."""
+
+    name = "torch"
+
+    def rmsnorm(self, x, weight, eps):
+        return rmsnorm.rmsnorm_ref(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        return rmsnorm.fused_add_rmsnorm_ref(x, residual, weight, eps)
+
+    def silu_mul(self, x):
+        return silu_mul.silu_mul_ref(x)
+
+    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return extend_attention.paged_extend_attention_ref(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
+        return sampling.sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+
+class TritonOps(TorchOps):
+    """Triton kernels for every op of the step; GEMMs stay with cuBLAS through torch."""
+
+    name = "triton"
+
+    def rmsnorm(self, x, weight, eps):
+        return rmsnorm.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
+
+    def silu_mul(self, x):
+        return silu_mul.silu_mul(x)
+
+    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if meta.decode_only:
+            return decode_attention.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
+        return extend_attention.paged_extend_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            max_query_len=meta.max_query_len)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
+        return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+
+def make_ops(backend: str) -> TorchOps:
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        return TritonOps()
+    raise ValueError(f"unknown kernel backend {backend!r} (torch or triton)")

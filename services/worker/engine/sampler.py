@@ -1,0 +1,89 @@
+"""Turns the step's logits into tokens: logits processors per request, then one batched draw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.engine.ops import TorchOps
+from services.worker.engine.request import Request
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen token, per row; None when no row asked
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+class Sampler:
+    """Per-request parameters inside one batch.
+
+    Order (as vLLM): logit_bias, min_tokens (hide stop ids), repetition / presence / frequency
+    penalties, then temperature, top-k, top-p, min-p and the seeded draw in one kernel.
+    Logprobs are those of the raw model distribution.
+    """
+
+    def __init__(self, ops: TorchOps, vocab_size: int):
+        self.ops = ops
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        raw = logits
+        logits = self._process(logits.clone() if self._needs_processing(requests) else logits, requests)
+
+        f32 = dict(dtype=torch.float32)
+        host = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], **f32)
+        ints = torch.tensor([[p.top_k, r.seed, r.num_output_tokens] for p, r in zip(params, requests)],
+                            dtype=torch.int64)
+        host, ints = host.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        token_ids = self.ops.sample(logits, host[:, 0].contiguous(), ints[:, 0].to(torch.int32),
+                                    host[:, 1].contiguous(), host[:, 2].contiguous(),
+                                    ints[:, 1].contiguous(), ints[:, 2].contiguous())
+
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if k is None:
+            return SampleResult(token_ids.tolist(), None, None, None)
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
+        top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        ids_host = token_ids.tolist()
+        return SampleResult(ids_host, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+
+    @staticmethod
+    def _needs_processing(requests: list[Request]) -> bool:
+        for r in requests:
+            p = r.sampling_params
+            if (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                    or (p.min_tokens and r.num_output_tokens < p.min_tokens)):
+                return True
+        return False
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Row by row for the rare requests that use these knobs; the common case skips it all."""
+        for row, r in enumerate(requests):
+            p = r.sampling_params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[row].index_add_(0, ids, bias)
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                if stop:
+                    logits[row, torch.tensor(sorted(stop), device=logits.device)] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=logits.device)
+                vals = logits[row, seen]
+                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                                vals * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = r.output_token_ids
+                if out:
+                    ids, counts = torch.tensor(out, dtype=torch.long, device=logits.device).unique(
+                        return_counts=True)
+                    logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+        return logits

@@ -1,0 +1,32 @@
+"""The batcher's limits: token budget per step, running-set size, context length, chunk cap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    max_model_len: int  # longest sequence (prompt + output) a request may reach
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # most requests running at once
+    long_prefill_token_threshold: int = 0  # most tokens one request takes in a step; 0 = no cap
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be an integer >= 0 "
+                             f"(0 = no limit), got {threshold!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"SchedulerConfig.max_model_len must be at least 2 (one prompt token "
+                             f"and one output token), got {self.max_model_len}")
+
+    @property
+    def max_tokens_per_request_step(self) -> int:
+        """Most tokens one request may take in a step."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens

@@ -1,0 +1,81 @@
+"""Builds a step's model inputs on the host with numpy, then moves them in one copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.engine.attention_metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
+    num_tokens: int
+    num_seqs: int
+
+
+def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool,
+                      pad_tokens: int | None = None, pad_seqs: int | None = None) -> StepInputs:
+    """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples).
+
+    pad_tokens / pad_seqs grow the batch to a CUDA-graph bucket: padded tokens write to slot -1
+    (skipped) and padded sequences have length 0.
+    """
+    n_seq = len(scheduled)
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n_seq)
+    starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n_seq)
+    T = int(counts.sum())
+    T_pad = max(T, pad_tokens or 0)
+    B_pad = max(n_seq, pad_seqs or 0)
+    max_blocks = max((len(s.request.block_ids) for s in scheduled), default=1) or 1
+
+    qsl = np.zeros(B_pad + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:n_seq + 1])
+    qsl[n_seq + 1:] = T
+    seq_lens = np.zeros(B_pad, dtype=np.int64)
+    seq_lens[:n_seq] = starts + counts
+
+    tokens = np.zeros(T_pad, dtype=np.int64)
+    positions = np.zeros(T_pad, dtype=np.int64)
+    slots = np.full(T_pad, -1, dtype=np.int64)
+    tables = np.zeros((B_pad, max_blocks), dtype=np.int64)
+    sample_rows = []
+    for i, s in enumerate(scheduled):
+        lo, hi = qsl[i], qsl[i + 1]
+        req = s.request
+        tokens[lo:hi] = req.all_token_ids[s.start:s.start + s.num_new_tokens]
+        pos = np.arange(s.start, s.start + s.num_new_tokens, dtype=np.int64)
+        positions[lo:hi] = pos
+        table = np.asarray(req.block_ids, dtype=np.int64)
+        tables[i, :len(table)] = table
+        slots[lo:hi] = table[pos // block_size] * block_size + pos % block_size
+        if s.samples:
+            sample_rows.append(hi - 1)
+    logits_idx = np.asarray(sample_rows, dtype=np.int64)
+
+    # One host buffer, one transfer; the views below slice it on the device.
+    parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1)]
+    flat = np.concatenate(parts)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        host = host.pin_memory() if pin else host
+        dev = host.to(device, non_blocking=True)
+    else:
+        dev = host
+    offs = np.cumsum([0] + [len(p) for p in parts])
+    view = [dev[offs[i]:offs[i + 1]] for i in range(len(parts))]
+    meta = AttentionMetadata(
+        slot_mapping=view[2],
+        block_tables=view[6].view(B_pad, max_blocks).to(torch.int32),
+        seq_lens=view[3].to(torch.int32),
+        query_start_loc=view[4].to(torch.int32),
+        max_query_len=int(counts.max()) if n_seq else 0,
+        max_seq_len=int(seq_lens.max()) if n_seq else 0,
+    )
+    return StepInputs(view[0], view[1], meta, view[5], T, n_seq)

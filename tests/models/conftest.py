@@ -1,0 +1,66 @@
+"""Random-weight tiny models of every supported architecture, and their transformers twins."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.make_model import write_model
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """One float32 tiny model per architecture (Qwen3 tied, the others untied; Llama with llama3 rope)."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        arch: write_model(root / arch, arch=arch, preset="tiny", seed=1, dtype="float32",
+                          tie_word_embeddings=arch == "Qwen3ForCausalLM")
+        for arch in ARCHS
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = AutoModelForCausalLM.from_pretrained(
+                model_dirs[arch], torch_dtype=torch.float32, attn_implementation="eager").eval()
+        return cache[arch]
+
+    return get
+
+
+def eos_ids(model_dir) -> tuple[int, ...]:
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    return tuple(eos if isinstance(eos, list) else [eos])
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    kwargs = dict(model_dir=str(model_dir), device="cpu", dtype="float32", num_blocks=256,
+                  max_num_batched_tokens=512, max_num_seqs=16)
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (length,), generator=g).tolist()
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int, eos: tuple[int, ...]) -> list[int]:
+    """transformers' greedy generate with EOS suppressed for n tokens (min_new_tokens)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
+    return out[0, len(prompt):].tolist()
