@@ -190,7 +190,9 @@ def test_preemption_skips_admission_and_requeues_at_the_front():
     assert [r.request_id for r in plan.preempted] == ["c"]
     c = batcher.get("c")
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.block_ids == []
-    assert batcher.num_waiting == 2 and batcher.num_running == 2  # c ahead of d
+    assert [r.request_id for r in batcher.waiting_requests()] == ["c", "d"]
+    assert [r.request_id for r in batcher.running_requests()] == ["a", "b"]
+    assert batcher.num_waiting == 2 and batcher.num_running == 2 and batcher.num_preemptions_total == 1
 
 
 def test_max_num_seqs_limits_the_running_set():
@@ -298,16 +300,16 @@ def test_stop_conditions():
 
 def test_random_finishes_and_aborts_return_every_block():
     rng = random.Random(7)
-    num_blocks = 16
+    num_blocks = 12
     batcher = make_batcher(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=48,
                            long_prefill_token_threshold=13, max_num_seqs=6)
     runner = FakeRunner(batcher)
     bases = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
     requests, aborted = [], set()
     for step in range(400):
-        if len(requests) < 40 and rng.random() < 0.3:
+        if len(requests) < 60 and rng.random() < 0.5:
             prompt = rng.choice(bases)[:rng.randrange(1, 25)] + [rng.randrange(1000)]
-            r = make_request(f"r{len(requests)}", prompt, max_tokens=rng.randrange(1, 12))
+            r = make_request(f"r{len(requests)}", prompt, max_tokens=rng.randrange(1, 21))
             batcher.add_request(r)
             requests.append(r)
         plan = batcher.schedule()

@@ -57,6 +57,7 @@ class Batcher:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the last is preempted first
+        self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -110,6 +111,12 @@ class Batcher:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def running_requests(self) -> list[Request]:
+        return list(self._running)
+
+    def waiting_requests(self) -> list[Request]:
+        return list(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -181,6 +188,7 @@ class Batcher:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self._waiting.appendleft(request)
 
     # ------------------------------------------------------------------ after the step

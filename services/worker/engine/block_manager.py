@@ -24,7 +24,7 @@ class BlockManager:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
+        self._num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key  # the model's identity; requests append their cache_salt
@@ -47,7 +47,7 @@ class BlockManager:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.num_blocks
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,7 +61,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free_queue) / self.num_blocks
+        return 1.0 - len(self._free_queue) / self._num_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -171,12 +171,12 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since running
         requests' blocks would silently stop being shareable halfway through (vLLM does so)."""
-        if len(self._free_queue) != self.num_blocks:
+        if len(self._free_queue) != self._num_blocks:
             return False
         for h in self._hash_to_block:
             self._events[h] = False
         self._hash_to_block.clear()
-        self._block_hashes = [None] * self.num_blocks
+        self._block_hashes = [None] * self._num_blocks
         return True
 
     def _update_block_hashes(self, request: Request) -> None:
