@@ -28,3 +28,8 @@ def prefix_block_hashes(token_ids, block_size: int, extra_key: bytes = b"") -> l
         parent = block_hash(parent, token_ids[start:start + block_size], extra_key)
         hashes.append(parent)
     return hashes
+
+
+def request_block_key(model: str, cache_salt: str = "") -> bytes:
+    """The extra key of a request's block hashes; the worker and the router must agree on it."""
+    return model.encode() + b"\x00" + cache_salt.encode()

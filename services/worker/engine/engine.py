@@ -19,6 +19,7 @@ from services.worker.engine.ops import make_ops
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import SampleResult, Sampler
+from shared.block_hash import request_block_key
 from shared.sampling_params import SamplingParams
 
 DEFAULT_CPU_BLOCKS = 1024
@@ -76,7 +77,7 @@ class LLMEngine:
         self.sampler = Sampler(self.ops, self.model_config.vocab_size)
         num_blocks = config.num_blocks or self._blocks_from_memory()
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype, self.device)
-        extra_key = f"{self.model_config.architecture}:{config.model_dir}".encode()
+        extra_key = request_block_key(config.cache_key or config.model_dir, "")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, extra_key)
         self.batcher = Batcher(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,

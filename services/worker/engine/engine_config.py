@@ -22,6 +22,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     load_threads: int = 8
     seed: int = 0
+    cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -48,14 +48,31 @@ class Preset:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"  # used when write_model gets arch=None
+    # Used instead of rope_scaling when the architecture is LlamaForCausalLM: lets the tiny Llama
+    # exercise Llama-3.1's frequency scaling while the other tiny architectures keep plain RoPE.
+    llama_rope_scaling: dict | None = None
+
+    def rope_scaling_for(self, arch: str) -> dict | None:
+        if arch == "LlamaForCausalLM" and self.llama_rope_scaling is not None:
+            return dict(self.llama_rope_scaling)
+        return dict(self.rope_scaling) if self.rope_scaling else None
 
 
 PRESETS: dict[str, Preset] = {
-    # Tests and the demo: fast on CPU.
+    # Tests and the demo: fast on CPU. As a Llama it has llama3 rope scaling, scaled down so
+    # that its 8 frequencies fall in all three bands (kept: wavelength < 64, blended: 64..256,
+    # divided by the factor: > 256).
     "tiny": Preset(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, vocab_size=None, max_position_embeddings=2048,
         rope_theta=10000.0,
+        llama_rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "rope_type": "llama3",
+        },
     ),
     # A mid-size CPU benchmark model (~0.1 B parameters).
     "small": Preset(
@@ -217,7 +234,7 @@ CHAT_TEMPLATE = """\
 
 # The training corpus: varied English prose, code, numbers and a little non-English text.
 # Changing it changes every generated tokenizer (and so every model's vocabulary).
-CORPUS = r"""
+CORPUS = r'''
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
 It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of
 foolishness. Call me Ishmael. Some years ago, never mind how long precisely, having little or no money
@@ -301,7 +318,7 @@ Other languages: Bonjour, comment ça va ? Très bien, merci. Ich möchte einen 
 la estación? El niño comió una manzana. Naïve café résumé façade coöperate. Привет, как дела? Спасибо.
 こんにちは、世界。日本語の文章です。你好，世界！我们今天去公园吧。안녕하세요. Γειά σου κόσμε. مرحبا بالعالم.
 Symbols and emoji: → ← ↑ ↓ ✓ ✗ € £ ¥ © ® ™ ° ± × ÷ ≤ ≥ ≠ ∞ π Σ λ µ 😀 😂 👍 🎉 🚀 ❤️ 🤖 🌍
-"""
+'''
 
 
 @dataclass(frozen=True)
@@ -329,7 +346,7 @@ def build_tokenizer_json() -> _TokenizerFiles:
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
+        min_frequency=1,
         show_progress=False,
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any UTF-8 text encodes
@@ -407,7 +424,7 @@ def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, ti
         "num_hidden_layers": preset.num_hidden_layers,
         "num_key_value_heads": preset.num_key_value_heads,
         "rms_norm_eps": preset.rms_norm_eps,
-        "rope_scaling": dict(preset.rope_scaling) if preset.rope_scaling else None,
+        "rope_scaling": preset.rope_scaling_for(arch),
         "rope_theta": preset.rope_theta,
         "tie_word_embeddings": tied,
         "torch_dtype": dtype,

@@ -1,0 +1,63 @@
+"""POST /v1/chat/completions: messages through the chat template in, chat.completion objects out."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from services.gateway.choice import ChoiceState, ChoiceUpdate
+from services.gateway.logprobs import TokenTexts, chat_entries
+from services.gateway.schemas import parse_chat, resolve_max_tokens
+from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
+
+
+class ChatFormat(ResponseFormat):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, texts: TokenTexts, want_logprobs: bool):
+        self.texts = texts
+        self.want_logprobs = want_logprobs
+
+    def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
+        if update.token_ids is None:
+            return None
+        return chat_entries(self.texts, update.token_ids, update.logprobs, update.top_ids, update.top_lps)
+
+    def opening(self, choices: list[ChoiceState]) -> list[dict]:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in choices]
+
+    def chunk_choice(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
+        entries = self._entries(update)
+        if not update.text and update.finish_reason is None and entries is None:
+            return None  # text held back (a partial character, a possible stop string)
+        return {"index": choice.index, "delta": {"content": update.text} if update.text else {},
+                "logprobs": {"content": entries} if entries is not None else None,
+                "finish_reason": update.finish_reason}
+
+    def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
+        if update.text:
+            choice.parts.append(update.text)
+        entries = self._entries(update)
+        if entries is not None:
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(entries)
+
+    def final_choice(self, choice: ChoiceState) -> dict:
+        lp = {"content": choice.logprobs or []} if self.want_logprobs else None
+        return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.parts)},
+                "logprobs": lp, "finish_reason": choice.finish_reason}
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    arrival = time.monotonic()
+    spec = parse_chat(await read_json(request), gw.limits)
+    prompt_ids = await gw.tokenize(spec)
+    resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
+    fmt = ChatFormat(gw.texts, spec.logprobs is not None)
+    return await generate(gw, request, spec, prompt_ids, fmt, arrival)

@@ -1,0 +1,155 @@
+"""One HTTP request on the cluster: its n GenerateRequests, their routing, timers and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from services.gateway.choice import ChoiceState
+from services.gateway.errors import ApiError, from_service_error, unavailable
+from services.gateway.schemas import GenerationSpec
+from services.gateway.token_router import RequestStream, StreamFailed
+from shared.errors import ServiceError
+from shared.messages import AbortRequest, GenerateRequest, RouteReply, WireSamplingParams
+from shared.wire import pack_ids
+
+if TYPE_CHECKING:
+    from services.gateway.app import Gateway
+
+_SEED_SPACE = 1 << 64
+
+
+class Generation:
+    """Owns the RequestStream of one HTTP request from routing to the end, including its aborts."""
+
+    def __init__(self, gw: Gateway, response_id: str, spec: GenerationSpec, prompt_ids: list[int],
+                 session_id: str | None, arrival: float):
+        self.gw = gw
+        self.response_id = response_id
+        self.spec = spec
+        self.prompt_ids = prompt_ids
+        self._packed = pack_ids(prompt_ids)
+        self.session_id = session_id
+        self.arrival = arrival  # time.monotonic() at receipt
+        self.request_ids = [f"{response_id}-{i}" for i in range(spec.n)]
+        tail = prompt_ids[-5:]
+        want = spec.logprobs is not None
+        self.choices = [ChoiceState(i, rid, gw.tokenizer, tail, spec.stop, want, spec.skip_special_tokens)
+                        for i, rid in enumerate(self.request_ids)]
+        self.by_id = {c.request_id: c for c in self.choices}
+        self.stream: RequestStream | None = None
+        self.unfinished = spec.n
+        self.first_token_at: float | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _message(self, i: int) -> GenerateRequest:
+        params = self.spec.params
+        if params.seed is not None and i:
+            params = dataclasses.replace(params, seed=(params.seed + i) % _SEED_SPACE)
+        gw = self.gw
+        return GenerateRequest(request_id=self.request_ids[i], model=gw.limits.model_name,
+                               prompt_ids=self._packed, sampling=WireSamplingParams.from_params(params),
+                               reply_to=gw.inbox, session_id=self.session_id, cache_salt=self.spec.cache_salt,
+                               arrival_time=time.time(), gateway_id=gw.cfg.gateway_id)
+
+    async def start(self) -> None:
+        """Route every choice; raise ApiError (and leave nothing running) when any is refused."""
+        gw = self.gw
+        conn = gw.conn
+        if conn is None or not conn.connected:
+            raise unavailable("the gateway is not connected to NATS")
+        self.stream = gw.router.open(self.request_ids)
+        messages = [self._message(i) for i in range(self.spec.n)]
+        routing = asyncio.ensure_future(asyncio.gather(
+            *(conn.request(gw.subjects.generate, m, RouteReply) for m in messages), return_exceptions=True))
+        try:
+            # Shielded: a client that leaves while we wait must still have its accepted choices aborted.
+            results = await asyncio.shield(routing)
+        except asyncio.CancelledError:
+            gw.spawn(self._abort_when_routed(routing))
+            raise
+        failure = self._record_routes(results)
+        if failure is not None:
+            self.abort("routing failed for a sibling choice")
+            self.close()
+            raise failure
+        loop = asyncio.get_running_loop()
+        elapsed = time.monotonic() - self.arrival
+        gw.metrics.request_queue_time.observe(elapsed)
+        cfg = gw.cfg
+        self._timers.append(loop.call_later(cfg.request_timeout - elapsed, self._expire,
+                                            f"the request did not finish within {cfg.request_timeout:g} s"))
+        if cfg.first_token_timeout < cfg.request_timeout:
+            self._timers.append(loop.call_later(cfg.first_token_timeout - elapsed, self._expire_first,
+                                                f"no token within {cfg.first_token_timeout:g} s"))
+
+    def _record_routes(self, results: list) -> ApiError | None:
+        failure: ApiError | None = None
+        for rid, res in zip(self.request_ids, results):
+            try:
+                if isinstance(res, BaseException):
+                    raise res
+                res.raise_for_error()
+                self.gw.router.assign(self.stream, rid, res.worker_id)
+            except ServiceError as e:
+                failure = failure or from_service_error(e)
+            except Exception as e:  # an unexpected failure of one request must not leak its siblings
+                failure = failure or ApiError(500, f"routing failed: {e}", type="internal_error")
+        return failure
+
+    async def _abort_when_routed(self, routing: asyncio.Future) -> None:
+        try:
+            results = await routing
+        except Exception:
+            results = []
+        for rid, res in zip(self.request_ids, results):
+            if isinstance(res, RouteReply) and res.ok:
+                self.gw.router.assign(self.stream, rid, res.worker_id)
+        self.abort("client disconnected")
+        self.close()
+
+    # -- timers ---------------------------------------------------------------------------------
+
+    def _expire(self, message: str) -> None:
+        if self.stream is not None:
+            self.gw.router.fail(self.stream, StreamFailed(504, message, "timeout"))
+
+    def _expire_first(self, message: str) -> None:
+        if self.first_token_at is None:
+            self._expire(message)
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def finish_choice(self, choice: ChoiceState) -> None:
+        """A choice ended here: stop routing its deltas; tell its worker when a stop string ended it."""
+        self.unfinished -= 1
+        if choice.stopped_here:
+            self.abort("stop string", [choice.request_id])
+        if self.stream is not None:
+            self.gw.router.release(choice.request_id)
+            self.stream.workers.pop(choice.request_id, None)
+
+    def abort(self, reason: str, request_ids: list[str] | None = None) -> None:
+        """Tell the workers of these (default: all unfinished) choices to stop and free their KV."""
+        if self.stream is None:
+            return
+        if request_ids is None:
+            request_ids = [c.request_id for c in self.choices if not c.finished]
+        by_worker: dict[str, list[str]] = {}
+        for rid in request_ids:
+            worker = self.stream.workers.get(rid)
+            if worker is not None:
+                by_worker.setdefault(worker, []).append(rid)
+        for worker, rids in by_worker.items():
+            self.gw.spawn(self.gw.publish_abort(worker, AbortRequest(request_ids=rids, reason=reason)))
+
+    def close(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        self._timers.clear()
+        if self.stream is not None:
+            self.gw.router.close(self.stream)

@@ -1,0 +1,125 @@
+"""The gateway's entry point: flags and environment → config → logging → tokenizer → serve → drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+from services.gateway.app import Gateway, build_app, start_server
+from services.gateway.serving import GATEWAY
+from services.worker.engine.model_config import ModelConfig
+from shared.config import GatewayConfig, NatsConfig, env_default, parse_csv
+from shared.logging import get_logger, setup_logging
+from shared.nats_client import connect_nats
+from shared.subjects import DEFAULT_PREFIX
+from shared.tokenizer import Tokenizer
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+log = get_logger("gateway.main")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="inferno gateway", description="OpenAI-compatible HTTP gateway of Inferno.")
+    p.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"),
+                   help="NATS server(s), comma-separated (env INFERNO_NATS_URL)")
+    p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-dir", required=True, help="the model directory: tokenizer files and config.json")
+    p.add_argument("--model-name", default=None, help="the served model id (default: the directory's name)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="an accepted API key (repeatable; also env INFERNO_API_KEYS, comma-separated)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a whole request")
+    p.add_argument("--first-token-timeout", type=float, default=120.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds that in-flight requests get to finish on SIGTERM")
+    p.add_argument("--gateway-id", default=None, help="this gateway's id on NATS (default: random)")
+    p.add_argument("--log-format", choices=("console", "json"), default=None,
+                   help="default: console on a terminal, else json")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
+    keys = tuple(args.api_key) + env_default("INFERNO_API_KEYS", (), parse_csv)
+    extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
+    cfg = GatewayConfig(model_name=args.model_name or Path(args.model_dir).resolve().name,
+                        model_dir=args.model_dir, host=args.host, port=args.port,
+                        api_keys=tuple(dict.fromkeys(keys)), max_body_bytes=args.max_body_bytes,
+                        request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
+                        **extra)
+    return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+
+
+async def _connect_forever(gw: Gateway, nats_cfg: NatsConfig) -> None:
+    conn = await connect_nats(nats_cfg, f"gateway-{gw.cfg.gateway_id}")  # waits for the server forever
+    await gw.attach(conn)
+
+
+async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
+                drain_timeout: float) -> None:
+    app = build_app(cfg, None, tokenizer, subject_prefix=nats_cfg.subject_prefix, model_config=model_config)
+    gw: Gateway = app[GATEWAY]
+    # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
+    runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
+    log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
+             auth=bool(cfg.api_keys))
+    connecting = gw.spawn(_connect_forever(gw, nats_cfg))
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("gateway_draining", in_flight=gw.router.in_flight)
+    gw.draining = True
+    await site.stop()  # no new connections
+    deadline = time.monotonic() + drain_timeout
+    while gw.router.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if gw.router.in_flight:
+        log.warning("gateway_drain_timeout", in_flight=gw.router.in_flight)
+    connecting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await connecting
+    conn = gw.conn
+    await runner.cleanup()
+    if conn is not None:
+        await conn.drain()
+    log.info("gateway_stopped")
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    json_logs = None if args.log_format is None else args.log_format == "json"
+    try:
+        cfg, nats_cfg = make_config(args)
+    except ValueError as e:
+        print(f"inferno gateway: {e}")
+        return 2
+    setup_logging("gateway", json=json_logs, level=args.log_level)
+    try:
+        tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        model_config = ModelConfig.from_dir(cfg.model_dir)
+    except (OSError, ValueError) as e:
+        log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))
+        return 2
+    _run(serve(cfg, nats_cfg, tokenizer, model_config, args.drain_timeout))
+    return 0

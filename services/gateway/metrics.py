@@ -1,0 +1,91 @@
+"""Prometheus metrics of one gateway, on its own CollectorRegistry, with vLLM-style `inferno:` names.
+
+Definitions (all latencies in seconds, measured at the gateway):
+- time_to_first_token: HTTP request received → first output token of the request arrives.
+- inter_token_latency: between consecutive token arrivals of one choice (one sample per arrival).
+- e2e_request_latency: HTTP request received → the last choice finished.
+- request_queue_time: HTTP request received → the scheduler accepted every choice (validation,
+  tokenization and admission; the time queued inside a worker is part of TTFT, not of this).
+- num_requests_running / num_requests_waiting / prefix_cache_*: summed over the live workers'
+  latest heartbeats. The prefix-cache counters are each worker's cumulative count, so the sum can
+  step down when a worker leaves.
+- kv_cache_usage_perc: KV blocks in use over all blocks of the live workers (0..1); the plain mean
+  of their kv_usage when they do not report block counts.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from services.gateway.worker_health import WorkerHealth
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0)
+
+
+class WorkerStatsCollector:
+    """Reads the heartbeat table at scrape time (nothing to update per heartbeat)."""
+
+    def __init__(self, health: WorkerHealth):
+        self.health = health
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the families are built at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        live = self.health.live()
+        running = sum(hb.num_running for hb in live)
+        waiting = sum(hb.num_waiting for hb in live)
+        total_blocks = sum(hb.num_total_blocks for hb in live)
+        if total_blocks:
+            used = sum(hb.num_total_blocks - hb.num_free_blocks for hb in live)
+            usage = used / total_blocks
+        else:
+            usage = sum(hb.kv_usage for hb in live) / len(live) if live else 0.0
+        yield GaugeMetricFamily("inferno:num_requests_running", "Requests running on the live workers.", running)
+        yield GaugeMetricFamily("inferno:num_requests_waiting", "Requests waiting on the live workers.", waiting)
+        yield GaugeMetricFamily("inferno:kv_cache_usage_perc", "KV cache usage of the live workers (1 = full).",
+                                usage)
+        yield GaugeMetricFamily("inferno:num_workers_live", "Workers heard from within the heartbeat TTL.",
+                                len(live))
+        yield CounterMetricFamily("inferno:prefix_cache_hits", "Prompt tokens found in the prefix caches.",
+                                  sum(hb.prefix_cache_hits for hb in live))
+        yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",
+                                  sum(hb.prefix_cache_queries for hb in live))
+
+
+class GatewayMetrics:
+    def __init__(self, health: WorkerHealth):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram("inferno:time_to_first_token_seconds", "Time to first token.",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("inferno:inter_token_latency_seconds", "Inter-token latency.",
+                                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("inferno:e2e_request_latency_seconds", "End-to-end request latency.",
+                                             buckets=_E2E_BUCKETS, registry=r)
+        self.request_queue_time = Histogram("inferno:request_queue_time_seconds",
+                                            "Gateway receipt to acceptance by the scheduler.",
+                                            buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_success = Counter("inferno:request_success", "Choices finished, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.request_errors = Counter("inferno:request_errors", "Requests answered with an error, by status.",
+                                      ["status"], registry=r)
+        self.prompt_tokens = Counter("inferno:prompt_tokens", "Prompt tokens of served requests.", registry=r)
+        self.generation_tokens = Counter("inferno:generation_tokens", "Tokens generated.", registry=r)
+        self.requests_in_flight = Gauge("inferno:gateway_requests_in_flight",
+                                        "HTTP generation requests in progress at this gateway.", registry=r)
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason)  # present from the first scrape
+        r.register(WorkerStatsCollector(health))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,200 @@
+"""Answering one generation request: an SSE stream or one JSON body, built from the same events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from services.gateway.choice import FAILED, ChoiceState, ChoiceUpdate
+from services.gateway.errors import ApiError, invalid, stream_error_event
+from services.gateway.generation import Generation
+from services.gateway.schemas import GenerationSpec
+from services.gateway.streaming import ChunkFrame, SseWriter, dumps, event
+from services.gateway.token_router import StreamFailed
+from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from services.gateway.app import Gateway
+
+GATEWAY = web.AppKey("gateway", object)  # the Gateway of an app (typed loosely: no import cycle)
+MAX_SESSION_ID_CHARS = 256
+
+log = get_logger("gateway.serving")
+
+
+class ResponseFormat:
+    """What differs between the endpoints: the shapes of choices, chunks and bodies."""
+
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def opening(self, choices: list[ChoiceState]) -> list[dict]:
+        """Choice entries of the chunks sent before any token (chat: the assistant role)."""
+        return []
+
+    def chunk_choice(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
+        raise NotImplementedError
+
+    def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
+        raise NotImplementedError
+
+    def final_choice(self, choice: ChoiceState) -> dict:
+        raise NotImplementedError
+
+
+async def read_json(request: web.Request):
+    """The body as JSON; 413 (from aiohttp, converted by the error middleware) past the size limit."""
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise invalid("the request body is not valid JSON") from None
+
+
+def session_id(request: web.Request) -> str | None:
+    value = request.headers.get("x-session-affinity")
+    if value is not None and len(value) > MAX_SESSION_ID_CHARS:
+        raise invalid(f"x-session-affinity may hold at most {MAX_SESSION_ID_CHARS} characters",
+                      param="x-session-affinity")
+    return value or None
+
+
+def usage(gen: Generation) -> dict:
+    prompt = len(gen.prompt_ids)
+    completion = sum(c.num_tokens for c in gen.choices)
+    cached = min(prompt, max(c.cached_tokens for c in gen.choices))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def generate(gw: Gateway, request: web.Request, spec: GenerationSpec, prompt_ids: list[int],
+                   fmt: ResponseFormat, arrival: float) -> web.StreamResponse:
+    """Route the request, then answer it; the request id is in every log line meanwhile."""
+    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    with structlog.contextvars.bound_contextvars(request_id=response_id):
+        gen = Generation(gw, response_id, spec, prompt_ids, session_id(request), arrival)
+        gw.metrics.requests_in_flight.inc()
+        try:
+            await gen.start()
+            try:
+                if spec.stream:
+                    return await _stream(gw, request, gen, fmt)
+                return await _collect(gw, gen, fmt)
+            except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
+                gen.abort("client disconnected")
+                log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
+                raise
+            finally:
+                gen.close()
+        finally:
+            gw.metrics.requests_in_flight.dec()
+
+
+async def _next_items(queue: asyncio.Queue) -> list:
+    """Everything queued now, waiting for at least one item: one wake-up per worker step."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _apply(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
+                                                               StreamFailed | None]:
+    now = time.monotonic()
+    metrics = gw.metrics
+    out = []
+    for item in items:
+        if type(item) is StreamFailed:
+            return out, item
+        choice = gen.by_id.get(item.request_id)
+        if choice is None:
+            continue
+        update = choice.apply(item)
+        if update is None:
+            continue
+        if item.token_ids:
+            if gen.first_token_at is None:
+                gen.first_token_at = now
+                metrics.time_to_first_token.observe(now - gen.arrival)
+            elif choice.last_arrival:
+                metrics.inter_token_latency.observe(now - choice.last_arrival)
+            choice.last_arrival = now
+        if update.finish_reason is not None:
+            if update.finish_reason in FAILED:
+                return out, StreamFailed(500, choice.error or "generation failed", "server_error")
+            gen.finish_choice(choice)
+        out.append((choice, update))
+    return out, None
+
+
+def _record_success(gw: Gateway, gen: Generation) -> None:
+    m = gw.metrics
+    m.e2e_request_latency.observe(time.monotonic() - gen.arrival)
+    m.prompt_tokens.inc(len(gen.prompt_ids))
+    m.generation_tokens.inc(sum(c.num_tokens for c in gen.choices))
+    for c in gen.choices:
+        m.request_success.labels(finished_reason=c.finish_reason).inc()
+    log.info("request_finished", n=len(gen.choices), prompt_tokens=len(gen.prompt_ids),
+             completion_tokens=sum(c.num_tokens for c in gen.choices),
+             finish_reasons=[c.finish_reason for c in gen.choices],
+             seconds=round(time.monotonic() - gen.arrival, 4))
+
+
+def _record_failure(gw: Gateway, gen: Generation, failure: StreamFailed, in_stream: bool) -> None:
+    gen.abort(failure.message)
+    if in_stream:  # an error answer that is not a stream is counted by the error middleware
+        gw.metrics.request_errors.labels(status=str(failure.status)).inc()
+    log.warning("request_failed", status=failure.status, error=failure.message)
+
+
+async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: ResponseFormat) -> web.StreamResponse:
+    writer = SseWriter()
+    await writer.start(request)
+    frame = ChunkFrame(gen.response_id, fmt.chunk_object, int(time.time()), gen.spec.model)
+    opening = b"".join(frame.chunk([c]) for c in fmt.opening(gen.choices))
+    if opening and not await writer.write(opening):
+        gen.abort("client disconnected")
+        return writer.response
+    queue = gen.stream.queue
+    while gen.unfinished:
+        updates, failure = _apply(gw, gen, await _next_items(queue))
+        parts = []
+        for choice, update in updates:
+            entry = fmt.chunk_choice(choice, update)
+            if entry is not None:
+                parts.append(frame.chunk([entry]))
+        if failure is not None:
+            _record_failure(gw, gen, failure, in_stream=True)
+            parts.append(event(stream_error_event(failure.status, failure.message, failure.type)))
+            await writer.finish(b"".join(parts))
+            return writer.response
+        if parts and not await writer.write(b"".join(parts)):
+            gen.abort("client disconnected")
+            log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
+            return writer.response
+    _record_success(gw, gen)
+    await writer.finish(frame.usage_chunk(usage(gen)) if gen.spec.include_usage else b"")
+    return writer.response
+
+
+async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> web.Response:
+    queue = gen.stream.queue
+    while gen.unfinished:
+        updates, failure = _apply(gw, gen, await _next_items(queue))
+        for choice, update in updates:
+            fmt.collect(choice, update)
+        if failure is not None:
+            _record_failure(gw, gen, failure, in_stream=False)
+            raise ApiError(failure.status, failure.message, type=failure.type,
+                           retry_after=1.0 if failure.status == 503 else None)
+    _record_success(gw, gen)
+    body = {"id": gen.response_id, "object": fmt.object, "created": int(time.time()), "model": gen.spec.model,
+            "choices": [fmt.final_choice(c) for c in gen.choices], "usage": usage(gen)}
+    return web.Response(body=dumps(body), content_type="application/json")

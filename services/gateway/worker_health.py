@@ -1,0 +1,57 @@
+"""The gateway's view of the workers: their latest heartbeats, who is live, who went silent."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from shared.messages import WorkerHeartbeat
+
+HEARTBEAT_TTL = 3.0  # a worker is gone after 3 missed 1 s heartbeats (as the scheduler sees it)
+FORGET_AFTER = 60.0  # entries of long-gone workers are dropped, so the table stays bounded
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    heartbeat: WorkerHeartbeat
+    received: float  # monotonic seconds at this gateway (worker clocks are not trusted)
+
+
+class WorkerHealth:
+    """Heartbeat table keyed by worker id; fed by the heartbeat subscription."""
+
+    def __init__(self, ttl: float = HEARTBEAT_TTL, clock: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self.clock = clock
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        entry = self.workers.get(hb.worker_id)
+        # A restarted worker starts its seq again; an older seq of the same process is a late arrival.
+        if entry is not None and hb.seq < entry.heartbeat.seq and hb.timestamp <= entry.heartbeat.timestamp:
+            return
+        self.workers[hb.worker_id] = WorkerEntry(hb, self.clock())
+
+    def live(self) -> list[WorkerHeartbeat]:
+        """Workers heard from within the TTL (ready or not)."""
+        now = self.clock()
+        self._forget(now)
+        return [e.heartbeat for e in self.workers.values() if now - e.received < self.ttl]
+
+    def ready(self) -> list[WorkerHeartbeat]:
+        """Live workers that take new requests."""
+        return [hb for hb in self.live() if hb.ready and not hb.draining]
+
+    def is_silent(self, worker_id: str, since: float) -> bool:
+        """True when `worker_id` has not been heard from for the TTL; a worker never heard from
+        counts from `since` (when the caller started depending on it)."""
+        now = self.clock()
+        entry = self.workers.get(worker_id)
+        last = entry.received if entry is not None else since
+        return now - last >= self.ttl
+
+    def _forget(self, now: float) -> None:
+        gone = [w for w, e in self.workers.items() if now - e.received > FORGET_AFTER]
+        for w in gone:
+            del self.workers[w]

@@ -1,0 +1,80 @@
+"""Scheduler entry point: flags → config → logging → NATS (waiting for it) → serve → drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+
+from shared.config import NatsConfig, RouterConfig, env_default
+from shared.logging import get_logger, setup_logging
+from shared.nats_client import connect_nats
+
+log = get_logger("scheduler")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = RouterConfig.__dataclass_fields__
+    ap = argparse.ArgumentParser(prog="inferno scheduler",
+                                 description="Run one Inferno scheduler replica (several may share a NATS server).")
+    ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
+    ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
+    ap.add_argument("--heartbeat-ttl", type=float, default=d["heartbeat_ttl"].default,
+                    help="seconds without a heartbeat before a worker is dropped")
+    ap.add_argument("--max-waiting", type=int, default=d["max_waiting"].default,
+                    help="requests waiting per worker before new ones get 429")
+    ap.add_argument("--overload-kv-usage", type=float, default=d["overload_kv_usage"].default,
+                    help="KV usage above which a worker is passed over (and loses its sessions)")
+    ap.add_argument("--affinity-bucket", default=d["affinity_bucket"].default,
+                    help="JetStream KV bucket of session → worker")
+    ap.add_argument("--affinity-ttl", type=float, default=d["affinity_ttl"].default,
+                    help="seconds a session mapping lives after its last write")
+    ap.add_argument("--scheduler-id", default=None)
+    ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
+    ap.add_argument("--log-level", default=env_default("INFERNO_LOG_LEVEL", "INFO"))
+    return ap.parse_args(argv)
+
+
+async def serve(cfg: RouterConfig, nats_cfg: NatsConfig) -> int:
+    from services.scheduler.service import Scheduler
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # Waits for NATS forever, but a signal meanwhile still ends the process cleanly.
+    connecting = asyncio.create_task(connect_nats(nats_cfg, name=cfg.scheduler_id))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await connecting
+        log.info("stopped_before_connecting")
+        return 0
+    conn = connecting.result()
+    scheduler = Scheduler(cfg, conn)
+    await scheduler.start()
+    await stopping
+    log.info("draining")
+    await scheduler.stop()
+    await conn.drain()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("scheduler", json=args.log_format == "json", level=args.log_level)
+    kwargs = dict(heartbeat_ttl=args.heartbeat_ttl, max_waiting=args.max_waiting,
+                  overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
+                  affinity_ttl=args.affinity_ttl)
+    if args.scheduler_id:
+        kwargs["scheduler_id"] = args.scheduler_id
+    try:
+        cfg = RouterConfig(**kwargs)
+        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+    except ValueError as e:
+        log.error("bad_config", error=str(e))
+        return 2
+    return asyncio.run(serve(cfg, nats_cfg))

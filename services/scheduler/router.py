@@ -1,0 +1,102 @@
+"""Token-aware routing: the worker with the least prefill-plus-load cost for a request's prompt.
+
+cost(w) = (prompt tokens − tokens of the prompt's prefix cached on w) + load(w), where load(w) is
+w's decode context plus queued prefill from its last heartbeat, plus the prompts routed to it since.
+Least cost wins; ties go to fewer running requests, then the smaller worker id (deterministic, so
+replicas with the same view agree). This is the KV-aware routing idea of Dynamo's router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.scheduler.admission import Rejection, admit
+from services.scheduler.kv_index import match_prefixes
+from services.scheduler.registry import Registry, WorkerState
+from shared.block_hash import request_block_key
+from shared.config import RouterConfig
+from shared.messages import GenerateRequest
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    worker: WorkerState
+    cached_tokens: int
+    cost: int
+    sticky: bool = False  # chosen by session affinity rather than by cost
+
+
+def request_cost(num_prompt_tokens: int, cached_tokens: int, load_tokens: int) -> int:
+    return max(num_prompt_tokens - cached_tokens, 0) + load_tokens
+
+
+def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest) -> list[int]:
+    """Tokens of the request's prompt each worker holds as a cached prefix (whole blocks)."""
+    out = [0] * len(workers)
+    extra_key = request_block_key(req.model, req.cache_salt)
+    # Workers of different block sizes hash different chains; usually there is one group.
+    by_size: dict[int, list[int]] = {}
+    for i, w in enumerate(workers):
+        by_size.setdefault(w.block_size, []).append(i)
+    for block_size, members in by_size.items():
+        depths = match_prefixes(req.prompt_ids, block_size, extra_key, [workers[i].kv for i in members])
+        for i, depth in zip(members, depths):
+            out[i] = depth * block_size
+    return out
+
+
+class Router:
+    """Admission plus the choice of one worker; owns no I/O (session affinity sits on top of it)."""
+
+    __slots__ = ("cfg", "registry")
+
+    def __init__(self, cfg: RouterConfig, registry: Registry):
+        self.cfg = cfg
+        self.registry = registry
+
+    def admit(self, req: GenerateRequest, now: float) -> list[WorkerState] | Rejection:
+        return admit(self.registry.live(now), req.model, req.num_prompt_tokens, self.cfg.max_waiting,
+                     self.cfg.retry_after)
+
+    def overloaded(self, w: WorkerState) -> bool:
+        return w.heartbeat.kv_usage >= self.cfg.overload_kv_usage
+
+    def best(self, open_: Sequence[WorkerState], req: GenerateRequest) -> Choice:
+        """The least-cost worker among admitted ones (those below the KV-usage threshold first)."""
+        # A worker with its KV pool nearly full would queue or preempt; it is still better than a
+        # 429 when every worker is that full, so it is only passed over, never excluded.
+        pool = [w for w in open_ if not self.overloaded(w)] or list(open_)
+        cached = cached_tokens(pool, req)
+        n = req.num_prompt_tokens
+        best_key: tuple[int, int, str] | None = None
+        best_i = 0
+        for i, w in enumerate(pool):
+            key = (request_cost(n, cached[i], w.load_tokens), w.num_running, w.worker_id)
+            if best_key is None or key < best_key:
+                best_key, best_i = key, i
+        assert best_key is not None, "best() needs at least one admitted worker"
+        return Choice(pool[best_i], cached[best_i], best_key[0])
+
+    def sticky(self, worker_id: str, open_: Sequence[WorkerState], req: GenerateRequest) -> Choice | None:
+        """The session's worker, if it is admitted and not overloaded; else None (route by cost)."""
+        for w in open_:
+            if w.worker_id == worker_id:
+                if self.overloaded(w):
+                    return None
+                cached = cached_tokens([w], req)[0]
+                return Choice(w, cached, request_cost(req.num_prompt_tokens, cached, w.load_tokens), sticky=True)
+        return None
+
+    def commit(self, choice: Choice, req: GenerateRequest) -> None:
+        """Count the request against its worker until that worker's next heartbeat reports it."""
+        choice.worker.note_routed(req.num_prompt_tokens)
+
+    def route(self, req: GenerateRequest, now: float) -> Choice | Rejection:
+        """Admission and the least-cost choice, committed (no session affinity)."""
+        open_ = self.admit(req, now)
+        if isinstance(open_, Rejection):
+            return open_
+        choice = self.best(open_, req)
+        self.commit(choice, req)
+        return choice

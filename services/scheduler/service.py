@@ -1,0 +1,181 @@
+"""The scheduler service: NATS subscriptions around the registry, the router and session affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from nats.aio.subscription import Subscription
+
+from services.scheduler.admission import Rejection
+from services.scheduler.affinity import SessionAffinity
+from services.scheduler.registry import Registry, WorkerState
+from services.scheduler.router import Choice, Router
+from shared.config import RouterConfig
+from shared.errors import ServiceError
+from shared.logging import get_logger
+from shared.messages import GenerateRequest, KvEvents, RouteReply, WorkerHeartbeat
+from shared.nats_client import NatsConnection
+from shared.subjects import SCHEDULER_QUEUE, Subjects
+
+log = get_logger(__name__)
+
+BUCKET_RETRY_S = 5.0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of this replica (tests and the periodic summary read them)."""
+
+    routed: int = 0
+    sticky: int = 0  # of routed: sent to the session's worker
+    cached_tokens: int = 0  # of routed: prompt tokens found cached on the chosen worker
+    prompt_tokens: int = 0
+    rejected: dict[int, int] = field(default_factory=dict)  # HTTP status → count
+    errors: int = 0  # handler failures answered with 500
+
+
+class Scheduler:
+    """One scheduler replica. Several may share a NATS server: the generate subject is a queue group.
+
+    Each GenerateRequest is handled to the end before the next (nats-py delivers one subscription's
+    messages in order), so a decision always sees the load of every decision before it.
+    """
+
+    def __init__(self, cfg: RouterConfig, conn: NatsConnection, subjects: Subjects | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.conn = conn
+        self.subjects = subjects or Subjects(conn.cfg.subject_prefix)
+        self.clock = clock
+        self.registry = Registry(cfg.heartbeat_ttl)
+        self.router = Router(cfg, self.registry)
+        self.affinity = SessionAffinity(clock=clock)
+        self.stats = SchedulerStats()
+        self._subs: list[Subscription] = []
+        self._generate_sub: Subscription | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the affinity bucket, listen to workers, then take requests."""
+        await self._open_bucket()
+        self._subs.append(await self.conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat, self.on_heartbeat))
+        self._subs.append(await self.conn.subscribe(self.subjects.kv_events, KvEvents, self.on_kv_events))
+        self._generate_sub = await self.conn.subscribe(self.subjects.generate, GenerateRequest, self.handle,
+                                                       queue=SCHEDULER_QUEUE)
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="scheduler-sweep")
+        log.info("scheduler_ready", scheduler_id=self.cfg.scheduler_id, subject=self.subjects.generate,
+                 affinity=self.affinity.kv is not None)
+
+    async def stop(self) -> None:
+        """Stop taking requests (those already delivered are answered), then stop listening."""
+        if self._generate_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._generate_sub.drain()
+            self._generate_sub = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        s = self.stats
+        log.info("scheduler_stopped", scheduler_id=self.cfg.scheduler_id, routed=s.routed, sticky=s.sticky,
+                 rejected=s.rejected, errors=s.errors, bad_messages=self.conn.bad_messages.total)
+
+    async def _open_bucket(self) -> None:
+        try:
+            self.affinity.kv = await self.conn.kv_bucket(self.cfg.affinity_bucket, ttl=self.cfg.affinity_ttl)
+        except ServiceError as e:
+            log.warning("affinity_bucket_unavailable", bucket=self.cfg.affinity_bucket, error=str(e),
+                        retry_in=BUCKET_RETRY_S)
+
+    async def _sweep_loop(self) -> None:
+        period = min(1.0, self.cfg.heartbeat_ttl / 3)
+        next_bucket_try = self.clock() + BUCKET_RETRY_S
+        while True:
+            await asyncio.sleep(period)
+            now = self.clock()
+            self.registry.sweep(now)
+            if self.affinity.kv is None and now >= next_bucket_try:
+                next_bucket_try = now + BUCKET_RETRY_S
+                await self._open_bucket()
+
+    # -- worker reports -----------------------------------------------------------------------------
+
+    def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        self.registry.on_heartbeat(hb, self.clock())
+
+    def on_kv_events(self, ev: KvEvents) -> None:
+        self.registry.on_kv_events(ev, self.clock())
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    async def handle(self, req: GenerateRequest) -> RouteReply:
+        """Route one request, forward it to its worker, and answer the gateway; never raises."""
+        try:
+            result = await self.route(req)
+            if isinstance(result, Rejection):
+                self.stats.rejected[result.status] = self.stats.rejected.get(result.status, 0) + 1
+                return result.to_reply()
+            worker = result.worker
+            await self.conn.publish(worker.heartbeat.generate_subject, req.forwarded_to(worker.worker_id))
+        except ServiceError as e:  # e.g. the NATS connection went down between decision and forward
+            self.stats.rejected[e.status] = self.stats.rejected.get(e.status, 0) + 1
+            return RouteReply.rejected(e.status, e.error_type, e.message, self.cfg.retry_after)
+        except Exception:
+            self.stats.errors += 1
+            log.exception("route_failed", request_id=req.request_id)
+            return RouteReply.rejected(500, "internal_error", "the scheduler failed to route the request")
+        s = self.stats
+        s.routed += 1
+        s.sticky += result.sticky
+        s.cached_tokens += result.cached_tokens
+        s.prompt_tokens += req.num_prompt_tokens
+        return RouteReply.accepted(worker.worker_id)
+
+    async def route(self, req: GenerateRequest) -> Choice | Rejection:
+        """Admission, then the session's worker if it can take the request, else the least-cost one."""
+        open_ = self.router.admit(req, self.clock())
+        if isinstance(open_, Rejection):
+            return open_
+        if req.session_id:
+            choice = await self._route_session(req, open_)
+        else:
+            choice = self.router.best(open_, req)
+        self.router.commit(choice, req)
+        return choice
+
+    async def _route_session(self, req: GenerateRequest, open_: list[WorkerState]) -> Choice:
+        sid = req.session_id
+        assert sid
+        aff = self.affinity
+        mapping = aff.cached(sid)
+        if mapping is not None:
+            choice = self.router.sticky(mapping.worker_id, open_, req)
+            if choice is not None:
+                return choice
+        # A miss, or a worker that cannot take it: the bucket may know better (another replica).
+        mapping = await aff.lookup(sid)
+        if mapping is not None:
+            choice = self.router.sticky(mapping.worker_id, open_, req)
+            if choice is not None:
+                return choice
+        choice = self.router.best(open_, req)
+        wid = choice.worker.worker_id
+        in_force = await aff.assign(sid, wid, mapping.revision if mapping is not None else None)
+        if in_force.worker_id != wid:
+            # Another replica mapped the session meanwhile: follow it if it can, else overwrite.
+            winner = self.router.sticky(in_force.worker_id, open_, req)
+            if winner is not None:
+                return winner
+            await aff.force(sid, wid)
+        return choice

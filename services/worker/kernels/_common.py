@@ -1,0 +1,89 @@
+"""Argument checks shared by the kernel wrappers: they fail loudly before a launch, never inside one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check(cond: bool, message: str) -> None:
+    """A ValueError, not an assert: the checks must survive `python -O`."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_tensor(
+    t: torch.Tensor,
+    name: str,
+    *,
+    ndim: int,
+    dtypes: Iterable[torch.dtype],
+    device: torch.device | None = None,
+    last_contiguous: bool = True,
+    contiguous: bool = False,
+) -> None:
+    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    dtypes = tuple(dtypes)
+    check(t.dtype in dtypes, f"{name} has dtype {t.dtype}; expected one of {dtypes}")
+    if device is not None:
+        check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    if contiguous:
+        check(t.is_contiguous(), f"{name} must be contiguous (strides {t.stride()})")
+    elif last_contiguous and t.numel() > 0:
+        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (strides {t.stride()})")
+
+
+def check_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    check(tuple(t.shape) == tuple(shape), f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs stay IEEE fp32 in tl.dot (no silent TF32); 16-bit inputs ignore this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Fixed when the kernels are defined, as triton.jit itself decides interpreted vs compiled then.
+INTERPRET = tl.constexpr(_interpreting())
+
+
+@triton.jit
+def cast_rtne(x, dtype: tl.constexpr):
+    """fp32 -> dtype with round-to-nearest-even, also under TRITON_INTERPRET.
+
+    The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), so there the
+    rounding is done on the bits first; compiled code takes the plain cast.
+    """
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            x = tl.where(x == x, b.to(tl.float32, bitcast=True), x)
+    return x.to(dtype)
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (the interpreter's 16-bit dot is broken: upcast there)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)

@@ -1,0 +1,161 @@
+"""Causal prefill/extend attention over the paged KV cache for a varlen batch: the Triton kernel and its reference."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.kernels._common import (
+    FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, dot_precision, mma, next_power_of_2)
+from services.worker.kernels.decode_attention import paged_decode_attention_ref
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]. Sequence b owns rows qsl[b]:qsl[b+1] (its q_len new tokens, whose K/V are
+    already in the cache) and has seq_lens[b] tokens of context; its new token i sits at position
+    seq_lens[b] - q_len + i and sees cache positions 0..that position. fp32 math, HF's order
+    (scores = (q @ k^T) * scale, masked, fp32 softmax, @ v), vectorised per sequence."""
+    n_tokens, n_q, head_dim = q.shape
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = n_q // n_kv
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    n_seqs = len(lens)
+    if n_seqs == n_tokens and all(qsl[b + 1] - qsl[b] == 1 for b in range(n_seqs)):
+        # All decodes: one batched gather instead of a loop over sequences.
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.zeros_like(q)
+    for b in range(n_seqs):
+        start, end, ctx = qsl[b], qsl[b + 1], lens[b]
+        n = end - start
+        if n <= 0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        blocks = block_tables[b, pos // page].long()
+        k = k_cache[blocks, pos % page].float().permute(1, 2, 0)  # [Hkv, D, L]
+        v = v_cache[blocks, pos % page].float().permute(1, 0, 2)  # [Hkv, L, D]
+        qb = q[start:end].float().view(n, n_kv, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        scores = torch.matmul(qb, k[:, None]) * scale  # [Hkv, G, n, L]
+        last = ctx - n + torch.arange(n, device=q.device)
+        allowed = pos[None, :] <= last[:, None]  # [n, L]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v[:, None])  # [Hkv, G, n, D]
+        out[start:end] = o.permute(2, 0, 1, 3).reshape(n, n_q, head_dim).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale,
+    q_stride_t, q_stride_h,
+    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
+    bt_stride, out_stride_t, out_stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    m0 = m_tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+    kv_head = head // GROUP
+
+    i = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    i_mask = i < q_len
+    d_mask = d < HEAD_DIM
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + d[None, :],
+                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    last = prefix + i  # the last key position each query row may see
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq * bt_stride
+    # Keys past the tile's last row are never seen; key 0 is seen by every row, so each row's
+    # running max is finite after the first tile.
+    kv_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < kv_end
+        block = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+        offset = tok % PAGE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * kc_stride_b + offset[:, None] * kc_stride_o
+                    + kv_head * kc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_o
+                    + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION) * scale
+        allowed = t_mask[None, :] & (tok[None, :] <= last[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(cast_rtne(p, v.dtype), v, acc * alpha[:, None], PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * out_stride_t + head * out_stride_h + d[None, :],
+             cast_rtne(o, out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
+
+
+def paged_extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+) -> torch.Tensor:
+    """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid."""
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    n_tokens, n_q, head_dim = q.shape
+    check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,), device=device)
+    n_blocks, page, n_kv, _ = k_cache.shape
+    check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
+    check_shape(v_cache, "v_cache", tuple(k_cache.shape))
+    check(n_q % n_kv == 0, f"{n_q} query heads are not a multiple of {n_kv} kv heads")
+    check(page > 0 and page & (page - 1) == 0, f"block size must be a power of two, got {page}")
+    check(head_dim >= 16, f"head_dim must be at least 16, got {head_dim}")
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
+    n_seqs = block_tables.shape[0]
+    check_tensor(query_start_loc, "query_start_loc", ndim=1, dtypes=(torch.int32,), device=device,
+                 contiguous=True)
+    check_shape(query_start_loc, "query_start_loc", (n_seqs + 1,))
+    check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_shape(seq_lens, "seq_lens", (n_seqs,))
+    check(n_seqs <= 65535, f"at most 65535 sequences per launch, got {n_seqs}")
+    check(max_query_len >= 0, f"max_query_len must be non-negative, got {max_query_len}")
+
+    out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
+    if n_tokens == 0 or n_seqs == 0 or max_query_len == 0:
+        return out
+    block_d = next_power_of_2(head_dim)
+    block_m = 64 if max_query_len > 32 else (32 if max_query_len > 16 else 16)
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 4 if block_m * block_d <= 64 * 64 else 8
+    grid = (triton.cdiv(max_query_len, block_m), n_q, n_seqs)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        float(scale),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=n_q // n_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=2,
+    )
+    return out

@@ -1,0 +1,152 @@
+"""The worker service: NATS in and out around the step thread that owns the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import structlog
+
+from services.worker.step_loop import AbortCommand, AddCommand, Rejected, StepLoop
+from shared import subjects
+from shared.config import WorkerServiceConfig
+from shared.messages import AbortRequest, GenerateRequest, KvEvents, TokenBatch, TokenDelta, WorkerHeartbeat
+from shared.wire import pack_ids
+
+log = structlog.get_logger("worker")
+
+
+def to_delta(out) -> TokenDelta:
+    """An engine RequestOutput (or a rejection) as the wire's TokenDelta."""
+    if isinstance(out, Rejected):
+        return TokenDelta(request_id=out.request_id, finish_reason="error", error=out.message)
+    top_ids = top_lps = None
+    if out.top_logprobs is not None:
+        top_ids = [pack_ids([t for t, _ in alts]) for alts in out.top_logprobs]
+        top_lps = [[lp for _, lp in alts] for alts in out.top_logprobs]
+    return TokenDelta(
+        request_id=out.request_id, token_ids=pack_ids(out.new_token_ids), logprobs=out.logprobs,
+        top_ids=top_ids, top_lps=top_lps, finish_reason=out.finish_reason, error=out.error,
+        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+        completion_tokens=out.num_output_tokens, stop_token_id=out.stop_token_id)
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerServiceConfig, conn, engine, prefix: str, eos_token_ids=(),
+                 max_model_len: int = 0, block_size: int = 16):
+        self.cfg = cfg
+        self.conn = conn
+        self.prefix = prefix
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.generate_subject = subjects.worker_generate(prefix, cfg.worker_id)
+        self.abort_subject = subjects.worker_abort(prefix, cfg.worker_id)
+        self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events)
+        self.draining = False
+        self.seq = 0
+        self.kv_seq = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._pending_events: tuple[list, list] = ([], [])
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.loop_thread.start()
+        await self.conn.subscribe(self.generate_subject, GenerateRequest, self._on_generate)
+        await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
+        self._tasks.append(asyncio.create_task(self._heartbeats()))
+        log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking work, let in-flight requests finish, abort what is left at the deadline."""
+        self.draining = True
+        await self._publish_heartbeat()
+        deadline = time.monotonic() + timeout
+        while self.loop_thread.engine.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.loop_thread.reply_to)
+        if left:
+            log.warning("aborting requests at drain deadline", count=len(left))
+            batches = defaultdict(list)
+            for rid in left:
+                batches[self.loop_thread.reply_to.get(rid, "")].append(
+                    TokenDelta(request_id=rid, finish_reason="abort", error="the worker is shutting down"))
+            self.loop_thread.submit(AbortCommand(left))
+            for subject, items in batches.items():
+                if subject:
+                    await self.conn.publish(subject, TokenBatch(worker_id=self.cfg.worker_id, items=items))
+        self.loop_thread.stop()
+        for task in self._tasks:
+            task.cancel()
+
+    # -- NATS handlers (event loop) ---------------------------------------------------------------
+    async def _on_generate(self, msg: GenerateRequest) -> None:
+        if self.draining:
+            await self.conn.publish(msg.reply_to, TokenBatch(worker_id=self.cfg.worker_id, items=[TokenDelta(
+                request_id=msg.request_id, finish_reason="error", error="the worker is draining")]))
+            return
+        self.loop_thread.submit(AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(),
+                                           msg.reply_to, msg.cache_salt.encode()))
+
+    async def _on_abort(self, msg: AbortRequest) -> None:
+        self.loop_thread.submit(AbortCommand(list(msg.request_ids)))
+
+    # -- outputs (called on the step thread) ------------------------------------------------------
+    def _on_outputs(self, outputs, routes: dict[str, str]) -> None:
+        batches: dict[str, list[TokenDelta]] = defaultdict(list)
+        for out in outputs:
+            subject = out.reply_to if isinstance(out, Rejected) else routes.get(out.request_id)
+            if subject:
+                batches[subject].append(to_delta(out))
+        # Encode here, on the step thread, so the event loop only hands bytes to NATS.
+        payloads = [(subject, TokenBatch(worker_id=self.cfg.worker_id, items=items))
+                    for subject, items in batches.items()]
+        self._loop.call_soon_threadsafe(self._publish_many, payloads)
+
+    def _on_kv_events(self, stored: list, removed: list) -> None:
+        self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
+
+    def _publish_many(self, payloads) -> None:
+        for subject, batch in payloads:
+            asyncio.ensure_future(self.conn.publish(subject, batch))
+
+    def _queue_kv_events(self, stored, removed) -> None:
+        self._pending_events[0].extend(stored)
+        self._pending_events[1].extend(removed)
+        if len(self._pending_events[0]) + len(self._pending_events[1]) >= 256:
+            asyncio.ensure_future(self._flush_kv_events())
+
+    async def _flush_kv_events(self) -> None:
+        stored, removed = self._pending_events
+        if not stored and not removed:
+            return
+        self._pending_events = ([], [])
+        self.kv_seq += 1
+        await self.conn.publish(subjects.kv_events(self.prefix), KvEvents(
+            worker_id=self.cfg.worker_id, seq=self.kv_seq, stored=stored, removed=removed))
+
+    # -- heartbeats -------------------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                await self._flush_kv_events()
+                await self._publish_heartbeat()
+            except Exception:  # NATS down: the connection reconnects by itself; keep beating
+                log.debug("heartbeat not sent", exc_info=True)
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _publish_heartbeat(self) -> None:
+        s = self.loop_thread.stats
+        self.seq += 1
+        await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(
+            worker_id=self.cfg.worker_id, role=self.cfg.role, model=self.cfg.model_name,
+            ready=not self.draining, draining=self.draining, generate_subject=self.generate_subject,
+            abort_subject=self.abort_subject, timestamp=time.time(), seq=self.seq,
+            num_running=s.num_running, num_waiting=s.num_waiting + self.loop_thread.commands.qsize(),
+            queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
+            kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, block_size=self.block_size,
+            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
+            max_model_len=self.max_model_len))

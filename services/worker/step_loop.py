@@ -1,0 +1,114 @@
+"""The worker's step thread: owns the engine, takes commands from a queue, hands outputs back.
+
+The model never waits on the network and the event loop never waits on the model: NATS
+handlers only enqueue, and outputs cross back through a callback the service makes thread-safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+
+from shared.sampling_params import SamplingParams
+
+log = structlog.get_logger("worker.step_loop")
+
+
+@dataclass(slots=True)
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reply_to: str
+    cache_salt: bytes = b""
+
+
+@dataclass(slots=True)
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class Rejected:
+    """An add that the engine refused (bad parameters, a prompt that can never fit)."""
+
+    request_id: str
+    reply_to: str
+    message: str
+
+
+class StepLoop(threading.Thread):
+    def __init__(self, engine, on_outputs: Callable[[list, dict[str, str]], None], eos_token_ids=(),
+                 on_kv_events: Callable[[list, list], None] | None = None):
+        super().__init__(name="step-loop", daemon=True)
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_kv_events = on_kv_events
+        self.block_manager = getattr(engine, "block_manager", None)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.reply_to: dict[str, str] = {}  # request id -> gateway inbox, owned by this thread
+        self.stats = engine.stats()
+        self._stop = threading.Event()
+
+    def submit(self, command) -> None:
+        self.commands.put(command)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(None)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            rejected = self._drain(block=idle)
+            if rejected:
+                self.on_outputs(rejected, {})
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # the engine already fails bad steps; this is a last line of defence
+                log.exception("step failed")
+                continue
+            routes = {o.request_id: self.reply_to.get(o.request_id, "") for o in outputs}
+            for o in outputs:
+                if o.finished:
+                    self.reply_to.pop(o.request_id, None)
+            self.stats = self.engine.stats()
+            if outputs:
+                self.on_outputs(outputs, routes)
+            if self.on_kv_events and self.block_manager is not None:
+                stored, removed = self.block_manager.take_events()
+                if stored or removed:
+                    self.on_kv_events(stored, removed)
+        self.stats = self.engine.stats()
+
+    def _drain(self, block: bool) -> list[Rejected]:
+        rejected: list[Rejected] = []
+        try:
+            command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return rejected
+        while command is not None:
+            if isinstance(command, AddCommand):
+                try:
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            self.eos_token_ids, command.cache_salt)
+                    self.reply_to[command.request_id] = command.reply_to
+                except ValueError as e:
+                    rejected.append(Rejected(command.request_id, command.reply_to, str(e)))
+            elif isinstance(command, AbortCommand):
+                for rid in command.request_ids:
+                    self.engine.abort(rid)
+                    self.reply_to.pop(rid, None)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                command = None
+        self.stats = self.engine.stats()
+        return rejected

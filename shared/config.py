@@ -1,0 +1,230 @@
+"""Configuration of each service as frozen dataclasses, validated on construction.
+
+Flags and environment variables are read only in a service's entry point; `env_default` and the
+parse_* helpers are for those entry points, never for code deeper down.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, TypeVar
+
+from shared.sampling_params import MAX_N
+from shared.subjects import DEFAULT_PREFIX, check_id, check_prefix
+
+T = TypeVar("T")
+
+WORKER_ROLES = ("mixed", "prefill", "decode")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _fail(cls: object, name: str, message: str) -> None:
+    raise ValueError(f"{type(cls).__name__}.{name}: {message}")
+
+
+def _positive(cfg: object, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            _fail(cfg, name, f"must be a positive number, got {v!r}")
+
+
+def _non_negative(cfg: object, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            _fail(cfg, name, f"must be a non-negative number, got {v!r}")
+
+
+def _ints(cfg: object, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            _fail(cfg, name, f"must be an int, got {v!r}")
+
+
+def _id(cfg: object, name: str) -> None:
+    try:
+        check_id(name, getattr(cfg, name))
+    except ValueError as e:
+        _fail(cfg, name, str(e))
+
+
+def _new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NatsConfig:
+    url: str = "nats://127.0.0.1:4222"  # several servers: comma-separated
+    subject_prefix: str = DEFAULT_PREFIX
+    connect_timeout: float = 2.0  # one TCP + handshake attempt
+    request_timeout: float = 5.0  # default deadline of a request/reply
+    reconnect_time_wait: float = 0.5  # pause between reconnect attempts, plus jitter
+    reconnect_jitter: float = 0.5  # up to this many seconds added at random to each pause
+    ping_interval: float = 10.0  # detects a silently dead server in about 2 intervals
+    drain_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.strip():
+            _fail(self, "url", "must not be empty")
+        for part in self.url.split(","):
+            if "://" not in part.strip():
+                _fail(self, "url", f"{part.strip()!r} needs a scheme, e.g. nats://host:4222")
+        try:
+            check_prefix(self.subject_prefix)
+        except ValueError as e:
+            _fail(self, "subject_prefix", str(e))
+        _positive(self, "connect_timeout", "request_timeout", "ping_interval", "drain_timeout")
+        _non_negative(self, "reconnect_time_wait", "reconnect_jitter")
+
+    @property
+    def servers(self) -> list[str]:
+        return [part.strip() for part in self.url.split(",")]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    model_name: str  # the id clients send as "model" and /v1/models lists
+    model_dir: str  # tokenizer.json, tokenizer_config.json (chat template), config.json
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_body_bytes: int = 4 << 20
+    max_n: int = MAX_N
+    max_tokens_default: int | None = None  # None: the rest of the context window
+    request_timeout: float = 600.0  # whole request, first byte to last token
+    first_token_timeout: float = 120.0  # routing + queueing + prefill
+    gateway_id: str = field(default_factory=lambda: _new_id("gw"))
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            _fail(self, "model_name", "must not be empty")
+        if not self.model_dir:
+            _fail(self, "model_dir", "must not be empty")
+        if not self.host:
+            _fail(self, "host", "must not be empty")
+        _ints(self, "port", "max_body_bytes", "max_n", "max_tokens_default")
+        if not 0 <= self.port <= 65535:
+            _fail(self, "port", f"must be in [0, 65535], got {self.port}")
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
+            _fail(self, "api_keys", "must be a tuple of non-empty strings")
+        _positive(self, "max_body_bytes", "max_n", "request_timeout", "first_token_timeout")
+        if self.max_n > MAX_N:
+            _fail(self, "max_n", f"must be at most {MAX_N}")
+        if self.max_tokens_default is not None:
+            _positive(self, "max_tokens_default")
+        _id(self, "gateway_id")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    """The scheduler's routing and admission settings."""
+
+    heartbeat_ttl: float = 3.0  # a worker is gone after 3 missed 1 s heartbeats
+    max_waiting: int = 256  # per worker; beyond it, new requests get 429
+    overload_kv_usage: float = 0.95  # a worker above this KV usage takes no new request
+    retry_after: float = 1.0  # seconds, sent with 429/503
+    affinity_bucket: str = "inferno_affinity"  # JetStream KV bucket: session key → worker id
+    affinity_ttl: float = 3600.0
+    scheduler_id: str = field(default_factory=lambda: _new_id("sched"))
+
+    def __post_init__(self) -> None:
+        _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl")
+        _ints(self, "max_waiting")
+        _non_negative(self, "retry_after")
+        if not 0.0 < self.overload_kv_usage <= 1.0:
+            _fail(self, "overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")
+        _id(self, "affinity_bucket")
+        _id(self, "scheduler_id")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerServiceConfig:
+    worker_id: str = field(default_factory=lambda: _new_id("worker"))
+    role: str = "mixed"  # "mixed" | "prefill" | "decode"
+    model_dir: str = ""  # required unless emit_only
+    model_name: str = ""  # defaults to the directory's name in the entry point
+    device: str = "cuda"  # "cuda", "cuda:1", "cpu"
+    dtype: str = "auto"
+    num_blocks: int | None = None  # KV blocks; None: from gpu_memory_utilization (GPU) or a default (CPU)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's own limit
+    heartbeat_interval: float = 1.0
+    drain_timeout: float = 30.0
+    emit_only: bool = False  # model-free token emitter, only to measure serving overhead
+
+    def __post_init__(self) -> None:
+        _id(self, "worker_id")
+        if self.role not in WORKER_ROLES:
+            _fail(self, "role", f"must be one of {WORKER_ROLES}, got {self.role!r}")
+        if not self.emit_only and not self.model_dir:
+            _fail(self, "model_dir", "must not be empty (unless emit_only)")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            _fail(self, "device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            _fail(self, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _ints(self, "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "heartbeat_interval",
+                  "drain_timeout")
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _fail(self, "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+# ---------------------------------------------------------------------------------------------
+# For entry points only.
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def parse_csv(text: str) -> tuple[str, ...]:
+    """"a, b,,c" → ("a", "b", "c")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def env_default(name: str, default: T, cast: Callable[[str], Any] | None = None) -> T:
+    """The environment variable `name` converted with `cast`, or `default` when unset.
+
+    `cast` defaults to the default's type (bool → parse_bool, tuple → parse_csv). A value that does
+    not convert raises ValueError naming the variable.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if cast is None:
+        if isinstance(default, bool):
+            cast = parse_bool
+        elif isinstance(default, tuple):
+            cast = parse_csv
+        elif default is None:
+            cast = str
+        else:
+            cast = type(default)
+    try:
+        return cast(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"environment variable {name}={raw!r}: {e}") from None
+
+
+def config_fields(cls: type) -> list[str]:
+    """Field names of a config class (for entry points that map flags onto it)."""
+    return [f.name for f in fields(cls)]

@@ -1,0 +1,140 @@
+"""`inferno bench`: flags to a BenchConfig, one run or a rate sweep, then the report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from shared.loadgen.client import BenchError, BenchResult, run_benchmark
+from shared.loadgen.report import PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep, write_json
+from shared.loadgen.workload import BenchConfig, parse_range
+
+
+def _positive_rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 or inf, got {text!r}")
+    return rate
+
+
+def _rates(text: str) -> list[float]:
+    return [_positive_rate(part) for part in text.split(",") if part.strip()]
+
+
+def _length(text: str) -> tuple[int, int]:
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pid_pair(text: str) -> tuple[str, int]:
+    name, sep, pid = text.partition("=")
+    if not sep or not name or not pid.isdigit():
+        raise argparse.ArgumentTypeError(f"--pid takes NAME=PID, got {text!r}")
+    return name, int(pid)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="inferno bench",
+        description="Load an OpenAI-compatible endpoint with synthetic streaming requests "
+                    "(defaults: workload W2, 1000 requests all at once).")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
+    p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer ...'")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--input-len", type=_length, default=(100, 340), metavar="N|LO:HI",
+                   help="prompt length in tokens, uniform over LO..HI (default 100:340)")
+    p.add_argument("--output-len", type=_length, default=(100, 300), metavar="N|LO:HI",
+                   help="max_tokens, uniform over LO..HI (default 100:300)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=_positive_rate, default=math.inf, metavar="R",
+                      help="Poisson arrivals at R requests/s (default inf: all at once)")
+    load.add_argument("--sweep-rates", type=_rates, metavar="R1,R2,...",
+                      help="run the Poisson workload at each rate in turn, one row per rate (W3)")
+    p.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-mode", choices=["tokens", "text"],
+                   help="random token ids (default for completions) or random words (default for chat)")
+    p.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [10, VOCAB)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos/min_tokens: the model may stop early")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="seconds for a whole run; requests still open then fail (default 3600)")
+    p.add_argument("--pids-file", help='JSON {"service": pid, ...} as `inferno up` writes it')
+    p.add_argument("--pid", type=_pid_pair, action="append", default=[], metavar="NAME=PID",
+                   help="a process to charge CPU time to (repeatable)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--save-requests", action="store_true", help="include every request in --out")
+    p.add_argument("--plot", help="PNG: TTFT/ITL CDFs, or the latency/throughput curve of a sweep")
+    return p
+
+
+def _pids(args: argparse.Namespace) -> dict[str, int]:
+    pids: dict[str, int] = {}
+    if args.pids_file:
+        with open(args.pids_file) as f:
+            listed = json.load(f)
+        if not isinstance(listed, dict):
+            raise ValueError(f"{args.pids_file}: expected a JSON object of service name -> pid")
+        pids.update({str(k): v for k, v in listed.items()})
+    pids.update(dict(args.pid))
+    return pids
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        concurrency=args.concurrency, request_rate=args.request_rate, seed=args.seed,
+        prompt_mode=args.prompt_mode or ("tokens" if args.endpoint == "completions" else "text"),
+        vocab_size=args.vocab_size, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        timeout=args.timeout, max_duration=args.max_duration, pids=_pids(args),
+        save_requests=args.save_requests)
+
+
+async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:
+    results = []
+    for cfg in configs:
+        if len(configs) > 1:
+            print(f"rate {cfg.request_rate:g}/s ...", file=sys.stderr, flush=True)
+        results.append(await run_benchmark(dataclasses.replace(cfg, model=results[0].model) if results else cfg))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 when some request completed, 1 when none did or the run could not start."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))  # exits 2
+    configs = [dataclasses.replace(cfg, request_rate=r) for r in args.sweep_rates] if args.sweep_rates else [cfg]
+    try:
+        results = asyncio.run(_run_all(configs))
+    except BenchError as exc:
+        print(f"inferno bench: {exc}", file=sys.stderr)
+        return 1
+    print(format_sweep(results) if args.sweep_rates else format_result(results[0]))
+    if args.out:
+        write_json(results, args.out, sweep=bool(args.sweep_rates))
+    if args.plot:
+        try:
+            plot_sweep(results, args.plot) if args.sweep_rates else plot_result(results[0], args.plot)
+        except PlotUnavailable as exc:
+            print(f"inferno bench: no plot written: {exc}", file=sys.stderr)
+    return 0 if any(r.summary.completed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

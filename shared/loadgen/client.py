@@ -1,0 +1,228 @@
+"""The HTTP side of a run: one aiohttp session, the arrival schedule, one SSE stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from shared.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
+from shared.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
+
+ERROR_DETAIL_CHARS = 200
+MODELS_TIMEOUT_S = 30.0
+MAX_SSE_LINE = 1 << 20
+
+
+class BenchError(RuntimeError):
+    """The run could not start: the endpoint is unreachable or names no model."""
+
+
+@dataclass(slots=True)
+class BenchResult:
+    config: BenchConfig
+    model: str
+    started_at: float  # unix time of the first send
+    summary: Summary
+    cpu: CpuCost | None  # None when no service pids were given
+    client_cpu_s: float  # CPU used by this process meanwhile: is the load generator the limit?
+    records: list[RequestRecord]
+
+
+def api_root(base_url: str) -> str:
+    """'http://h:8000/v1/' -> 'http://h:8000': paths below are always /v1/..."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def request_body(cfg: BenchConfig, model: str, item: WorkItem) -> bytes:
+    body: dict = {
+        "model": model,
+        "max_tokens": item.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.endpoint == "completions":
+        body["prompt"] = item.prompt  # a list of token ids is a valid OpenAI prompt
+    else:
+        body["messages"] = [{"role": "user", "content": item.prompt}]
+    if cfg.temperature is not None:
+        body["temperature"] = cfg.temperature
+    if cfg.ignore_eos:  # vLLM-compatible extensions: every request makes exactly output_len tokens
+        body["ignore_eos"] = True
+        body["min_tokens"] = item.output_len
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def fetch_model_id(session: aiohttp.ClientSession, root: str) -> str:
+    """The first model id that GET /v1/models lists."""
+    url = f"{root}/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+                               allow_redirects=False) as resp:
+            if resp.status != 200:
+                raise BenchError(f"GET {url}: HTTP {resp.status}")
+            listing = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise BenchError(f"GET {url}: {type(exc).__name__}: {exc}") from None
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if not models or not isinstance(models[0], dict) or not models[0].get("id"):
+        raise BenchError(f"GET {url} lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def _has_text(choice) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text"):  # completions
+        return True
+    delta = choice.get("delta")  # chat
+    return isinstance(delta, dict) and bool(delta.get("content") or delta.get("reasoning_content"))
+
+
+def _fail(record: RequestRecord, kind: str, detail: object = "") -> None:
+    record.error = kind
+    record.error_detail = str(detail)[:ERROR_DETAIL_CHARS]
+
+
+def _on_event(record: RequestRecord, payload: bytes, now: float) -> bool:
+    """Apply one `data:` payload to the record; False when the stream has failed."""
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        _fail(record, "bad-sse", payload)
+        return False
+    if event.get("error"):
+        _fail(record, "stream-error", event["error"])
+        return False
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.completion_tokens = usage.get("completion_tokens")
+    choices = event.get("choices")
+    if choices and _has_text(choices[0]):
+        record.chunk_times.append(now)
+    return True
+
+
+async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: float) -> None:
+    # Whole reads split by hand rather than readline(): a third of the client's CPU per token.
+    tail = b""
+    async for data in resp.content.iter_any():
+        now = time.perf_counter() - t0  # before any parsing; the lines of one read came together
+        if record.end is not None:
+            continue  # past [DONE]: drain to EOF so the connection goes back to the pool
+        *lines, tail = (tail + data).split(b"\n")
+        if len(tail) > MAX_SSE_LINE:
+            return _fail(record, "bad-sse", f"a line longer than {MAX_SSE_LINE} bytes")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event: lines
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                record.end = now
+                break
+            if not _on_event(record, payload, now):
+                return
+    if record.end is None:
+        _fail(record, "incomplete-stream", "the stream ended without data: [DONE]")
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, body: bytes,
+                     record: RequestRecord, t0: float) -> None:
+    """Send one request and fill its record; every failure becomes an error kind, never raises."""
+    record.start = time.perf_counter() - t0
+    try:
+        async with session.post(url, data=body, allow_redirects=False) as resp:
+            if resp.status != 200:
+                detail = await resp.content.read(ERROR_DETAIL_CHARS)
+                return _fail(record, f"http-{resp.status}", detail.decode("utf-8", "replace"))
+            await _read_sse(resp, record, t0)
+    except asyncio.CancelledError:
+        if record.end is None:
+            _fail(record, "run-deadline", "unfinished when the run's deadline passed")
+        raise
+    except Exception as exc:  # one request's failure, whatever it is, never ends the run
+        if record.end is None:  # past [DONE] the response is whole; draining to EOF may fail
+            _fail(record, *_error_kind(exc))
+    finally:
+        if record.error is not None or record.end is None:
+            record.end = time.perf_counter() - t0
+
+
+def _error_kind(exc: Exception) -> tuple[str, str]:
+    if isinstance(exc, asyncio.TimeoutError):  # also aiohttp's ServerTimeoutError
+        return "timeout", "no complete response within --timeout"
+    if isinstance(exc, aiohttp.ClientError):
+        return "connection-error", f"{type(exc).__name__}: {exc}"
+    return "client-error", f"{type(exc).__name__}: {exc}"
+
+
+async def _send_all(session: aiohttp.ClientSession, url: str, bodies: list[bytes],
+                    offsets: list[float], records: list[RequestRecord],
+                    concurrency: int | None, t0: float) -> None:
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(i: int) -> None:
+        try:
+            await stream_one(session, url, bodies[i], records[i], t0)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    tasks: list[asyncio.Task] = []
+    try:
+        for i, offset in enumerate(offsets):
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if slots is not None:
+                await slots.acquire()
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_benchmark(cfg: BenchConfig) -> BenchResult:
+    """Run one workload against cfg.base_url and measure it."""
+    try:
+        meter = CpuMeter(cfg.pids) if cfg.pids else None
+    except ValueError as exc:  # a pid that is not running
+        raise BenchError(str(exc)) from None
+    items = build_workload(cfg)
+    offsets = arrival_offsets(cfg.num_requests, cfg.request_rate, cfg.seed)
+    root = api_root(cfg.base_url)
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    # limit=0 is no limit: with unbounded concurrency every request gets its own connection.
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0)
+    async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as session:
+        model = cfg.model or await fetch_model_id(session, root)
+        url = f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}"
+        bodies = [request_body(cfg, model, item) for item in items]  # encoded before the clock starts
+        records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]
+        cpu_before = meter.sample() if meter else None
+        client_cpu0, started_at, t0 = time.process_time(), time.time(), time.perf_counter()
+        try:
+            await asyncio.wait_for(_send_all(session, url, bodies, offsets, records, cfg.concurrency, t0),
+                                   cfg.max_duration)
+        except asyncio.TimeoutError:
+            pass  # the requests still open were cancelled and marked run-deadline
+        client_cpu = time.process_time() - client_cpu0
+        cpu_after = meter.sample() if meter else None
+    for record in records:
+        if record.start is None:
+            _fail(record, "run-deadline", "not sent before the run's deadline")
+    summary = summarize(records)
+    cpu = CpuCost.between(cpu_before, cpu_after, summary.total_output_tokens) if meter else None
+    return BenchResult(cfg, model, started_at, summary, cpu, client_cpu, records)

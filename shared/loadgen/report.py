@@ -1,0 +1,171 @@
+"""How a run is shown: a terminal table, a JSON document and optional matplotlib plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.loadgen.client import BenchResult
+from shared.loadgen.stats import Distribution
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _rate(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def format_result(result: BenchResult) -> str:
+    cfg, s = result.config, result.summary
+    errors = ", ".join(f"{kind}: {n}" for kind, n in s.errors.items())
+    lines = [
+        f"model {result.model}  endpoint {cfg.endpoint}  requests {cfg.num_requests}  "
+        f"concurrency {cfg.concurrency or 'unlimited'}  rate {_rate(cfg.request_rate)}/s  "
+        f"input {cfg.input_len[0]}:{cfg.input_len[1]}  output {cfg.output_len[0]}:{cfg.output_len[1]}",
+        f"completed {s.completed}  failed {s.failed}" + (f"  ({errors})" if errors else ""),
+        f"duration {s.duration_s:.2f} s   input tokens {s.total_input_tokens:,}   "
+        f"output tokens {s.total_output_tokens:,}",
+        f"requests/s {_num(s.request_throughput)}   input tok/s {_num(s.input_throughput, 1)}   "
+        f"output tok/s {_num(s.output_throughput, 1)}   total tok/s {_num(s.total_throughput, 1)}",
+        "",
+        f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for name, d in (("TTFT", s.ttft), ("ITL", s.itl), ("TPOT", s.tpot), ("E2E", s.e2e)):
+        lines.append(f"{name:<14}{_num(d.mean):>10}{_num(d.p50):>10}{_num(d.p90):>10}{_num(d.p99):>10}")
+    if result.cpu is not None:
+        cpu = result.cpu
+        lines += ["", f"{'CPU':<14}{'seconds':>10}{'µs/token':>10}   (over {cpu.output_tokens:,} output tokens)"]
+        for name, seconds in cpu.cpu_s.items():
+            lines.append(f"{name:<14}{_num(seconds, 3):>10}{_num(cpu.us_per_token[name], 1):>10}")
+        lines.append(f"{'total':<14}{_num(cpu.total_cpu_s, 3):>10}{_num(cpu.total_us_per_token, 1):>10}")
+    lines.append(f"load generator CPU {result.client_cpu_s:.2f} s")
+    return "\n".join(lines)
+
+
+def format_sweep(results: Sequence[BenchResult]) -> str:
+    head = (f"{'rate/s':>8}{'done':>7}{'failed':>7}{'req/s':>9}{'out tok/s':>11}"
+            f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'µs/tok':>9}")
+    rows = [head]
+    for r in results:
+        s = r.summary
+        us = r.cpu.total_us_per_token if r.cpu is not None else None
+        rows.append(f"{_rate(r.config.request_rate):>8}{s.completed:>7}{s.failed:>7}"
+                    f"{_num(s.request_throughput):>9}{_num(s.output_throughput, 1):>11}"
+                    f"{_num(s.ttft.p50, 1):>10}{_num(s.ttft.p99, 1):>10}"
+                    f"{_num(s.itl.p50, 1):>9}{_num(s.itl.p99, 1):>9}{_num(us, 1):>9}")
+    return "\n".join(rows)
+
+
+def _jsonable(value):
+    """Dataclasses and tuples to plain JSON; inf becomes the string "inf" (JSON has no inf)."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def result_to_dict(result: BenchResult) -> dict:
+    config = _jsonable(result.config)
+    if config.get("api_key"):
+        config["api_key"] = "***"
+    doc = {
+        "config": config,
+        "model": result.model,
+        "started_at": datetime.datetime.fromtimestamp(result.started_at, datetime.timezone.utc).isoformat(),
+        "summary": _jsonable(result.summary),
+        "cpu": _jsonable(result.cpu),
+        "client_cpu_s": result.client_cpu_s,
+    }
+    if result.config.save_requests:
+        doc["requests"] = [
+            {**_jsonable(r), "ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot} for r in result.records
+        ]
+    return doc
+
+
+def write_json(results: Sequence[BenchResult], path: str | Path, sweep: bool = False) -> None:
+    """One run as an object; a sweep as {"runs": [one object per rate]}."""
+    doc = {"runs": [result_to_dict(r) for r in results]} if sweep else result_to_dict(results[0])
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (pip install 'inferno[bench]')."""
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib "
+                              "(or the project's 'bench' extra)") from None
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, values_ms: list[float], title: str) -> None:
+    xs = sorted(values_ms)
+    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of samples")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_result(result: BenchResult, path: str | Path) -> None:
+    """CDFs of TTFT and ITL of one run."""
+    plt = _pyplot()
+    done = [r for r in result.records if r.ok]
+    ttft = [r.ttft * 1000 for r in done if r.ttft is not None]
+    itl = [x * 1000 for r in done for x in r.itls()]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, values, title in ((axes[0], ttft, "TTFT"), (axes[1], itl, "ITL")):
+        if values:
+            _cdf(ax, values, title)
+        else:
+            ax.set_title(f"{title}: no samples")
+    fig.suptitle(f"{result.model}: {result.summary.completed} requests, "
+                 f"{result.summary.output_throughput:,.0f} output tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(results: Sequence[BenchResult], path: str | Path) -> None:
+    """Latency against throughput over a rate sweep: ITL p99 and TTFT p99 per output tok/s."""
+    plt = _pyplot()
+    xs = [r.summary.output_throughput for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+
+    def series(d: list[Distribution], label: str, marker: str) -> None:
+        pts = [(x, v.p99) for x, v in zip(xs, d) if v.p99 is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+
+    series([r.summary.itl for r in results], "ITL p99", "o")
+    series([r.summary.ttft for r in results], "TTFT p99", "s")
+    for x, r in zip(xs, results):
+        if r.summary.itl.p99 is not None:
+            ax.annotate(f"{_rate(r.config.request_rate)}/s", (x, r.summary.itl.p99),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,96 @@
+"""NATS subject names of every service, under a configurable prefix, with their id rules.
+
+| subject                         | message         | from → to                     | pattern       |
+|---------------------------------|-----------------|-------------------------------|---------------|
+| {p}.generate                    | GenerateRequest | gateway → scheduler           | request/reply |
+| {p}.worker.{worker_id}.generate | GenerateRequest | scheduler → worker            | publish       |
+| {p}.worker.{worker_id}.abort    | AbortRequest    | gateway → worker              | publish       |
+| {p}.heartbeat                   | WorkerHeartbeat | worker → schedulers, gateways | publish       |
+| {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
+| {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
+
+The generate request/reply is answered with a RouteReply by one scheduler replica: they all
+subscribe in the queue group SCHEDULER_QUEUE.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "inferno"
+SCHEDULER_QUEUE = "schedulers"  # queue group: each GenerateRequest reaches one scheduler replica
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Return `value` if it can be one token of a subject (letters, digits, '_' and '-'), else raise ValueError.
+
+    Dots, spaces and the wildcards '*' and '>' would change which subscribers a subject reaches.
+    """
+    if not isinstance(value, str) or _TOKEN.fullmatch(value) is None:
+        raise ValueError(f"{kind} {value!r} must be 1-128 characters of letters, digits, '_' or '-'")
+    return value
+
+
+def check_prefix(prefix: str) -> str:
+    """A prefix is one or more valid tokens joined by dots, e.g. "inferno" or "prod.inferno"."""
+    if not isinstance(prefix, str) or not prefix or not all(_TOKEN.fullmatch(t) for t in prefix.split(".")):
+        raise ValueError(f"subject prefix {prefix!r} must be dot-separated tokens of letters, digits, '_' or '-'")
+    return prefix
+
+
+def generate_subject(prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{check_prefix(prefix)}.generate"
+
+
+def worker_generate(prefix: str, worker_id: str) -> str:
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.generate"
+
+
+def worker_abort(prefix: str, worker_id: str) -> str:
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.abort"
+
+
+def heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{check_prefix(prefix)}.heartbeat"
+
+
+def kv_events(prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{check_prefix(prefix)}.kv_events"
+
+
+def gateway_inbox(prefix: str, gateway_id: str) -> str:
+    return f"{check_prefix(prefix)}.gateway.{check_id('gateway_id', gateway_id)}.tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """The subjects under one prefix, for code that passes a single object around."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+
+    @property
+    def generate(self) -> str:
+        return generate_subject(self.prefix)
+
+    @property
+    def heartbeat(self) -> str:
+        return heartbeat(self.prefix)
+
+    @property
+    def kv_events(self) -> str:
+        return kv_events(self.prefix)
+
+    def worker_generate(self, worker_id: str) -> str:
+        return worker_generate(self.prefix, worker_id)
+
+    def worker_abort(self, worker_id: str) -> str:
+        return worker_abort(self.prefix, worker_id)
+
+    def gateway_inbox(self, gateway_id: str) -> str:
+        return gateway_inbox(self.prefix, gateway_id)

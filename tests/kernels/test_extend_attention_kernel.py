@@ -1,0 +1,103 @@
+"""Paged extend (prefill) attention: reference vs dense causal attention, Triton vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, dense_causal_attention, paged_kv, rel_err
+
+from services.worker.kernels import decode_attention
+from services.worker.kernels import extend_attention as K
+
+
+def _case(lens, q_lens, hkv, group, head_dim, page, dtype, device):
+    """Sequence b has lens[b] tokens of context, the last q_lens[b] of which are new."""
+    k_cache, v_cache, tables, dense_k, dense_v = paged_kv(lens, hkv, head_dim, page, dtype, device)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], hkv * group, head_dim, device=device).to(dtype)
+    return (q, k_cache, v_cache, tables, torch.tensor(qsl, dtype=torch.int32, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device), dense_k, dense_v, qsl)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_reference_matches_dense_causal_attention(group):
+    lens, q_lens = [12, 40, 7, 33], [12, 9, 1, 33]  # full prefill, chunk on a prefix, decode
+    q, kc, vc, tables, qsl_t, lens_t, dense_k, dense_v, qsl = _case(lens, q_lens, 2, group, 32, 16,
+                                                                     torch.float32, "cpu")
+    scale = 32 ** -0.5
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, scale)
+    for b in range(len(lens)):
+        want = dense_causal_attention(q[qsl[b]:qsl[b + 1]], dense_k[b], dense_v[b], scale)
+        assert rel_err(ref[qsl[b]:qsl[b + 1]], want) <= 1e-6
+
+
+def test_reference_matches_sdpa_for_a_plain_prefill():
+    lens = [29]
+    q, kc, vc, tables, qsl_t, lens_t, dense_k, dense_v, _ = _case(lens, lens, 2, 2, 32, 16, torch.float32, "cpu")
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), dense_k[0].repeat_interleave(2, 1).transpose(0, 1),
+        dense_v[0].repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.3).transpose(0, 1)
+    assert rel_err(ref, want) <= 1e-6
+
+
+def test_all_decode_batch_matches_decode_reference():
+    lens = [5, 16, 41]
+    q, kc, vc, tables, qsl_t, lens_t, dense_k, dense_v, _ = _case(lens, [1, 1, 1], 2, 4, 32, 16,
+                                                                   torch.float32, "cpu")
+    got = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)
+    for b in range(3):
+        want = dense_causal_attention(q[b:b + 1], dense_k[b], dense_v[b], 0.2)
+        assert rel_err(got[b:b + 1], want) <= 1e-6
+    assert torch.equal(got, decode_attention.paged_decode_attention_ref(q, kc, vc, tables, lens_t, 0.2))
+
+
+CASES = [
+    # lens, q_lens, kv heads, group, head_dim, page
+    ([20, 37], [20, 5], 2, 1, 32, 16),  # prefill + chunk over a cached prefix
+    ([70, 16, 9], [70, 1, 9], 1, 4, 32, 16),  # two query tiles, a decode, a short prefill
+    ([45, 128], [17, 3], 1, 8, 16, 8),
+    ([33], [33], 2, 2, 64, 16),
+    ([1, 2], [1, 2], 2, 4, 32, 4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,q_lens,hkv,group,head_dim,page", CASES)
+def test_triton_matches_reference(dtype, lens, q_lens, hkv, group, head_dim, page, device):
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, hkv, group, head_dim, page, dtype, device)
+    scale = head_dim ** -0.5
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, scale)
+    out = K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t, scale, max_query_len=max(q_lens))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_decode_only_batch_and_empty_sequences(device):
+    """q_len 1 for every sequence works, and a sequence with no new tokens is skipped."""
+    lens, q_lens = [7, 30, 16, 50], [1, 1, 0, 1]
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, 2, 4, 32, 16, torch.float32, device)
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)
+    out = K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t, 0.2, max_query_len=1)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_strided_q_from_fused_qkv(device):
+    lens = [24, 40]
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, [24, 8], 2, 2, 32, 16, torch.float32, device)
+    fused = torch.randn(q.shape[0], q.shape[1] * 32 + 2 * 2 * 32, device=device)
+    fused[:, : q.shape[1] * 32] = q.reshape(q.shape[0], -1)
+    q_view = fused[:, : q.shape[1] * 32].view(q.shape)
+    assert not q_view.is_contiguous()
+    out = K.paged_extend_attention(q_view, kc, vc, tables, qsl_t, lens_t, 0.2, max_query_len=24)
+    assert rel_err(out, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)) <= 1e-5
+
+
+def test_rejects_bad_arguments(device):
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case([5], [5], 2, 2, 32, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        K.paged_extend_attention(q, kc, vc, tables, qsl_t[:1], lens_t, 0.2, max_query_len=5)
+    with pytest.raises(ValueError, match="seq_lens"):
+        K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t.long(), 0.2, max_query_len=5)

@@ -1,0 +1,252 @@
+"""Validation of OpenAI completions and chat bodies: every bound gives a 400 naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.errors import ApiError
+from services.gateway.schemas import (MAX_CHAT_CHARS, MAX_MESSAGES, Limits, parse_chat, parse_completion,
+                                      resolve_max_tokens)
+from shared.sampling_params import SamplingParams
+
+LIMITS = Limits(model_name="tiny", max_model_len=128, vocab_size=1000, max_n=16)
+USER = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields) -> dict:
+    return {"model": "tiny", "prompt": "Hello", **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": USER, **fields}
+
+
+def error_of(parse, body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body, LIMITS)
+    return info.value
+
+
+def test_completion_maps_every_field_to_sampling_params():
+    spec = parse_completion(completion(
+        n=2, stream=True, stream_options={"include_usage": True}, stop=["\n", "END"], max_tokens=20,
+        temperature=0.5, top_p=0.9, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"7": 5, "12": -100},
+        seed=42, top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=3, ignore_eos=True,
+        stop_token_ids=[2, 3], logprobs=5, user="someone", unknown_field={"x": 1}, cache_salt="tenant-a"),
+        LIMITS)
+    assert spec.params == SamplingParams(
+        temperature=0.5, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, logit_bias={7: 5.0, 12: -100.0}, seed=42, max_tokens=20, min_tokens=3,
+        stop_token_ids=[2, 3], ignore_eos=True, logprobs=5)
+    assert (spec.n, spec.stream, spec.include_usage, spec.stop) == (2, True, True, ("\n", "END"))
+    assert (spec.prompt, spec.max_tokens, spec.logprobs, spec.cache_salt) == ("Hello", 20, 5, "tenant-a")
+    assert spec.model == "tiny" and not spec.is_chat
+
+
+def test_completion_defaults():
+    spec = parse_completion({"prompt": "x"}, LIMITS)
+    assert spec.params == SamplingParams(max_tokens=128)  # a stand-in until the prompt is tokenized
+    assert (spec.n, spec.stream, spec.include_usage, spec.stop, spec.max_tokens, spec.logprobs) == \
+        (1, False, False, (), None, None)
+    assert spec.model == "tiny"  # no model: the served one
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("text", "text"),
+    ([1, 2, 3], [1, 2, 3]),
+    (["one string"], "one string"),
+    ([[4, 5]], [4, 5]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    assert parse_completion(completion(prompt=prompt), LIMITS).prompt == expected
+
+
+@pytest.mark.parametrize("prompt, words", [
+    (["a", "b"], "one prompt per request"),
+    ([[1], [2]], "one prompt per request"),
+    ([], "non-empty"),
+    (None, "non-empty"),
+    (7, "non-empty"),
+    ([1, 1000], "outside the vocabulary"),
+    ([1, "x"], "list of token ids"),
+    ([1, True], "list of token ids"),
+])
+def test_completion_bad_prompts(prompt, words):
+    e = error_of(parse_completion, completion(prompt=prompt))
+    assert (e.status, e.param, e.type) == (400, "prompt", "invalid_request_error")
+    assert words in e.message
+
+
+BOUNDS = [
+    # (field, value, param)
+    ("n", 17, "n"), ("n", 0, "n"), ("n", "2", "n"), ("n", 1.5, "n"),
+    ("max_tokens", 0, "max_tokens"), ("max_tokens", 129, "max_tokens"), ("max_tokens", "5", "max_tokens"),
+    ("temperature", -0.1, "temperature"), ("temperature", 100.5, "temperature"), ("temperature", "hot", "temperature"),
+    ("temperature", True, "temperature"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
+    ("top_k", -2, "top_k"), ("top_k", 1001, "top_k"),
+    ("min_p", 1.5, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("repetition_penalty", 11, "repetition_penalty"),
+    ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -2.5, "frequency_penalty"),
+    ("seed", 1 << 64, "seed"), ("seed", "7", "seed"),
+    ("min_tokens", -1, "min_tokens"), ("ignore_eos", "yes", "ignore_eos"),
+    ("stop_token_ids", [1000], "stop_token_ids"), ("stop_token_ids", list(range(65)), "stop_token_ids"),
+    ("stop_token_ids", "2", "stop_token_ids"),
+    ("stop", ["s"] * 17, "stop"), ("stop", "x" * 257, "stop"), ("stop", [1], "stop"), ("stop", 5, "stop"),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, "logit_bias"), ("logit_bias", {"1000": 1}, "logit_bias"),
+    ("logit_bias", {"abc": 1}, "logit_bias"), ("logit_bias", {"5": 101}, "logit_bias"),
+    ("logit_bias", {"5": "big"}, "logit_bias"), ("logit_bias", [1, 2], "logit_bias"),
+    ("stream", "true", "stream"), ("stream_options", "usage", "stream_options"),
+    ("cache_salt", "s" * 257, "cache_salt"), ("cache_salt", 5, "cache_salt"),
+    ("model", 5, "model"),
+]
+
+
+@pytest.mark.parametrize("field, value, param", BOUNDS)
+def test_completion_bounds(field, value, param):
+    e = error_of(parse_completion, completion(**{field: value}))
+    assert (e.status, e.param, e.type) == (400, param, "invalid_request_error")
+
+
+@pytest.mark.parametrize("field, value, param", BOUNDS)
+def test_chat_bounds(field, value, param):
+    e = error_of(parse_chat, chat(**{field: value}))
+    assert (e.status, e.param, e.type) == (400, param, "invalid_request_error")
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("logprobs", 21, "logprobs"), ("logprobs", -1, "logprobs"), ("logprobs", True, "logprobs"),
+    ("echo", True, "echo"), ("suffix", "tail", "suffix"), ("best_of", 3, "best_of"),
+])
+def test_completion_only_bounds(field, value, param):
+    e = error_of(parse_completion, completion(**{field: value}))
+    assert (e.status, e.param) == (400, param)
+
+
+def test_completion_min_tokens_over_max_tokens():
+    e = error_of(parse_completion, completion(max_tokens=4, min_tokens=5))
+    assert (e.status, e.param) == (400, "min_tokens")
+
+
+def test_wrong_model_is_404():
+    for parse, body in ((parse_completion, completion(model="gpt-4")), (parse_chat, chat(model="gpt-4"))):
+        e = error_of(parse, body)
+        assert (e.status, e.code, e.param) == (404, "model_not_found", "model")
+        assert e.body() == {"error": {"message": "The model `gpt-4` does not exist.",
+                                      "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+
+
+def test_body_must_be_an_object():
+    for parse in (parse_completion, parse_chat):
+        for body in ([1, 2], "text", None, 3):
+            assert error_of(parse, body).status == 400
+
+
+def test_chat_maps_logprobs_and_max_completion_tokens():
+    spec = parse_chat(chat(logprobs=True, top_logprobs=3, max_completion_tokens=7, max_tokens=99, seed=1), LIMITS)
+    assert (spec.logprobs, spec.params.logprobs, spec.max_tokens, spec.params.max_tokens) == (3, 3, 7, 7)
+    assert spec.params.seed == 1 and spec.is_chat
+    assert parse_chat(chat(logprobs=True), LIMITS).logprobs == 0
+    assert parse_chat(chat(logprobs=False), LIMITS).logprobs is None
+    assert parse_chat(chat(max_tokens=9), LIMITS).max_tokens == 9
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": 1}, "logprobs"),  # chat logprobs is a boolean
+    ({"max_completion_tokens": 129}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_chat_only_bounds(fields, param):
+    e = error_of(parse_chat, chat(**fields))
+    assert (e.status, e.param) == (400, param)
+
+
+def test_chat_messages_roles_and_content_parts():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Really brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                             "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    spec = parse_chat({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}, LIMITS)
+    assert spec.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Really brief."},
+        {"role": "user", "content": "a\nb", "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": messages[3]["tool_calls"]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert spec.tools == [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"),
+    ("hi", "messages"),
+    (None, "messages"),
+    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    (["hi"], "messages[0]"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[1].content"),
+    ([{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1), "messages"),
+    ([{"role": "user", "content": "x" * (MAX_CHAT_CHARS // 2)}] * 2 + [{"role": "user", "content": "x"}],
+     "messages"),
+])
+def test_chat_bad_messages(messages, param):
+    e = error_of(parse_chat, {"messages": messages})
+    assert (e.status, e.param) == (400, param)
+
+
+def test_chat_tools_must_be_objects():
+    e = error_of(parse_chat, chat(tools=["f"]))
+    assert (e.status, e.param) == (400, "tools")
+
+
+def test_resolve_max_tokens():
+    spec = parse_completion(completion(), LIMITS)
+    assert resolve_max_tokens(spec, 100, 128).max_tokens == 28  # the rest of the window
+    spec = parse_completion(completion(), LIMITS)
+    assert resolve_max_tokens(spec, 100, 128, default=16).max_tokens == 16
+    spec = parse_completion(completion(max_tokens=28), LIMITS)
+    assert resolve_max_tokens(spec, 100, 128).max_tokens == 28
+    assert spec.params.max_tokens == 28
+
+
+def test_context_length_exceeded():
+    spec = parse_completion(completion(max_tokens=29), LIMITS)
+    with pytest.raises(ApiError) as info:
+        resolve_max_tokens(spec, 100, 128)
+    e = info.value
+    assert (e.status, e.code, e.param, e.type) == (400, "context_length_exceeded", "prompt", "invalid_request_error")
+    assert "maximum context length is 128 tokens" in e.message and "129 tokens" in e.message
+    spec = parse_chat(chat(), LIMITS)
+    with pytest.raises(ApiError) as info:
+        resolve_max_tokens(spec, 128, 128)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
+
+
+def test_min_tokens_over_the_room_left():
+    spec = parse_completion(completion(min_tokens=50), LIMITS)
+    with pytest.raises(ApiError) as info:
+        resolve_max_tokens(spec, 100, 128)
+    assert (info.value.status, info.value.param) == (400, "min_tokens")
+
+
+def test_stop_strings_deduplicated_and_empty_dropped():
+    assert parse_completion(completion(stop=["a", "", "a", "b"]), LIMITS).stop == ("a", "b")
+    assert parse_completion(completion(stop="x"), LIMITS).stop == ("x",)
+    assert parse_completion(completion(stop=None), LIMITS).stop == ()
+
+
+def test_null_means_default():
+    spec = parse_completion(completion(temperature=None, n=None, stop=None, seed=None, logit_bias=None), LIMITS)
+    assert (spec.params.temperature, spec.n, spec.params.seed, spec.params.logit_bias) == (1.0, 1, None, {})
+
+
+def test_integral_floats_are_integers():
+    assert parse_completion(completion(max_tokens=5.0, n=2.0), LIMITS).max_tokens == 5
