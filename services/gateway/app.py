@@ -194,13 +194,6 @@ def error_middleware(gw: Gateway) -> Callable:
     return errors
 
 
-async def _refuse_while_draining(request: web.Request, handler: Callable) -> web.StreamResponse:
-    gw: Gateway = request.app[GATEWAY]
-    if gw.draining:
-        raise unavailable("the gateway is shutting down")
-    return await handler(request)
-
-
 def build_app(cfg: GatewayConfig, conn: NatsConnection | None, tokenizer: Tokenizer, *,
               subject_prefix: str | None = None, model_config: ModelConfig | None = None,
               heartbeat_ttl: float = HEARTBEAT_TTL) -> web.Application:
@@ -215,7 +208,11 @@ def build_app(cfg: GatewayConfig, conn: NatsConnection | None, tokenizer: Tokeni
     app[GATEWAY] = gw
 
     def generation(handler: Callable) -> Callable:
-        return lambda request: _refuse_while_draining(request, handler)
+        async def refuse_while_draining(request: web.Request) -> web.StreamResponse:
+            if gw.draining:
+                raise unavailable("the gateway is shutting down")
+            return await handler(request)
+        return refuse_while_draining
 
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)

@@ -10,6 +10,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import TokenTexts, chat_entries
 from services.gateway.schemas import parse_chat, resolve_max_tokens
 from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
+from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
 class ChatFormat(ResponseFormat):
@@ -30,13 +31,19 @@ class ChatFormat(ResponseFormat):
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for c in choices]
 
-    def chunk_choice(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
-        entries = self._entries(update)
-        if not update.text and update.finish_reason is None and entries is None:
-            return None  # text held back (a partial character, a possible stop string)
-        return {"index": choice.index, "delta": {"content": update.text} if update.text else {},
-                "logprobs": {"content": entries} if entries is not None else None,
-                "finish_reason": update.finish_reason}
+    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        if update.token_ids is not None:
+            return frame.chunk({"index": choice.index, "delta": {"content": update.text} if update.text else {},
+                                "logprobs": {"content": self._entries(update)},
+                                "finish_reason": update.finish_reason})
+        if update.text:
+            # The per-token path: a byte template, no dict and no general JSON encoding.
+            return b'%s{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":%s}]}\n\n' % (
+                frame.head, choice.index, json_str(update.text), json_finish(update.finish_reason))
+        if update.finish_reason is not None:
+            return b'%s{"index":%d,"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n' % (
+                frame.head, choice.index, json_finish(update.finish_reason))
+        return None  # text held back (a partial character, a possible stop string)
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
         if update.text:

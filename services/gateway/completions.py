@@ -10,6 +10,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import CompletionLogprobs, TokenTexts
 from services.gateway.schemas import parse_completion, resolve_max_tokens
 from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
+from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
 class CompletionFormat(ResponseFormat):
@@ -28,11 +29,16 @@ class CompletionFormat(ResponseFormat):
             choice.logprobs = CompletionLogprobs()
         return choice.logprobs.add(self.texts, update.token_ids, update.logprobs, update.top_ids, update.top_lps)
 
-    def chunk_choice(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
-        lp = self._logprobs(choice, update)
-        if not update.text and update.finish_reason is None and lp is None:
+    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        if update.token_ids is not None:
+            lp = self._logprobs(choice, update)
+            return frame.chunk({"index": choice.index, "text": update.text, "logprobs": lp,
+                                "finish_reason": update.finish_reason})
+        if not update.text and update.finish_reason is None:
             return None  # text held back (a partial character, a possible stop string)
-        return {"index": choice.index, "text": update.text, "logprobs": lp, "finish_reason": update.finish_reason}
+        # The per-token path: a byte template, no dict and no general JSON encoding.
+        return b'%s{"index":%d,"text":%s,"logprobs":null,"finish_reason":%s}]}\n\n' % (
+            frame.head, choice.index, json_str(update.text), json_finish(update.finish_reason))
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
         if update.text:

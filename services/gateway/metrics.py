@@ -15,10 +15,11 @@ Definitions (all latencies in seconds, measured at the gateway):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.gateway.worker_health import WorkerHealth
@@ -29,6 +30,48 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0)
+
+
+class LatencyHistogram:
+    """A Prometheus histogram for code on the event loop's thread: no lock, one bisect per sample
+    (a fifth of prometheus_client's Histogram.observe, which matters once per token)."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.doc = doc
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # a bucket's bound is inclusive (le)
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def family(self) -> HistogramMetricFamily:
+        buckets = []
+        total = 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += n
+            buckets.append((bound, total))
+        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+
+
+class HistogramCollector:
+    def __init__(self, histograms: list[LatencyHistogram]):
+        self.histograms = histograms
+
+    def describe(self) -> list[Metric]:
+        return [h.family() for h in self.histograms]
+
+    def collect(self) -> Iterator[Metric]:
+        for h in self.histograms:
+            yield h.family()
 
 
 class WorkerStatsCollector:
@@ -66,15 +109,16 @@ class GatewayMetrics:
     def __init__(self, health: WorkerHealth):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.time_to_first_token = Histogram("inferno:time_to_first_token_seconds", "Time to first token.",
-                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram("inferno:inter_token_latency_seconds", "Inter-token latency.",
-                                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e_request_latency = Histogram("inferno:e2e_request_latency_seconds", "End-to-end request latency.",
-                                             buckets=_E2E_BUCKETS, registry=r)
-        self.request_queue_time = Histogram("inferno:request_queue_time_seconds",
-                                            "Gateway receipt to acceptance by the scheduler.",
-                                            buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = LatencyHistogram("inferno:time_to_first_token_seconds", "Time to first token.",
+                                                    _LATENCY_BUCKETS)
+        self.inter_token_latency = LatencyHistogram("inferno:inter_token_latency_seconds", "Inter-token latency.",
+                                                    _ITL_BUCKETS)
+        self.e2e_request_latency = LatencyHistogram("inferno:e2e_request_latency_seconds",
+                                                    "End-to-end request latency.", _E2E_BUCKETS)
+        self.request_queue_time = LatencyHistogram("inferno:request_queue_time_seconds",
+                                                   "Gateway receipt to acceptance by the scheduler.", _LATENCY_BUCKETS)
+        r.register(HistogramCollector([self.time_to_first_token, self.inter_token_latency,
+                                       self.e2e_request_latency, self.request_queue_time]))
         self.request_success = Counter("inferno:request_success", "Choices finished, by finish reason.",
                                        ["finished_reason"], registry=r)
         self.request_errors = Counter("inferno:request_errors", "Requests answered with an error, by status.",

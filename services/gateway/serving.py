@@ -39,7 +39,8 @@ class ResponseFormat:
         """Choice entries of the chunks sent before any token (chat: the assistant role)."""
         return []
 
-    def chunk_choice(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
+    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        """The SSE event for one update, or None when there is nothing to send yet."""
         raise NotImplementedError
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
@@ -158,7 +159,7 @@ async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: Respo
     writer = SseWriter()
     await writer.start(request)
     frame = ChunkFrame(gen.response_id, fmt.chunk_object, int(time.time()), gen.spec.model)
-    opening = b"".join(frame.chunk([c]) for c in fmt.opening(gen.choices))
+    opening = b"".join(frame.chunk(entry) for entry in fmt.opening(gen.choices))
     if opening and not await writer.write(opening):
         gen.abort("client disconnected")
         return writer.response
@@ -167,9 +168,9 @@ async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: Respo
         updates, failure = _apply(gw, gen, await _next_items(queue))
         parts = []
         for choice, update in updates:
-            entry = fmt.chunk_choice(choice, update)
-            if entry is not None:
-                parts.append(frame.chunk([entry]))
+            data = fmt.chunk(frame, choice, update)
+            if data is not None:
+                parts.append(data)
         if failure is not None:
             _record_failure(gw, gen, failure, in_stream=True)
             parts.append(event(stream_error_event(failure.status, failure.message, failure.type)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring  # the C version when available
 from typing import Any, Callable
 
 from aiohttp import web
@@ -30,21 +31,34 @@ def event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
+_FINISH = {None: b"null", "stop": b'"stop"', "length": b'"length"'}
+
+
+def json_str(text: str) -> bytes:
+    """A JSON string literal (UTF-8, quotes included), through the C encoder of the json module."""
+    return encode_basestring(text).encode()
+
+
+def json_finish(reason: str | None) -> bytes:
+    f = _FINISH.get(reason)
+    return f if f is not None else json_str(reason)
+
+
 class ChunkFrame:
     """A stream chunk's fixed envelope (id, object, created, model), encoded once per request;
-    each chunk then encodes only its small `choices` list."""
+    each chunk then encodes only its small choice entry (or is filled into a byte template)."""
 
-    __slots__ = ("_head",)
+    __slots__ = ("head",)
 
     def __init__(self, response_id: str, obj: str, created: int, model: str):
         head = dumps({"id": response_id, "object": obj, "created": created, "model": model})
-        self._head = b"data: " + head[:-1] + b',"choices":'
+        self.head = b"data: " + head[:-1] + b',"choices":['  # + entry + b"]}\n\n"
 
-    def chunk(self, choices: list[dict]) -> bytes:
-        return self._head + dumps(choices) + b"}\n\n"
+    def chunk(self, entry: dict) -> bytes:
+        return self.head + dumps(entry) + b"]}\n\n"
 
     def usage_chunk(self, usage: dict) -> bytes:
-        return self._head + b'[],"usage":' + dumps(usage) + b"}\n\n"
+        return self.head + b'],"usage":' + dumps(usage) + b"}\n\n"
 
 
 class SseWriter:

@@ -193,26 +193,35 @@ def _sample_kernel(
         # Division is monotone, so max(x / T) == max(x) / T exactly.
         m = tl.div_rn(x_max, temp)
 
-        # Top-k: bisection on the order-preserving integer image of l (exact after <= 32 steps,
-        # early out once exactly k tokens are >= the probe).
+        # Top-k: bisection on the order-preserving integer image of l. Invariant: count(l >= lo)
+        # >= k and count(l >= hi + 1) < k; it stops as soon as no l lies in (lo, hi] (the kept set
+        # is then fixed) or exactly k tokens are >= the probe. Exact; <= 32 passes, usually ~log2(V).
         t_k = tl.full([], float("-inf"), tl.float32)
         if (top_k > 0) & (top_k < vocab):
             lo = tl.full([], _NEG_INF_KEY, tl.int64)
             hi = _float_key(m).to(tl.int64)
             while lo < hi:
                 mid = lo + (hi - lo + 1) // 2
-                probe = _key_float(mid)
-                count = tl.zeros([BLOCK_V], tl.int32)
+                probe, probe_lo, probe_hi = _key_float(mid), _key_float(lo), _key_float(hi)
+                n_ge = tl.zeros([BLOCK_V], tl.int32)
+                n_up = tl.zeros([BLOCK_V], tl.int32)
+                n_down = tl.zeros([BLOCK_V], tl.int32)
                 for v0 in range(0, vocab, BLOCK_V):
                     idx = v0 + cols
                     x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                    count += (tl.div_rn(x, temp) >= probe).to(tl.int32)
-                n = tl.sum(count, axis=0)
-                lo = tl.where(n >= top_k, mid, lo)
-                hi = tl.where(n == top_k, mid, tl.where(n >= top_k, hi, mid - 1))
+                    l = tl.div_rn(x, temp)
+                    n_ge += (l >= probe).to(tl.int32)
+                    n_up += ((l > probe) & (l <= probe_hi)).to(tl.int32)
+                    n_down += ((l > probe_lo) & (l < probe)).to(tl.int32)
+                n = tl.sum(n_ge, axis=0)
+                take = n >= top_k
+                rest = tl.where(take, tl.sum(n_up, axis=0), tl.sum(n_down, axis=0))
+                lo = tl.where(take, mid, lo)
+                hi = tl.where((n == top_k) | (rest == 0), lo, tl.where(take, hi, mid - 1))
             t_k = _key_float(lo)
 
-        # Top-p: bisection on the bits of e (non-negative floats order like their bits).
+        # Top-p: the same bisection on the bits of e (non-negative floats order like their bits),
+        # over the top-k set, for the largest t with mass(e >= t) >= top_p * Z.
         t_p = tl.full([], 0.0, tl.float32)
         if top_p < 1.0:
             z_acc = tl.zeros([BLOCK_V], tl.float32)
@@ -227,16 +236,23 @@ def _sample_kernel(
             while lo_p < hi_p:
                 mid = lo_p + (hi_p - lo_p + 1) // 2
                 probe = mid.to(tl.int32).to(tl.float32, bitcast=True)
+                probe_lo = lo_p.to(tl.int32).to(tl.float32, bitcast=True)
+                probe_hi = hi_p.to(tl.int32).to(tl.float32, bitcast=True)
                 mass_acc = tl.zeros([BLOCK_V], tl.float32)
+                n_up = tl.zeros([BLOCK_V], tl.int32)
+                n_down = tl.zeros([BLOCK_V], tl.int32)
                 for v0 in range(0, vocab, BLOCK_V):
                     idx = v0 + cols
                     x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
                     l = tl.div_rn(x, temp)
-                    e = tl.exp(l - m)
-                    mass_acc += tl.where((l >= t_k) & (e >= probe), e, 0.0)
+                    e = tl.where(l >= t_k, tl.exp(l - m), -1.0)  # -1: outside the top-k set
+                    mass_acc += tl.where(e >= probe, e, 0.0)
+                    n_up += ((e > probe) & (e <= probe_hi)).to(tl.int32)
+                    n_down += ((e > probe_lo) & (e < probe)).to(tl.int32)
                 ok = tl.sum(mass_acc, axis=0) >= target
+                rest = tl.where(ok, tl.sum(n_up, axis=0), tl.sum(n_down, axis=0))
                 lo_p = tl.where(ok, mid, lo_p)
-                hi_p = tl.where(ok, hi_p, mid - 1)
+                hi_p = tl.where(rest == 0, lo_p, tl.where(ok, hi_p, mid - 1))
             t_p = lo_p.to(tl.int32).to(tl.float32, bitcast=True)
 
         # The draw: Gumbel-max over the kept tokens.
