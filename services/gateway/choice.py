@@ -54,7 +54,9 @@ class ChoiceState:
         """Consume one delta; None once the choice has finished (late deltas after a stop string)."""
         if self.finish_reason is not None:
             return None
-        ids = unpack_ids(d.token_ids) if d.token_ids else []
+        raw = d.token_ids
+        # One token per step is the common case: skip the array round trip of unpack_ids.
+        ids = [int.from_bytes(raw, "little", signed=True)] if len(raw) == 4 else unpack_ids(raw)
         self.num_tokens += len(ids)
         if d.cached_tokens > self.cached_tokens:
             self.cached_tokens = d.cached_tokens

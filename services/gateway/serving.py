@@ -98,14 +98,6 @@ async def generate(gw: Gateway, request: web.Request, spec: GenerationSpec, prom
             gw.metrics.requests_in_flight.dec()
 
 
-async def _next_items(queue: asyncio.Queue) -> list:
-    """Everything queued now, waiting for at least one item: one wake-up per worker step."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
-
-
 def _apply(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
                                                                StreamFailed | None]:
     now = time.monotonic()
@@ -165,7 +157,7 @@ async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: Respo
         return writer.response
     queue = gen.stream.queue
     while gen.unfinished:
-        updates, failure = _apply(gw, gen, await _next_items(queue))
+        updates, failure = _apply(gw, gen, await queue.take_all())
         parts = []
         for choice, update in updates:
             data = fmt.chunk(frame, choice, update)
@@ -188,7 +180,7 @@ async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: Respo
 async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> web.Response:
     queue = gen.stream.queue
     while gen.unfinished:
-        updates, failure = _apply(gw, gen, await _next_items(queue))
+        updates, failure = _apply(gw, gen, await queue.take_all())
         for choice, update in updates:
             fmt.collect(choice, update)
         if failure is not None:

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from shared.loadgen.client import BenchError, BenchResult, run_benchmark
-from shared.loadgen.report import PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep, write_json
+from shared.loadgen.report import (PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep,
+                                   write_json)
 from shared.loadgen.workload import BenchConfig, parse_range
 
 
@@ -60,13 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--sweep-rates", type=_rates, metavar="R1,R2,...",
                       help="run the Poisson workload at each rate in turn, one row per rate (W3)")
     p.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts, lengths and arrivals follow it; a server with prefix caching "
+                        "serves a repeated seed's prompts from cache (a sweep uses SEED+i per rate)")
     p.add_argument("--prompt-mode", choices=["tokens", "text"],
                    help="random token ids (default for completions) or random words (default for chat)")
     p.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [10, VOCAB)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos/min_tokens: the model may stop early")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="default 0 (greedy), as vLLM's and SGLang's benchmarks send")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--max-duration", type=float, default=3600.0,
                    help="seconds for a whole run; requests still open then fail (default 3600)")
@@ -86,7 +90,8 @@ def _pids(args: argparse.Namespace) -> dict[str, int]:
             listed = json.load(f)
         if not isinstance(listed, dict):
             raise ValueError(f"{args.pids_file}: expected a JSON object of service name -> pid")
-        pids.update({str(k): v for k, v in listed.items()})
+        for name, pid in listed.items():
+            pids[str(name)] = int(pid) if isinstance(pid, str) and pid.isdigit() else pid
     pids.update(dict(args.pid))
     return pids
 
@@ -107,19 +112,27 @@ async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:
     for cfg in configs:
         if len(configs) > 1:
             print(f"rate {cfg.request_rate:g}/s ...", file=sys.stderr, flush=True)
-        results.append(await run_benchmark(dataclasses.replace(cfg, model=results[0].model) if results else cfg))
+        if results:  # the model a sweep's first run found
+            cfg = dataclasses.replace(cfg, model=results[0].model)
+        results.append(await run_benchmark(cfg))
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0 when some request completed, 1 when none did or the run could not start."""
+    """0 when some request completed, 1 when none did or the run could not start, 2 for bad flags."""
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
-    except (OSError, ValueError) as exc:
-        parser.error(str(exc))  # exits 2
-    configs = [dataclasses.replace(cfg, request_rate=r) for r in args.sweep_rates] if args.sweep_rates else [cfg]
+        args = parser.parse_args(argv)
+        try:
+            cfg = config_from_args(args)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+    except SystemExit as exc:  # argparse: --help, or bad flags after printing why
+        return exc.code if isinstance(exc.code, int) else 2
+    configs = [cfg]
+    if args.sweep_rates:  # fresh prompts per rate: the same ones again would hit the prefix cache
+        configs = [dataclasses.replace(cfg, request_rate=r, seed=cfg.seed + i)
+                   for i, r in enumerate(args.sweep_rates)]
     try:
         results = asyncio.run(_run_all(configs))
     except BenchError as exc:

@@ -88,47 +88,67 @@ def _fail(record: RequestRecord, kind: str, detail: object = "") -> None:
     record.error_detail = str(detail)[:ERROR_DETAIL_CHARS]
 
 
-def _on_event(record: RequestRecord, payload: bytes, now: float) -> bool:
-    """Apply one `data:` payload to the record; False when the stream has failed."""
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        event = None
-    if not isinstance(event, dict):
-        _fail(record, "bad-sse", payload)
-        return False
-    if event.get("error"):
-        _fail(record, "stream-error", event["error"])
-        return False
-    usage = event.get("usage")
-    if isinstance(usage, dict):
-        record.prompt_tokens = usage.get("prompt_tokens")
-        record.completion_tokens = usage.get("completion_tokens")
-    choices = event.get("choices")
-    if choices and _has_text(choices[0]):
-        record.chunk_times.append(now)
-    return True
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class SseReader:
+    """Turns the raw bytes of one streamed response into its record's chunk times and usage."""
+
+    def __init__(self, record: RequestRecord):
+        self.record = record
+        self._tail = b""  # a line not yet ended
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take the bytes of one read, which arrived at `now`; False once the stream has failed.
+
+        After `data: [DONE]` (record.end set) the rest is ignored.
+        """
+        *lines, self._tail = (self._tail + data).split(b"\n")
+        if len(self._tail) > MAX_SSE_LINE:
+            _fail(self.record, "bad-sse", f"a line longer than {MAX_SSE_LINE} bytes")
+            return False
+        for line in lines:
+            if self.record.end is not None:
+                break
+            if line.startswith(b"data:") and not self._on_data(line[5:].strip(), now):
+                return False
+            # other lines: blank separators, comments, event: and id: fields
+        return True
+
+    def _on_data(self, payload: bytes, now: float) -> bool:
+        record = self.record
+        if payload == b"[DONE]":
+            record.end = now
+            return True
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            event = None
+        if not isinstance(event, dict):
+            _fail(record, "bad-sse", payload)
+            return False
+        if event.get("error"):
+            _fail(record, "stream-error", event["error"])
+            return False
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            record.prompt_tokens = _count(usage.get("prompt_tokens"))
+            record.completion_tokens = _count(usage.get("completion_tokens"))
+        choices = event.get("choices")
+        if isinstance(choices, list) and choices and _has_text(choices[0]):
+            record.chunk_times.append(now)
+        return True
 
 
 async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: float) -> None:
-    # Whole reads split by hand rather than readline(): a third of the client's CPU per token.
-    tail = b""
+    # Whole reads rather than an await per line: a client that falls behind catches up a
+    # buffer at a time. After [DONE] it still reads to EOF, so the connection is reused.
+    reader = SseReader(record)
     async for data in resp.content.iter_any():
         now = time.perf_counter() - t0  # before any parsing; the lines of one read came together
-        if record.end is not None:
-            continue  # past [DONE]: drain to EOF so the connection goes back to the pool
-        *lines, tail = (tail + data).split(b"\n")
-        if len(tail) > MAX_SSE_LINE:
-            return _fail(record, "bad-sse", f"a line longer than {MAX_SSE_LINE} bytes")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, event: lines
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                record.end = now
-                break
-            if not _on_event(record, payload, now):
-                return
+        if record.end is None and not reader.feed(data, now):
+            return
     if record.end is None:
         _fail(record, "incomplete-stream", "the stream ended without data: [DONE]")
 

@@ -232,9 +232,10 @@ async def test_sweep_runs_each_rate(tmp_path, capsys):
     assert [r["summary"]["completed"] for r in runs] == [10, 10]
     assert [r["summary"]["total_output_tokens"] for r in runs] == [40, 40]
     assert [r["summary"]["total_input_tokens"] for r in runs] == [160, 160]
-    # The same seed sends the same prompts at every rate (arrivals may overtake each other).
-    prompts = [x.body["prompt"] for x in server.served]
-    assert sorted(prompts[:10]) == sorted(prompts[10:]) and len(prompts) == 20
+    assert [r["config"]["seed"] for r in runs] == [0, 1]
+    # Each rate sends new prompts, so none is served from the previous rate's prefix cache.
+    prompts = [tuple(x.body["prompt"]) for x in server.served]
+    assert len(prompts) == 20 and not set(prompts[:10]) & set(prompts[10:])
     assert "rate/s" in capsys.readouterr().out
 
 

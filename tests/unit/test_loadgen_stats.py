@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from shared.loadgen.cli import build_parser, config_from_args, main
+from shared.loadgen.client import SseReader
 from shared.loadgen.stats import CpuCost, CpuMeter, Distribution, RequestRecord, percentile, summarize
 from shared.loadgen.workload import (MIN_TOKEN_ID, WORDS, BenchConfig, arrival_offsets, build_workload,
                                      parse_range)
@@ -177,3 +179,57 @@ def test_config_rejects_what_cannot_run():
         with pytest.raises(ValueError):
             BenchConfig(**bad)
     BenchConfig(endpoint="chat", prompt_mode="text")
+
+
+def test_sse_reader_takes_reads_split_anywhere():
+    r = RequestRecord(0, 3, 2, start=0.0)
+    sse = SseReader(r)
+    first = b'data: {"choices":[{"text":" a"}],"usage":null}\n\n'
+    assert sse.feed(b": keep-alive\n\n" + first[:20], now=0.1)
+    assert r.chunk_times == []  # the event is not whole yet
+    assert sse.feed(first[20:] + b'data: {"choices":[{"text":" b"}]}\n\ndata: {"choices":[{"text":""', now=0.2)
+    assert r.chunk_times == [0.2, 0.2]  # both arrived in the second read
+    assert sse.feed(b',"finish_reason":"length"}]}\n\n'
+                    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n', now=0.3)
+    assert r.chunk_times == [0.2, 0.2]  # the empty finish chunk is not content
+    assert (r.prompt_tokens, r.completion_tokens, r.end) == (3, 2, None)
+    assert sse.feed(b"data: [DONE]\n\ndata: {not json}\n\n", now=0.4)
+    assert r.end == 0.4 and r.ok
+
+
+def test_sse_reader_chat_deltas_and_failures():
+    r = RequestRecord(0, 3, 2, start=0.0)
+    assert SseReader(r).feed(b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n'
+                             b'data: {"choices":[{"delta":{"content":"hi"}}]}\n', now=1.0)
+    assert r.chunk_times == [1.0]
+
+    broken = RequestRecord(1, 3, 2, start=0.0)
+    assert not SseReader(broken).feed(b'data: {"error":{"message":"engine failed"}}\n\n', now=1.0)
+    assert broken.error == "stream-error" and "engine failed" in broken.error_detail
+
+    garbled = RequestRecord(2, 3, 2, start=0.0)
+    assert not SseReader(garbled).feed(b"data: {oops\n\n", now=1.0)
+    assert garbled.error == "bad-sse"
+
+
+def test_cli_flags_map_onto_the_config(tmp_path):
+    pids = tmp_path / "pids.json"
+    pids.write_text('{"gateway": 101, "worker0": "202"}')
+    args = build_parser().parse_args(["--endpoint", "chat", "--input-len", "128", "--output-len", "1:5",
+                                      "--pids-file", str(pids), "--pid", "nats=303", "--concurrency", "8"])
+    cfg = config_from_args(args)
+    assert cfg.prompt_mode == "text"  # chat defaults to text prompts
+    assert (cfg.input_len, cfg.output_len, cfg.concurrency) == ((128, 128), (1, 5), 8)
+    assert cfg.pids == {"gateway": 101, "worker0": 202, "nats": 303}
+    assert math.isinf(cfg.request_rate) and cfg.ignore_eos
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert defaults == BenchConfig()  # the flags' defaults are workload W2
+
+
+def test_cli_bad_flags_exit_2(capsys):
+    assert main(["--input-len", "9:3"]) == 2
+    assert main(["--pid", "gateway"]) == 2
+    assert main(["--num-requests", "0"]) == 2
+    assert main(["--request-rate", "5", "--sweep-rates", "1,2"]) == 2
+    assert main(["--help"]) == 0
+    assert "--sweep-rates" in capsys.readouterr().out

@@ -69,6 +69,7 @@ class LLMEngine:
             getattr(torch, self.model_config.torch_dtype, torch.bfloat16) if config.is_cuda else torch.float32)
         self.dtype = dtype
         self.ops = make_ops(config.kernel_backend)
+        self.memory_report: dict = {}
         t0 = time.perf_counter()
         self.model = model or load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads)
         self.load_seconds = time.perf_counter() - t0
@@ -87,6 +88,13 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self.graph_capture_seconds = 0.0
+        if config.is_cuda and config.cuda_graphs:
+            from services.worker.engine.cuda_graphs import CudaGraphRunner
+            graphs = CudaGraphRunner(self.model, self.kv_cache, config.max_num_seqs,
+                                     min(self.max_model_len, config.max_graph_len), self.device)
+            self.graph_capture_seconds = graphs.capture()
+            self.runner.graphs = graphs
         self.steps = 0
         self._rng = random.Random(config.seed)
 

@@ -13,13 +13,14 @@ class EngineConfig:
     kernels: str | None = None  # "torch" | "triton"; None: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = 0.95
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
     load_threads: int = 8
     seed: int = 0
     cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir

@@ -23,7 +23,8 @@ class KVCache:
         self.block_size = block_size
         shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One allocation for the whole pool: a single free-memory figure, one tensor to hand to UCX later.
-        self.pool = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed, so padded graph rows that read block 0 see finite values.
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_hidden_layers)]
 
     @property

@@ -193,35 +193,34 @@ def _sample_kernel(
         # Division is monotone, so max(x / T) == max(x) / T exactly.
         m = tl.div_rn(x_max, temp)
 
-        # Top-k: bisection on the order-preserving integer image of l. Invariant: count(l >= lo)
-        # >= k and count(l >= hi + 1) < k; it stops as soon as no l lies in (lo, hi] (the kept set
-        # is then fixed) or exactly k tokens are >= the probe. Exact; <= 32 passes, usually ~log2(V).
+        # Top-k: bisection on the order-preserving integer image of l, with both ends snapped to
+        # data values after every pass (lo to the smallest l >= the probe, hi to the largest l
+        # below it). Invariant: count(l >= lo) >= k and the k-th largest l lies in [lo, hi], so it
+        # ends exactly on it, after about log2(distinct values) passes and never more than 32.
         t_k = tl.full([], float("-inf"), tl.float32)
         if (top_k > 0) & (top_k < vocab):
             lo = tl.full([], _NEG_INF_KEY, tl.int64)
             hi = _float_key(m).to(tl.int64)
             while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                probe, probe_lo, probe_hi = _key_float(mid), _key_float(lo), _key_float(hi)
+                probe = _key_float(lo + (hi - lo + 1) // 2)
                 n_ge = tl.zeros([BLOCK_V], tl.int32)
-                n_up = tl.zeros([BLOCK_V], tl.int32)
-                n_down = tl.zeros([BLOCK_V], tl.int32)
+                up = tl.full([BLOCK_V], float("inf"), tl.float32)
+                down = tl.full([BLOCK_V], float("-inf"), tl.float32)
                 for v0 in range(0, vocab, BLOCK_V):
                     idx = v0 + cols
                     x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
                     l = tl.div_rn(x, temp)
-                    n_ge += (l >= probe).to(tl.int32)
-                    n_up += ((l > probe) & (l <= probe_hi)).to(tl.int32)
-                    n_down += ((l > probe_lo) & (l < probe)).to(tl.int32)
-                n = tl.sum(n_ge, axis=0)
-                take = n >= top_k
-                rest = tl.where(take, tl.sum(n_up, axis=0), tl.sum(n_down, axis=0))
-                lo = tl.where(take, mid, lo)
-                hi = tl.where((n == top_k) | (rest == 0), lo, tl.where(take, hi, mid - 1))
+                    ge = l >= probe
+                    n_ge += ge.to(tl.int32)
+                    up = tl.minimum(up, tl.where(ge, l, float("inf")))
+                    down = tl.maximum(down, tl.where(ge, float("-inf"), l))
+                take = tl.sum(n_ge, axis=0) >= top_k
+                lo = tl.where(take, _float_key(tl.min(up, axis=0)).to(tl.int64), lo)
+                hi = tl.where(take, hi, _float_key(tl.max(down, axis=0)).to(tl.int64))
             t_k = _key_float(lo)
 
-        # Top-p: the same bisection on the bits of e (non-negative floats order like their bits),
-        # over the top-k set, for the largest t with mass(e >= t) >= top_p * Z.
+        # Top-p: the same snapped bisection on the bits of e over the top-k set (non-negative
+        # floats order like their bits), for the largest t with mass(e >= t) >= top_p * Z.
         t_p = tl.full([], 0.0, tl.float32)
         if top_p < 1.0:
             z_acc = tl.zeros([BLOCK_V], tl.float32)
@@ -232,27 +231,28 @@ def _sample_kernel(
                 z_acc += tl.where(l >= t_k, tl.exp(l - m), 0.0)
             target = top_p * tl.sum(z_acc, axis=0)
             lo_p = tl.full([], 0, tl.int64)
-            hi_p = tl.full([], _ONE_BITS, tl.int64)
+            hi_p = tl.full([], _ONE_BITS, tl.int64)  # e of the max token is exp(0) = 1
             while lo_p < hi_p:
                 mid = lo_p + (hi_p - lo_p + 1) // 2
                 probe = mid.to(tl.int32).to(tl.float32, bitcast=True)
-                probe_lo = lo_p.to(tl.int32).to(tl.float32, bitcast=True)
-                probe_hi = hi_p.to(tl.int32).to(tl.float32, bitcast=True)
                 mass_acc = tl.zeros([BLOCK_V], tl.float32)
-                n_up = tl.zeros([BLOCK_V], tl.int32)
-                n_down = tl.zeros([BLOCK_V], tl.int32)
+                up = tl.full([BLOCK_V], float("inf"), tl.float32)
+                down = tl.full([BLOCK_V], -1.0, tl.float32)
                 for v0 in range(0, vocab, BLOCK_V):
                     idx = v0 + cols
                     x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
                     l = tl.div_rn(x, temp)
                     e = tl.where(l >= t_k, tl.exp(l - m), -1.0)  # -1: outside the top-k set
-                    mass_acc += tl.where(e >= probe, e, 0.0)
-                    n_up += ((e > probe) & (e <= probe_hi)).to(tl.int32)
-                    n_down += ((e > probe_lo) & (e < probe)).to(tl.int32)
-                ok = tl.sum(mass_acc, axis=0) >= target
-                rest = tl.where(ok, tl.sum(n_up, axis=0), tl.sum(n_down, axis=0))
-                lo_p = tl.where(ok, mid, lo_p)
-                hi_p = tl.where(rest == 0, lo_p, tl.where(ok, hi_p, mid - 1))
+                    ge = e >= probe
+                    mass_acc += tl.where(ge, e, 0.0)
+                    up = tl.minimum(up, tl.where(ge, e, float("inf")))
+                    down = tl.maximum(down, tl.where(ge, -1.0, e))
+                take = tl.sum(mass_acc, axis=0) >= target
+                e_up = tl.min(up, axis=0)
+                e_down = tl.max(down, axis=0)
+                lo_p = tl.where(take, tl.minimum(e_up.to(tl.int32, bitcast=True).to(tl.int64), hi_p), lo_p)
+                hi_p = tl.where(take, hi_p, tl.where(e_down >= 0.0, e_down.to(tl.int32, bitcast=True).to(tl.int64),
+                                                     lo_p))
             t_p = lo_p.to(tl.int32).to(tl.float32, bitcast=True)
 
         # The draw: Gumbel-max over the kept tokens.

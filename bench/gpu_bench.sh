@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one call (H100, offline image): writes the 8B-shape model, checks every
+# kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
+# cost per output token; prints one table at the end.
+# Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
+STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}
+MODEL=${MODEL:-/tmp/llama-3.1-8b}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [ ! -f "$MODEL/config.json" ]; then
+  t0=$(date +%s.%N)
+  python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
+  echo "make-model 8B: $(echo "$(date +%s.%N) - $t0" | bc) s"; du -sh "$MODEL"
+fi
+
+if has kernels; then
+  python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40
+fi
+if has w1; then
+  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    | tee "$OUT/w1.json"
+fi
+if has w5; then
+  for run in 1 2; do  # the first start compiles Triton kernels into the on-disk cache; the second reuses it
+    START_NS=$(date +%s%N) python3 bench/cold_start.py "$MODEL" 256 | tee "$OUT/w5_run$run.json"
+  done
+fi
+if has sweep; then
+  for b in 16 64 256; do
+    python3 -m services.cli bench-engine --model "$MODEL" --batch-size $b --prompt-len 220 --decode-tokens 200 \
+      --max-num-batched-tokens 8192 --json | tee "$OUT/engine_b$b.json"
+  done
+fi
+if has w2 || has w3; then
+  python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
+    --run-dir /tmp/inferno-run --log-format json \
+    --worker-arg "--max-num-seqs 256 --max-num-batched-tokens 8192" > "$OUT/up.log" 2>&1 &
+  UP=$!
+  for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
+  curl -s localhost:8000/ready; echo
+  if has w2; then
+    python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
+      --pids-file /tmp/inferno-run/pids.json --out "$OUT/w2.json" 2>&1 | tail -25
+  fi
+  if has w3; then
+    python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 300 --vocab-size 128000 \
+      --sweep-rates 10,20,40 --pids-file /tmp/inferno-run/pids.json --out "$OUT/w3.json" --plot "$OUT/w3.png" 2>&1 | tail -12
+  fi
+  kill -INT $UP; wait $UP
+  tail -5 /tmp/inferno-run/worker-0.log > "$OUT/worker_tail.log" 2>/dev/null
+fi
+python3 bench/summarize.py "$OUT"

@@ -1,0 +1,61 @@
+"""Prints one table from the JSON files bench/gpu_bench.sh leaves in its output folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(folder: Path, name: str):
+    """A JSON document, or the last line of a file that ends with one (tee'd output)."""
+    try:
+        text = (folder / name).read_text()
+    except OSError:
+        return None
+    for candidate in (text, text.strip().splitlines()[-1] if text.strip() else ""):
+        try:
+            return json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def main() -> int:
+    folder = Path(sys.argv[1])
+    rows = []
+    if (w1 := load(folder, "w1.json")):
+        rows.append(("W1 batch-1 decode", f"{w1['decode_tokens_per_s']:.1f} tok/s", "≥ 170"))
+    for b in (16, 64, 256):
+        if (e := load(folder, f"engine_b{b}.json")):
+            rows.append((f"engine batch {b} decode", f"{e['decode_tokens_per_s']:.0f} tok/s "
+                         f"({e['decode_step_ms']:.1f} ms/step), prefill {e['prefill_tokens_per_s']:.0f} tok/s", ""))
+    for run in (1, 2):
+        if (w5 := load(folder, f"w5_run{run}.json")):
+            rows.append((f"W5 start→ready / first token (run {run})",
+                         f"{w5['start_to_ready_s']:.2f} s / {w5['start_to_first_token_s']:.2f} s "
+                         f"(load {w5['load_weights_s']:.2f} s, graphs {w5['graph_capture_s']:.2f} s)", "≤ 4 s"))
+            mem = w5.get("memory") or {}
+            if run == 1 and mem:
+                rows.append(("KV capacity", f"{mem['kv_gib']:.1f} GiB, {mem['kv_tokens']:,} tokens", "≥ 60 GiB"))
+    if (w2 := load(folder, "w2.json")):
+        s = w2["summary"]
+        rows.append(("W2 total tok/s (HTTP)", f"{s['total_throughput']:.0f} (out {s['output_throughput']:.0f}, "
+                     f"{s['request_throughput']:.2f} req/s, failed {s['failed']})", "≥ 20,000"))
+        cpu = w2.get("cpu")
+        if cpu:
+            rows.append(("CPU per output token", f"{cpu['total_us_per_token']:.1f} µs", "≤ 15 µs"))
+    if (w3 := load(folder, "w3.json")):
+        for r in w3.get("runs", []):
+            s = r["summary"]
+            rows.append((f"W3 @ {r['config']['request_rate']} req/s",
+                         f"ITL p99 {s['itl']['p99']:.1f} ms, TTFT p99 {s['ttft']['p99']:.1f} ms", "ITL p99 ≤ 30 @20"))
+    width = max((len(r[0]) for r in rows), default=10)
+    print("\n" + "=" * 100)
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:<60} {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

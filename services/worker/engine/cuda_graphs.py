@@ -1,0 +1,121 @@
+"""CUDA graphs of the decode step, one per batch-size bucket, replayed with static inputs.
+
+A decode step for the 8B shape is ~400 small kernels; launched one by one from Python they cost
+more than the GPU work at small batch. Replaying a captured graph costs one launch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from services.worker.engine.attention_metadata import AttentionMetadata
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, max_num_seqs + 32, 32))
+    out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+    return out
+
+
+class CudaGraphRunner:
+    """Static device buffers shared by every bucket's graph, filled by one host→device copy.
+
+    Layout of the static buffer (bytes): int64 [tokens | positions | slots] × B_max, then int32
+    [seq_lens × B_max | block_tables B_max × width]. A bucket of size B uses the first B rows.
+    """
+
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_graph_len: int, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_seqs = self.buckets[-1]
+        self.width = math.ceil(max_graph_len / self.block_size)
+        self.max_graph_len = self.width * self.block_size
+        B, W = self.max_seqs, self.width
+        n64, n32 = 3 * B, B + B * W
+        self.nbytes = 8 * n64 + 4 * n32
+        self.host = torch.zeros(self.nbytes, dtype=torch.uint8).pin_memory()
+        self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        h64 = self.host[:8 * n64].numpy().view(np.int64)
+        h32 = self.host[8 * n64:].numpy().view(np.int32)
+        self.h_tokens, self.h_pos, self.h_slots = h64[:B], h64[B:2 * B], h64[2 * B:]
+        self.h_seq_lens, self.h_tables = h32[:B], h32[B:].reshape(B, W)
+        d64 = self.dev[:8 * n64].view(torch.int64)
+        d32 = self.dev[8 * n64:].view(torch.int32)
+        self.d_tokens, self.d_pos, self.d_slots = d64[:B], d64[B:2 * B], d64[2 * B:]
+        self.d_seq_lens, self.d_tables = d32[:B], d32[B:].view(B, W)
+        self.d_qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.d_slots[:b], block_tables=self.d_tables[:b],
+                                 seq_lens=self.d_seq_lens[:b], query_start_loc=self.d_qsl[:b + 1],
+                                 max_query_len=1, max_seq_len=self.max_graph_len)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.d_tokens[:b], self.d_pos[:b], self.kv_cache.layers, self._meta(b))
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        t0 = time.perf_counter()
+        # Dummy step: every row writes slot -1 (skipped) and attends to one token of block 0.
+        self.h_slots[:] = -1
+        self.h_seq_lens[:] = 1
+        self.dev.copy_(self.host)
+        torch.cuda.synchronize()
+        for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
+            self._forward(b)  # compile and warm the kernels outside capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = self._forward(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def covers(self, n: int, scheduled) -> bool:
+        if n > self.max_seqs:
+            return False
+        return all(s.start + 1 <= self.max_graph_len for s in scheduled)
+
+    def run(self, scheduled):
+        n = len(scheduled)
+        b = next(x for x in self.buckets if x >= n)
+        bs = self.block_size
+        tok, pos, slots, lens, tables = self.h_tokens, self.h_pos, self.h_slots, self.h_seq_lens, self.h_tables
+        for i, s in enumerate(scheduled):
+            req = s.request
+            p = s.start
+            tok[i] = req.all_token_ids[p]
+            pos[i] = p
+            blocks = req.block_ids
+            slots[i] = blocks[p // bs] * bs + p % bs
+            lens[i] = p + 1
+            tables[i, :len(blocks)] = blocks
+        slots[n:b] = -1
+        lens[n:b] = 1
+        tables[n:b, 0] = 0
+        self.dev.copy_(self.host, non_blocking=True)
+        self.graphs[b].replay()
+        return self.outputs[b][:n], _Indices(self.rows[:n])
+
+
+class _Indices:
+    """Quacks like StepInputs for the runner: every graph row samples."""
+
+    __slots__ = ("logits_indices",)
+
+    def __init__(self, rows: torch.Tensor):
+        self.logits_indices = rows

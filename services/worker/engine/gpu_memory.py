@@ -1,0 +1,65 @@
+"""Sizes the KV pool from the GPU memory left after a dry run of the largest step."""
+
+from __future__ import annotations
+
+import math
+
+import structlog
+import torch
+
+from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
+
+log = structlog.get_logger("worker.memory")
+
+GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, measured ~0.3 GiB at 8B
+
+
+@torch.inference_mode()
+def dry_run_peak_bytes(engine) -> int:
+    """Activation bytes of the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows."""
+    cfg, mc, device = engine.config, engine.model_config, engine.device
+    tokens = cfg.max_num_batched_tokens
+    n_blocks = math.ceil(tokens / cfg.block_size) + 1
+    scratch = KVCache(mc, n_blocks, cfg.block_size, engine.dtype, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device),
+        block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        max_query_len=tokens, max_seq_len=tokens)
+    ids = torch.randint(0, mc.vocab_size, (tokens,), device=device)
+    hidden = engine.model(ids, torch.arange(tokens, device=device), scratch.layers, meta)
+    rows = min(cfg.max_num_seqs, tokens)
+    logits = engine.model.compute_logits(hidden[:rows])
+    f = torch.ones(rows, device=device)
+    engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
+                      torch.zeros(rows, dtype=torch.int64, device=device),
+                      torch.zeros(rows, dtype=torch.int64, device=device))
+    torch.log_softmax(logits, dim=-1)  # the logprobs path
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch, hidden, logits, meta
+    torch.cuda.empty_cache()
+    return peak
+
+
+def profile_kv_blocks(engine) -> int:
+    device = engine.device
+    activation_peak = dry_run_peak_bytes(engine)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # CUDA context, weights, allocator cache
+    budget = int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
+    per_block = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype)
+    blocks = max(0, budget // per_block)
+    engine.memory_report = {
+        "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,
+        "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
+    }
+    log.info("kv pool sized from memory", **{k: round(v, 2) for k, v in engine.memory_report.items()})
+    if blocks < 1:
+        raise RuntimeError(f"no GPU memory left for the KV cache ({engine.memory_report})")
+    return blocks
