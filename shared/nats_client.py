@@ -57,6 +57,7 @@ class NatsConnection:
         self._connected = False
         self._errors_while_down = 0
         self._closing = False
+        self._attempt_error: Exception | None = None
         self._log = get_logger(__name__, nats_client=name)
 
     # -- state ----------------------------------------------------------------------------------
@@ -108,7 +109,9 @@ class NatsConnection:
                 await self._set_connected(False)
 
         async def error_cb(e: Exception) -> None:
-            if nc is not self.nc:
+            if nc is not self.nc:  # an initial attempt's first error (the cause, e.g. an authorization
+                if self._attempt_error is None:  # violation, before the reset that follows), for open()
+                    self._attempt_error = e
                 return
             if self._connected:
                 self._log.warning("nats_error", error=repr(e))
@@ -174,14 +177,17 @@ class NatsConnection:
             error = await self._reachable(budget)
             if error is None:
                 nc = Client()
+                self._attempt_error = None
                 try:
                     # The nats-py connect itself would retry forever (max_reconnect_attempts=-1), so
                     # bound it: TCP connect, INFO, CONNECT, PING/PONG.
                     await asyncio.wait_for(nc.connect(**self._options(nc)), 2 * budget)
                 except (asyncio.TimeoutError, OSError, nats.errors.Error) as e:
-                    error = repr(e)
-                    with contextlib.suppress(Exception):
-                        await nc.close()
+                    error = repr(self._attempt_error or e)
+                    await _discard(nc)
+                except BaseException:  # cancelled while starting up: leave no half-open client behind
+                    await _discard(nc)
+                    raise
                 else:
                     self.nc = nc
                     url = nc.connected_url
@@ -259,13 +265,20 @@ class NatsConnection:
                 log.exception("nats_handler_failed", subject=raw.subject, type=cls.TYPE)
 
         sub = await nc.subscribe(subject, queue=queue or "", cb=callback, **options)
-        if self._connected:
+        if self._connected:  # else nats-py sends the SUB when it reconnects
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                await nc.flush(timeout=self.cfg.connect_timeout)
+                await self.flush(self.cfg.connect_timeout)
         return sub
 
     async def flush(self, timeout: float | None = None) -> None:
-        await self.client.flush(timeout=timeout or self.cfg.request_timeout)
+        """Return once the server has processed everything sent so far (subscriptions, publishes)."""
+        nc = self.client
+        timeout = timeout or self.cfg.request_timeout
+        # nats-py 2.16 writes flush()'s PING straight to the socket, ahead of commands still queued
+        # for its flusher task (a SUB, a PUB), so one flush() can return before the server has them.
+        # The first PONG cannot arrive before the flusher task has run, so the second PING follows them.
+        await nc.flush(timeout=timeout)
+        await nc.flush(timeout=timeout)
 
     # -- JetStream KV ---------------------------------------------------------------------------
 
@@ -315,6 +328,11 @@ class NatsConnection:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.drain()
+
+
+async def _discard(nc: Client) -> None:
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 async def connect_nats(cfg: NatsConfig, name: str, on_state: StateCallback | None = None, *,

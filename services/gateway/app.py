@@ -118,12 +118,18 @@ class Gateway:
             return spec.prompt
         loop = asyncio.get_running_loop()
         tok = self.tokenizer
-        if spec.messages is not None:
-            fn = lambda: tok.encode_chat(spec.messages, spec.add_generation_prompt, spec.tools)  # noqa: E731
-        else:
-            fn = lambda: tok.encode(spec.prompt)  # noqa: E731
+
+        # encode_batch, not encode: only the batch call releases the GIL while the Rust code runs,
+        # so a long prompt never stalls the event loop (a 1 MB prompt takes a second or two).
+        def chat() -> list[int]:
+            text = tok.apply_chat_template(spec.messages, spec.add_generation_prompt, spec.tools)
+            return tok.encode_batch([text], add_special_tokens=False)[0]  # the template wrote bos
+
+        def plain() -> list[int]:
+            return tok.encode_batch([spec.prompt])[0]
+
         try:
-            ids = await loop.run_in_executor(self.executor, fn)
+            ids = await loop.run_in_executor(self.executor, chat if spec.messages is not None else plain)
         except ChatTemplateError as e:
             raise invalid(str(e), param="messages") from None
         if not ids:
@@ -139,14 +145,15 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_ready(request: web.Request) -> web.Response:
+    # Answered here rather than raised, so that probes do not count as request errors.
     gw: Gateway = request.app[GATEWAY]
     if gw.draining:
-        raise unavailable("the gateway is shutting down")
+        return unavailable("the gateway is shutting down").response()
     if gw.conn is None or not gw.conn.connected:
-        raise unavailable("the gateway is not connected to NATS")
+        return unavailable("the gateway is not connected to NATS").response()
     ready = gw.health.ready()
     if not ready:
-        raise unavailable("no worker is ready")
+        return unavailable("no worker is ready").response()
     return web.json_response({"status": "ready", "workers": len(ready)})
 
 
@@ -163,13 +170,13 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def _from_http(e: web.HTTPException, max_body_bytes: int) -> ApiError:
+def _from_http(e: web.HTTPException, request: web.Request, max_body_bytes: int) -> ApiError:
     if e.status == 413:
         return ApiError(413, f"The request body exceeds the limit of {max_body_bytes} bytes.",
                         code="request_too_large")
-    if e.status == 404:
-        return ApiError(404, f"No route for {e.text or 'this path'}", code="not_found")
-    return ApiError(e.status, e.reason or "HTTP error", code=None)
+    if e.status in (404, 405):
+        return ApiError(e.status, f"{e.reason}: {request.method} {request.path[:256]}", code="not_found")
+    return ApiError(e.status, e.reason or "HTTP error")
 
 
 def error_middleware(gw: Gateway) -> Callable:
@@ -184,7 +191,7 @@ def error_middleware(gw: Gateway) -> Callable:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            err = _from_http(e, gw.cfg.max_body_bytes)
+            err = _from_http(e, request, gw.cfg.max_body_bytes)
         except Exception:
             log.exception("handler_failed", path=request.path)
             err = ApiError(500, "internal error", type="server_error")

@@ -33,6 +33,7 @@ class Generation:
         self._packed = pack_ids(prompt_ids)
         self.session_id = session_id
         self.arrival = arrival  # time.monotonic() at receipt
+        self._arrival_wall = time.time() - (time.monotonic() - arrival)
         self.request_ids = [f"{response_id}-{i}" for i in range(spec.n)]
         tail = prompt_ids[-5:]
         want = spec.logprobs is not None
@@ -54,7 +55,7 @@ class Generation:
         return GenerateRequest(request_id=self.request_ids[i], model=gw.limits.model_name,
                                prompt_ids=self._packed, sampling=WireSamplingParams.from_params(params),
                                reply_to=gw.inbox, session_id=self.session_id, cache_salt=self.spec.cache_salt,
-                               arrival_time=time.time(), gateway_id=gw.cfg.gateway_id)
+                               arrival_time=self._arrival_wall, gateway_id=gw.cfg.gateway_id)
 
     async def start(self) -> None:
         """Route every choice; raise ApiError (and leave nothing running) when any is refused."""

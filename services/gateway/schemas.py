@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import ApiError, context_length_exceeded, from_sampling_error, invalid, model_not_found
+from services.gateway.errors import context_length_exceeded, from_sampling_error, invalid, model_not_found
 from shared.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                     MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError)
 
@@ -328,6 +328,3 @@ def resolve_max_tokens(spec: GenerationSpec, num_prompt_tokens: int, max_model_l
                       param="min_tokens")
     spec.params = params
     return params
-
-
-__all__ = ["ApiError", "GenerationSpec", "Limits", "parse_chat", "parse_completion", "resolve_max_tokens"]

@@ -155,7 +155,7 @@ async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: flo
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: bytes,
                      record: RequestRecord, t0: float) -> None:
-    """Send one request and fill its record; every failure becomes an error kind, never raises."""
+    """Send one request and fill its record; a failure becomes its error kind, not an exception."""
     record.start = time.perf_counter() - t0
     try:
         async with session.post(url, data=body, allow_redirects=False) as resp:

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -198,6 +204,12 @@ async def stack(make_stack) -> Stack:
     return await make_stack()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -361,6 +373,12 @@ async def test_404_model(stack):
                                "param": "model", "code": "model_not_found"}
 
 
+async def test_unknown_route_is_an_openai_shaped_404(stack):
+    status, body, _ = await stack.get("/v1/nothing")
+    assert (status, body) == (404, {"error": {"message": "Not Found: GET /v1/nothing",
+                                              "type": "invalid_request_error", "param": None, "code": "not_found"}})
+
+
 async def test_413_body_too_large(stack):
     body = json.dumps({"model": "tiny", "prompt": "x" * (MAX_BODY + 10)}).encode()
     status, payload, _ = await stack.post("/v1/completions", body)
@@ -507,3 +525,53 @@ async def test_metrics(stack):
                  f"inferno:prompt_tokens_total {2.0 * prompt}", "inferno:generation_tokens_total 5.0"):
         assert line in lines, line
     assert (await stack.get("/metrics", key=None))[0] == 401
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+async def test_entry_point_serves_at_once_and_drains_on_sigterm(nats_config, model_dir, tokenizer):
+    port = free_port()
+    env = {**os.environ, "INFERNO_API_KEYS": "k1, k2", "INFERNO_NATS_URL": nats_config.url}
+    proc = subprocess.Popen([sys.executable, "-m", "services.gateway", "--subject-prefix", nats_config.subject_prefix,
+                             "--port", str(port), "--model-dir", str(model_dir), "--model-name", "tiny",
+                             "--log-format", "json"], cwd=Path(__file__).resolve().parents[2], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peer = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer k2"}) as http:
+            async def status(path: str) -> int:
+                try:
+                    async with http.get(url + path) as r:
+                        return r.status
+                except aiohttp.ClientConnectionError:
+                    return 0
+            deadline = time.monotonic() + 30
+            while await status("/health") != 200:
+                assert time.monotonic() < deadline and proc.poll() is None
+                await asyncio.sleep(0.1)
+            assert await status("/ready") == 503  # no worker yet
+            peer = await Peer(nats_config, tokenizer).start()
+            deadline = time.monotonic() + 10
+            while await status("/ready") != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            peer.step_delay = 0.05
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+            stream = await client.completions.create(model="tiny", prompt="x", max_tokens=20, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            text = ""
+            async for chunk in stream:
+                if not text:
+                    proc.send_signal(signal.SIGTERM)  # in-flight streams still finish
+                text += chunk.choices[0].text
+            await client.close()
+            assert text == tokenizer.decode([peer.script[i % len(peer.script)] for i in range(20)])
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if peer is not None:
+            await peer.close()

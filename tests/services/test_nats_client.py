@@ -50,6 +50,18 @@ async def test_publish_subscribe_typed(nats_conn, other_conn, nats_config):
     assert nats_conn.bad_messages.total == 0
 
 
+async def test_subscription_is_live_when_subscribe_returns(nats_conn, other_conn, nats_config):
+    """No message published right after subscribe() may be lost (nats-py 2.16's flush() alone allows it)."""
+    prefix = nats_config.subject_prefix
+    got: list[int] = []
+    for i in range(100):
+        subject = f"{prefix}.live.{i}"
+        await nats_conn.subscribe(subject, AbortRequest, lambda msg: got.append(int(msg.request_ids[0])))
+        await other_conn.publish(subject, AbortRequest(request_ids=[str(i)]))
+    await wait_until(lambda: len(got) == 100, timeout=5.0, what="all 100 messages")
+    assert sorted(got) == list(range(100))
+
+
 async def test_request_reply(nats_conn, other_conn, nats_config):
     subject = Subjects(nats_config.subject_prefix).generate
 

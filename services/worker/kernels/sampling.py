@@ -26,8 +26,8 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 _M32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D  # lowbias32 (Chris Wellons' hash prospector)
 _C2 = 0x846CA68B
-_NEG_INF_KEY = -2139095041  # _float_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
-_ONE_BITS = 0x3F800000  # bits of 1.0f
+_NEG_INF_KEY = tl.constexpr(-2139095041)  # _float_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
+_ONE_BITS = tl.constexpr(0x3F800000)  # bits of 1.0f
 
 
 # --- the noise, in torch (int64 holding uint32 values) -------------------------------------

@@ -1,0 +1,355 @@
+"""GPU check and timing of every Triton kernel at Llama-3.1-8B shapes (bf16), against its torch reference.
+
+Usage (on the H100, from the repository root): python3 bench/gpu_kernels.py --out kernels.json
+Each case runs the kernel once on fresh random inputs with poisoned outputs (NaN caches and a
+NaN-filling torch.empty) and compares it with the reference on the GPU, then times it with
+triton.testing.do_bench (median, L2 flushed between runs) and, where it can be captured, inside a
+CUDA graph (no launch overhead). Achieved bandwidth is counted from the bytes each kernel must move
+at least once; the roofline is HBM at 3.0 TB/s. Exits non-zero if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+HBM_BYTES_PER_S = 3.0e12
+HIDDEN, N_Q, N_KV, HEAD_DIM, INTER, VOCAB, PAGE = 4096, 32, 8, 128, 14336, 128256, 16
+DTYPE = torch.bfloat16
+BF16_TOL = 1e-2
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: str
+    ok: bool
+    rel_err: float | None = None
+    us: float | None = None
+    graph_us: float | None = None
+    bytes: int = 0
+    gbps: float | None = None
+    roofline_us: float | None = None
+    pct_roofline: float | None = None
+    note: str = ""
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """Every torch.empty inside hands out NaN (floats) or int max: unwritten outputs show."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    denom = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def time_us(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float | None:
+    """Median time of fn replayed from a CUDA graph; None if it cannot be captured."""
+    import triton.testing
+
+    try:
+        try:
+            ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        except TypeError:
+            ms = triton.testing.do_bench_cudagraph(fn, rep=100)
+        return ms * 1e3
+    except Exception:  # noqa: BLE001 - reported as "not capturable", the check is separate
+        torch.cuda.synchronize()
+        return None
+
+
+def finish(res: Result, fn, nbytes: int, tol_ok: bool) -> Result:
+    res.ok = tol_ok
+    res.bytes = int(nbytes)
+    res.us = time_us(fn)
+    res.graph_us = graph_us(fn)
+    res.roofline_us = nbytes / HBM_BYTES_PER_S * 1e6
+    res.gbps = nbytes / (res.us * 1e-6) / 1e9
+    res.pct_roofline = 100.0 * res.roofline_us / res.us
+    return res
+
+
+def paged_cache(lens, device, spare=4):
+    """bf16 K/V pools with shuffled block ids; every slot no sequence owns is NaN, and unused
+    table entries point at a NaN block (a valid id, so a stray read poisons instead of faulting)."""
+    need = [-(-n // PAGE) for n in lens]
+    n_blocks = sum(need) + spare
+    kc = torch.randn(n_blocks, PAGE, N_KV, HEAD_DIM, device=device, dtype=DTYPE)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(n_blocks, device=device).to(torch.int32)
+    nan_block = int(perm[-1])
+    tables = torch.full((len(lens), max(need)), nan_block, dtype=torch.int32, device=device)
+    used = torch.zeros(n_blocks, dtype=torch.bool, device=device)
+    cursor = 0
+    for b, (n, k) in enumerate(zip(lens, need)):
+        ids = perm[cursor:cursor + k]
+        cursor += k
+        tables[b, :k] = ids
+        used[ids.long()] = True
+        tail = n % PAGE
+        if tail:
+            kc[int(ids[-1]), tail:] = float("nan")
+            vc[int(ids[-1]), tail:] = float("nan")
+    kc[~used] = float("nan")
+    vc[~used] = float("nan")
+    return kc, vc, tables
+
+
+# --- cases ---------------------------------------------------------------------------------
+
+def case_rmsnorm(t: int, fused: bool, device) -> Result:
+    from services.worker.kernels import rmsnorm as K
+
+    name = "add_rmsnorm" if fused else "rmsnorm"
+    res = Result(name, f"T={t} H={HIDDEN}", ok=False)
+    x = torch.randn(t, HIDDEN, device=device, dtype=DTYPE)
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=device)).to(DTYPE)
+    eps = 1e-5
+    if fused:
+        r = torch.randn_like(x)
+        with poisoned_empty():
+            out, new_r = K.fused_add_rmsnorm(x, r, w, eps)
+        ref, ref_r = K.fused_add_rmsnorm_ref(x, r, w, eps)
+        res.rel_err = max(rel_err(out, ref), rel_err(new_r, ref_r))
+        nbytes = 4 * x.numel() * 2 + HIDDEN * 2
+        return finish(res, lambda: K.fused_add_rmsnorm(x, r, w, eps), nbytes, res.rel_err <= BF16_TOL)
+    with poisoned_empty():
+        out = K.rmsnorm(x, w, eps)
+    res.rel_err = rel_err(out, K.rmsnorm_ref(x, w, eps))
+    nbytes = 2 * x.numel() * 2 + HIDDEN * 2
+    return finish(res, lambda: K.rmsnorm(x, w, eps), nbytes, res.rel_err <= BF16_TOL)
+
+
+def case_silu_mul(t: int, device) -> Result:
+    from services.worker.kernels import silu_mul as K
+
+    res = Result("silu_mul", f"T={t} I={INTER}", ok=False)
+    x = torch.randn(t, 2 * INTER, device=device, dtype=DTYPE) * 2
+    with poisoned_empty():
+        out = K.silu_mul(x)
+    res.rel_err = rel_err(out, K.silu_mul_ref(x))
+    nbytes = 3 * t * INTER * 2
+    return finish(res, lambda: K.silu_mul(x), nbytes, res.rel_err <= BF16_TOL)
+
+
+def case_rope(t: int, device) -> Result:
+    from services.worker.kernels import rope as K
+
+    res = Result("rope_kv_write", f"T={t} Hq={N_Q} Hkv={N_KV} D={HEAD_DIM}", ok=False)
+    qkv = torch.randn(t, (N_Q + 2 * N_KV) * HEAD_DIM, device=device, dtype=DTYPE)
+    q = qkv[:, : N_Q * HEAD_DIM].view(t, N_Q, HEAD_DIM)
+    k = qkv[:, N_Q * HEAD_DIM:(N_Q + N_KV) * HEAD_DIM].view(t, N_KV, HEAD_DIM)
+    v = qkv[:, (N_Q + N_KV) * HEAD_DIM:].view(t, N_KV, HEAD_DIM)
+    cos_sin = K.rope_cos_sin_cache(HEAD_DIM, 8192, 500000.0, device=device)
+    positions = torch.randint(0, 8192, (t,), device=device)
+    n_blocks = 4 * t // PAGE + 1
+    slots = torch.randperm(n_blocks * PAGE, device=device)[:t]
+    kc = torch.full((n_blocks, PAGE, N_KV, HEAD_DIM), float("nan"), device=device, dtype=DTYPE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    with poisoned_empty():
+        q_rot, k_rot = K.rope_kv_write(q, k, v, positions, cos_sin, kc, vc, slots)
+    q_ref, k_ref = K.rope_kv_write_ref(q, k, v, positions, cos_sin, kc_ref, vc_ref, slots)
+    written = torch.zeros(n_blocks * PAGE, dtype=torch.bool, device=device)
+    written[slots] = True
+    flat_k, flat_v = kc.view(-1, N_KV, HEAD_DIM), vc.view(-1, N_KV, HEAD_DIM)
+    untouched_ok = bool(torch.isnan(flat_k[~written]).all()) and bool(torch.isnan(flat_v[~written]).all())
+    res.rel_err = max(rel_err(q_rot, q_ref), rel_err(k_rot, k_ref),
+                      rel_err(flat_k[written], kc_ref.view(-1, N_KV, HEAD_DIM)[written]),
+                      rel_err(flat_v[written], vc_ref.view(-1, N_KV, HEAD_DIM)[written]))
+    if not untouched_ok:
+        res.note = "slots not targeted were written"
+    nbytes = (t * (N_Q + 2 * N_KV) * HEAD_DIM * 2  # q, k, v in
+              + t * HEAD_DIM * 4 + 2 * t * 8  # cos/sin rows, positions, slots
+              + t * (N_Q + N_KV) * HEAD_DIM * 2  # q_rot, k_rot out
+              + 2 * t * N_KV * HEAD_DIM * 2)  # the cache writes
+    return finish(res, lambda: K.rope_kv_write(q, k, v, positions, cos_sin, kc, vc, slots), nbytes,
+                  untouched_ok and res.rel_err <= BF16_TOL)
+
+
+def case_decode(batch: int, ctx: int, device) -> Result:
+    from services.worker.kernels import decode_attention as K
+
+    lens = [ctx] * batch
+    kc, vc, tables = paged_cache(lens, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(batch, N_Q, HEAD_DIM, device=device, dtype=DTYPE)
+    scale = HEAD_DIM ** -0.5
+    splits = K.choose_num_splits(batch, N_KV, ctx)
+    res = Result("decode_attention", f"B={batch} ctx={ctx}", ok=False, note=f"splits={splits}")
+    with poisoned_empty():
+        out = K.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, max_seq_len=ctx)
+    res.rel_err = rel_err(out, K.paged_decode_attention_ref(q, kc, vc, tables, seq_lens, scale))
+    nbytes = sum(lens) * N_KV * HEAD_DIM * 2 * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+    return finish(res, lambda: K.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, max_seq_len=ctx),
+                  nbytes, res.rel_err <= BF16_TOL)
+
+
+def case_extend(device) -> Result:
+    from services.worker.kernels import extend_attention as K
+
+    q_lens = [256] * 8
+    lens = [256] * 7 + [256 + 128]  # the last one extends 128 cached prefix tokens
+    kc, vc, tables = paged_cache(lens, device)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), N_Q, HEAD_DIM, device=device, dtype=DTYPE)
+    scale = HEAD_DIM ** -0.5
+    res = Result("extend_attention", "8 seqs x 256 new (1 on a 128 prefix)", ok=False)
+    with poisoned_empty():
+        out = K.paged_extend_attention(q, kc, vc, tables, qsl, seq_lens, scale, max_query_len=256)
+    res.rel_err = rel_err(out, K.paged_extend_attention_ref(q, kc, vc, tables, qsl, seq_lens, scale))
+    nbytes = sum(lens) * N_KV * HEAD_DIM * 2 * 2 + 2 * q.numel() * 2
+    pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens, lens))
+    flops = 4 * N_Q * HEAD_DIM * pairs
+    res = finish(res, lambda: K.paged_extend_attention(q, kc, vc, tables, qsl, seq_lens, scale, max_query_len=256),
+                 nbytes, res.rel_err <= BF16_TOL)
+    res.extra["tflops"] = flops / (res.us * 1e-6) / 1e12
+    res.note = f"{res.extra['tflops']:.0f} TFLOP/s (causal)"
+    return res
+
+
+def case_sampling(batch: int, mode: str, device) -> Result:
+    from services.worker.kernels import sampling as K
+
+    logits = torch.randn(batch, VOCAB, device=device) * 2.0
+    logits[:, torch.randint(0, VOCAB, (64,), device=device)] += 8.0  # a few likely tokens, as in a real model
+    temperature = torch.full((batch,), 0.8, device=device)
+    top_k = torch.zeros(batch, dtype=torch.int32, device=device)
+    top_p = torch.ones(batch, device=device)
+    min_p = torch.zeros(batch, device=device)
+    if mode == "topk50-topp0.9":
+        top_k.fill_(50)
+        top_p.fill_(0.9)
+    elif mode == "topp0.95-minp0.05":
+        top_p.fill_(0.95)
+        min_p.fill_(0.05)
+    elif mode == "mixed":
+        temperature[0::4] = 0.0
+        top_k[1::4] = 40
+        top_p[2::4] = 0.9
+        min_p[3::4] = 0.1
+    seeds = torch.randint(-(2**62), 2**62, (batch,), device=device)
+    offsets = torch.randint(0, 4096, (batch,), device=device)
+    res = Result("sampling", f"B={batch} V={VOCAB} {mode}", ok=False)
+    args = (logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    with poisoned_empty():
+        got = K.sample(*args)
+    want = K.sample_ref(*args)
+    greedy = temperature == 0
+    greedy_ok = bool(torch.equal(got[greedy], logits[greedy].argmax(-1)))
+    mismatches = int((got != want).sum())
+    # Exact but for fp32 rounding at a threshold (sum order, exp's last bit): allow 1% of rows.
+    allowed = max(1, batch // 100) if batch > 1 else 0
+    res.rel_err = mismatches / batch
+    res.note = f"{mismatches} of {batch} rows differ"
+    nbytes = logits.numel() * 4 + batch * 8 * 5
+    return finish(res, lambda: K.sample(*args), nbytes, greedy_ok and mismatches <= allowed
+                  and bool(((got >= 0) & (got < VOCAB)).all()))
+
+
+def all_cases(device):
+    """(kernel name, thunk) pairs, in the order of the table."""
+    yield "decode_attention", lambda: case_decode(1, 384, device)
+    yield "decode_attention", lambda: case_decode(64, 512, device)
+    yield "decode_attention", lambda: case_decode(256, 512, device)
+    yield "decode_attention", lambda: case_decode(8, 8192, device)
+    yield "extend_attention", lambda: case_extend(device)
+    for t in (1, 256, 4096):
+        yield "rmsnorm", lambda t=t: case_rmsnorm(t, False, device)
+        yield "add_rmsnorm", lambda t=t: case_rmsnorm(t, True, device)
+    yield "rope_kv_write", lambda: case_rope(256, device)
+    yield "silu_mul", lambda: case_silu_mul(256, device)
+    for b in (1, 64, 256):
+        for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "mixed"):
+            yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--only", default="", help="run only cases whose kernel name contains this")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark runs on the GPU machine", file=sys.stderr)
+        return 2
+    import triton
+
+    device = torch.device("cuda")
+    torch.manual_seed(int(time.time()))  # fresh inputs on every run
+    results: list[Result] = []
+    for name, make in all_cases(device):
+        if args.only and args.only not in name:
+            continue
+        try:
+            res = make()
+        except Exception as e:  # noqa: BLE001 - one broken kernel must not hide the others
+            res = Result(name, "?", ok=False, error="".join(traceback.format_exception_only(type(e), e)).strip())
+            traceback.print_exc()
+        results.append(res)
+        print(f"{'ok  ' if res.ok else 'FAIL'} {res.kernel:17s} {res.shape:40s} err={fmt(res.rel_err, '.2e')} "
+              f"{fmt(res.us, '.1f')} us", flush=True)
+
+    header = f"{'kernel':17s} {'shape':40s} {'rel err':>9s} {'us':>9s} {'graph us':>9s} {'GB/s':>8s} " \
+             f"{'roof us':>8s} {'%roof':>6s}  note"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in results:
+        print(f"{r.kernel:17s} {r.shape:40s} {fmt(r.rel_err, '9.2e')} {fmt(r.us, '9.1f')} {fmt(r.graph_us, '9.1f')} "
+              f"{fmt(r.gbps, '8.0f')} {fmt(r.roofline_us, '8.1f')} {fmt(r.pct_roofline, '6.1f')}  "
+              f"{'' if r.ok else 'FAILED '}{r.note}{(' ' + r.error) if r.error else ''}")
+    failed = [r for r in results if not r.ok]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "hbm_bytes_per_s": HBM_BYTES_PER_S, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(r).items()}
+                for r in results]
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": rows, "all_ok": not failed}, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
