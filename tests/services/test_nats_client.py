@@ -215,6 +215,17 @@ async def test_first_connect_gives_up_at_the_deadline(nats_server, nats_config):
     assert 0.5 < time.monotonic() - started < 3.0
 
 
+async def test_first_connect_reports_the_cause(nats_server_factory):
+    locked = nats_server_factory(extra_args=("--user", "svc", "--pass", "secret"))
+    with pytest.raises(ServiceUnavailable, match="Authorization Violation"):
+        await connect_nats(NatsConfig(url=locked.url, connect_timeout=0.5), "no-creds", wait=1.5)
+    conn = await connect_nats(NatsConfig(url=f"nats://svc:secret@127.0.0.1:{locked.port}"), "creds", wait=5.0)
+    try:
+        assert conn.connected
+    finally:
+        await conn.close()
+
+
 async def test_kv_bucket(nats_conn, other_conn, nats_server):
     kv = await nats_conn.kv_bucket("test_affinity", ttl=60.0)
     await kv.put("session-1", b"worker-3")

@@ -43,7 +43,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     sliding_window: int | None = None
     torch_dtype: str = "bfloat16"
@@ -103,8 +103,10 @@ class ModelConfig:
         if head_dim % 2:
             raise ModelConfigError(f"{source}: head_dim ({head_dim}) must be even for rotary embeddings")
 
+        # transformers 5 writes rope settings under "rope_parameters"; older files at the top level.
+        rope = raw.get("rope_parameters") or {}
         scaling = None
-        rs = raw.get("rope_scaling")
+        rs = raw.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
         if rs:
             kind = rs.get("rope_type") or rs.get("type")
             if kind == "llama3":
@@ -120,6 +122,8 @@ class ModelConfig:
             elif kind not in (None, "default"):
                 raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
 
+        if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+            raise ModelConfigError(f"{source}: attention_bias / mlp_bias are not supported for {arch}")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         cfg = cls(
             architecture=arch,
@@ -131,11 +135,11 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding if isinstance(sliding, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),

@@ -1,0 +1,64 @@
+"""The whole stack, started by the same code as `inferno up`, on free ports with the tiny model."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+
+from services.launcher import Stack, StackConfig, free_port
+from services.worker.engine.make_model import write_model
+
+MODEL_NAME = "tiny-e2e"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("e2e-model") / "tiny", preset="tiny", seed=0, dtype="float32")
+
+
+def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), scheduler_args=()) -> Stack:
+    cfg = StackConfig(model_dir=model_dir, model_name=MODEL_NAME, port=free_port(), nats_port=free_port(),
+                      workers=workers, api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json",
+                      worker_args=("--num-blocks", "256", "--heartbeat-interval", "0.5", *worker_args),
+                      gateway_args=("--max-body-bytes", "65536"), scheduler_args=tuple(scheduler_args))
+    stack = Stack(cfg).start()
+    try:
+        stack.wait_ready(timeout=120)
+        wait_workers(stack, workers)
+    except Exception:
+        stack.stop()
+        raise
+    return stack
+
+
+def metrics(stack: Stack) -> dict[str, float]:
+    """Prometheus samples (name{labels} → value) from the gateway's /metrics."""
+    headers = {"Authorization": f"Bearer {stack.cfg.api_keys[0]}"} if stack.cfg.api_keys else {}
+    with urllib.request.urlopen(urllib.request.Request(stack.url + "/metrics", headers=headers), timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+0-9.eEinfNa]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_workers(stack: Stack, n: int, timeout: float = 60.0) -> None:
+    """Until the gateway sees n live workers (their heartbeats feed its metrics)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics(stack).get("inferno:num_workers_live", 0) >= n:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{n} workers did not register within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("stack"), tiny_model)
+    yield s
+    s.stop()

@@ -1,0 +1,65 @@
+"""docker-compose.yml against the official Compose schema and against the CLI it calls."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT.parent / "shared" / "data" / "compose-spec.json"
+ENTRY_POINTS = {"gateway": "services.gateway.main", "scheduler": "services.scheduler.main",
+                "worker": "services.worker.main"}
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with the defaults (what an empty environment gives)."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_schema_valid(compose):
+    if not SCHEMA.is_file():
+        pytest.skip(f"the Compose schema is not beside the checkout ({SCHEMA})")
+    import jsonschema
+
+    jsonschema.validate(compose, json.loads(SCHEMA.read_text()))
+
+
+def test_services_and_roles(compose):
+    services = compose["services"]
+    assert set(services) >= {"nats", "scheduler", "gateway", "worker", "worker-cpu"}
+    assert "-js" in services["nats"]["command"]
+    gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert any(v.endswith(":/models:ro") for v in services["worker"]["volumes"])
+    assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
+    for name in ("scheduler", "gateway", "worker", "worker-cpu"):
+        assert services[name]["environment"]["INFERNO_NATS_URL"] == "nats://nats:4222"
+
+
+@pytest.mark.parametrize("name", ["scheduler", "gateway", "worker", "worker-cpu"])
+def test_commands_parse_with_the_cli(compose, name):
+    command = [interpolate(str(part)) for part in compose["services"][name]["command"]]
+    module = importlib.import_module(ENTRY_POINTS[command[0]])
+    args = module.parse_args(command[1:])  # raises SystemExit on an unknown flag
+    if command[0] == "worker":
+        assert args.model_dir == "/models/demo"
+
+
+def test_environment_is_read_by_the_entry_points(compose):
+    sources = {name: Path(importlib.import_module(mod).__file__).read_text() for name, mod in ENTRY_POINTS.items()}
+    for name, service in compose["services"].items():
+        if name == "nats":
+            continue
+        entry = service["command"][0]
+        for var in service["environment"]:
+            assert var in sources[entry], f"{name}: {var} is not read by {ENTRY_POINTS[entry]}"
