@@ -119,7 +119,7 @@ def post(stack, path, body: bytes | dict, headers=None):
 BAD = [
     (b"{not json", 400, None),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": "x", "temperature": 7}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL_NAME, "prompt": "x", "n": 1000}, 400, "n"),
     ({"model": MODEL_NAME, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
