@@ -40,9 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that in-flight requests get to finish on SIGTERM")
     p.add_argument("--gateway-id", default=None, help="this gateway's id on NATS (default: random)")
-    p.add_argument("--log-format", choices=("console", "json"), default=None,
+    p.add_argument("--log-format", choices=("console", "json"), default=env_default("INFERNO_LOG_FORMAT", None),
                    help="default: console on a terminal, else json")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=env_default("INFERNO_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
 

@@ -75,28 +75,33 @@ def _mixed_batch(device, n=12, vocab=1000):
     return logits[:n, :vocab], temperature[:n], top_k[:n], top_p[:n], min_p[:n]
 
 
-def test_triton_matches_reference_row_for_row(device):
+@pytest.mark.parametrize("block_v,num_splits", [(None, None), (128, None), (64, 3)])
+def test_triton_matches_reference_row_for_row(block_v, num_splits, device):
+    """Default launch, small tiles (multi-tile passes, candidate compaction), a forced vocab split."""
     logits, t, k, p, mp = _mixed_batch(device)
     seeds = _seeds(len(t), device)
-    for step in range(3):
+    for step in range(2):
         offsets = torch.full((len(t),), step, dtype=torch.int64, device=device) + torch.arange(len(t), device=device)
         want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
-        got = K.sample(logits, t, k, p, mp, seeds, offsets)
+        got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits)
         assert got.dtype == torch.int64
         assert torch.equal(got, want), (step, got, want)
 
 
+@pytest.mark.parametrize("block_v", [None, 16])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25),
                                                  (9, 0.9, 0.1)])
-def test_triton_kept_set_matches_reference_on_a_tiny_vocab(top_k, top_p, min_p, device):
-    """Many draws from one row: boundary tokens win often, so a threshold off by one token shows."""
+def test_triton_kept_set_matches_reference_on_a_tiny_vocab(top_k, top_p, min_p, block_v, device):
+    """Many draws from one row: boundary tokens win often, so a threshold off by one token shows.
+    block_v=16 cuts the 24 tokens into two tiles, so the candidate compaction runs too."""
     n = 48
     row = (torch.randn(24, device=device) * 1.5).round()  # ties at the thresholds
+    row[[3, 11, 20]] = row.max()  # at least three tokens survive every filter
     t, k, p, mp = _params(n, device, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     seeds = torch.full((n,), 77, dtype=torch.int64, device=device)
     offsets = torch.arange(n, device=device)
     want = K.sample_ref(row.expand(n, -1), t, k, p, mp, seeds, offsets)
-    got = K.sample(row.expand(n, -1).contiguous(), t, k, p, mp, seeds, offsets)
+    got = K.sample(row.expand(n, -1).contiguous(), t, k, p, mp, seeds, offsets, block_v=block_v)
     assert torch.equal(got, want)
     assert len(set(want.tolist())) > 1
 
@@ -158,14 +163,18 @@ def test_reference_top_p_frequencies_are_renormalised():
 
 
 def test_large_vocab_multi_tile(device):
-    logits = torch.randn(3, 5000, device=device) * 4
-    t = torch.tensor([1.0, 0.6, 1.0], device=device)
-    k = torch.tensor([0, 100, 20], dtype=torch.int32, device=device)
-    p = torch.tensor([0.9, 1.0, 0.7], device=device)
-    mp = torch.tensor([0.0, 0.02, 0.0], device=device)
-    seeds, offsets = _seeds(3, device), torch.tensor([5, 6, 7], device=device)
-    assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets),
-                       K.sample_ref(logits, t, k, p, mp, seeds, offsets))
+    """5000 tokens: two 4096 tiles per pass, simple rows split over the vocabulary, kept sets both
+    small enough to compact (top-k 100, top-p on peaked rows) and too large to (top-k 4500)."""
+    logits = torch.randn(6, 5000, device=device) * 4
+    t = torch.tensor([1.0, 0.6, 1.0, 0.0, 1.2, 1.0], device=device)
+    k = torch.tensor([0, 100, 20, 0, 0, 4500], dtype=torch.int32, device=device)
+    p = torch.tensor([0.9, 1.0, 0.7, 1.0, 1.0, 0.999], device=device)
+    mp = torch.tensor([0.0, 0.02, 0.0, 0.0, 0.0, 0.0], device=device)
+    seeds, offsets = _seeds(6, device), torch.tensor([5, 6, 7, 8, 9, 10], device=device)
+    want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
+    assert want[3].item() == logits[3].argmax().item()
+    assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets), want)
+    assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=1), want)
 
 
 def test_rejects_bad_arguments(device):

@@ -1,21 +1,23 @@
-"""Batched, per-request-seeded sampling (greedy, temperature, top-k, top-p, min-p): kernel and reference.
+"""Batched, per-request-seeded sampling (greedy, temperature, top-k, top-p, min-p): kernels and reference.
 
-Semantics, shared exactly by the sort-based reference and the threshold-based kernel
-(l = logits / T in fp32, m = max l, e = exp(l - m), so e_max = 1):
-- temperature == 0: argmax of the raw logits, ties to the lowest index.
+Semantics, shared exactly by the sort-based reference and the threshold-based kernels
+(inv_t = 1 / T and l = logits * inv_t in fp32, m = max l, e = exp(l - m), so e_max = 1):
+- temperature <= 0: argmax of the raw logits, ties to the lowest index.
 - top-k (0 < k < V): keep l >= t_k, t_k = the k-th largest l (every token tied with it is kept).
-- top-p (p < 1): over the top-k set K, with Z = sum_K e, keep e >= t_p where t_p is the largest
-  value with sum_{i in K, e_i >= t_p} e_i >= p * Z. That is the smallest prefix of K by
-  descending probability whose mass reaches p, extended to every token tied with its last one.
+- top-p (p < 1): within the top-k set K, with Z = sum_K e, keep l >= s_p where s_p is the largest
+  l with sum_{i in K, l_i >= s_p} e_i >= p * Z: the smallest prefix of K by descending logit
+  (= descending probability) whose mass reaches p, extended to every token tied with its last.
 - min-p (> 0): keep e >= min_p (p_i >= min_p * p_max; renormalising does not change the ratio).
-- the draw: argmax over kept tokens of l + Gumbel noise, -log(-log(u)), where u comes from a
-  counter-based hash of (seed, offset, token index): a request's draw at output position
-  `offset` never depends on the rest of the batch.
-The two can disagree only where a threshold sum lands within rounding of p * Z or exp differs
-in its last bit at a boundary, and even then only if the boundary token wins the draw.
+- the draw: argmax over kept tokens of l + Gumbel noise -log(-log(u)), u from a counter-based hash
+  of (seed, offset, token index): a request's draw at output position `offset` never depends on
+  the rest of the batch.
+The two can disagree only where a threshold's mass lands within fp32 rounding of p * Z, or exp
+differs in its last bit at a min-p boundary, and even then only if the boundary token wins the draw.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -83,37 +85,35 @@ def sample_ref(
     greedy = temperature <= 0
     if bool(greedy.all()):
         return greedy_ids
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    l = x / temp[:, None]
+    inv_t = 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    l = x * inv_t[:, None]
     m = l.max(dim=-1, keepdim=True).values
     keep = torch.ones_like(l, dtype=torch.bool)
 
     k = top_k.long()
     use_k = (k > 0) & (k < vocab)
     if bool(use_k.any()):
-        k_max = int(torch.where(use_k, k, 1).max())
-        top_vals = l.topk(k_max, dim=-1).values
-        t_k = top_vals.gather(1, (torch.where(use_k, k, 1) - 1)[:, None])
+        k_eff = torch.where(use_k, k, 1)
+        t_k = l.topk(int(k_eff.max()), dim=-1).values.gather(1, (k_eff - 1)[:, None])
         keep &= ~use_k[:, None] | (l >= t_k)
 
     e = torch.exp(l - m)
     use_p = top_p < 1.0
     if bool(use_p.any()):
-        e_k = torch.where(keep, e, torch.zeros_like(e))
-        e_sorted = e_k.sort(dim=-1, descending=True).values
+        l_sorted, order = torch.where(keep, l, float("-inf")).sort(dim=-1, descending=True)
+        e_sorted = torch.where(l_sorted > float("-inf"), e.gather(1, order), 0.0)
         mass = e_sorted.double().cumsum(dim=-1)
         target = top_p.double()[:, None] * mass[:, -1:]
         n = (mass < target).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)
-        t_p = e_sorted.gather(1, n)
-        keep &= ~use_p[:, None] | (e >= t_p)
+        s_p = l_sorted.gather(1, n)
+        keep &= ~use_p[:, None] | (l >= s_p)
 
     use_min_p = min_p > 0.0
     if bool(use_min_p.any()):
         keep &= ~use_min_p[:, None] | (e >= min_p.float()[:, None])
 
     scores = torch.where(keep, l + gumbel_noise_ref(seeds, offsets, vocab), float("-inf"))
-    sampled = scores.argmax(dim=-1)
-    return torch.where(greedy, greedy_ids, sampled)
+    return torch.where(greedy, greedy_ids, scores.argmax(dim=-1))
 
 
 # --- the kernel ----------------------------------------------------------------------------
@@ -164,112 +164,214 @@ def _uniform_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BL
 
 
 @triton.jit
+def _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab):
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    greedy = temp <= 0.0
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1.0
+    use_min_p = min_p > 0.0
+    # Rows with no filter need no max and no thresholds: one pass (or one split pass) suffices.
+    simple = greedy | ((use_k | use_p | use_min_p) == 0)
+    inv_t = tl.div_rn(1.0, tl.where(greedy, 1.0, temp))
+    return greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p
+
+
+@triton.jit
+def _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx):
+    """One tile of the simple rows' pass: raw x for greedy rows, x * inv_t + Gumbel otherwise."""
+    if greedy:
+        score = tl.where(valid, x, float("-inf"))
+    else:
+        score = tl.where(valid, x * inv_t - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, idx, best_idx)
+
+
+@triton.jit
+def _sample_split_kernel(
+    logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
+    part_score_ptr, part_idx_ptr, vocab, chunk, num_splits,
+    BLOCK_V: tl.constexpr,
+):
+    """The simple rows' pass, cut into num_splits chunks of the vocabulary (one program each)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    greedy, simple, inv_t, _, _, _, _, _ = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    if simple == 0:
+        return
+    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+    base = logits_ptr + row * logits_stride
+    cols = tl.arange(0, BLOCK_V)
+    start = split * chunk
+    end = tl.minimum(start + chunk, vocab)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = start + cols
+    for v0 in range(start, end, BLOCK_V):
+        idx = v0 + cols
+        valid = idx < end
+        x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
+        best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
+    s_max = tl.max(best, axis=0)
+    tl.store(part_score_ptr + row * num_splits + split, s_max)
+    tl.store(part_idx_ptr + row * num_splits + split, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
+
+
+@triton.jit
+def _accumulate(l, probe, m, n_ge, mass, up, down, MASS: tl.constexpr):
+    ge = l >= probe
+    n_ge += ge.to(tl.int32)
+    if MASS:
+        mass += tl.where(ge, tl.exp(l - m), 0.0)
+    up = tl.minimum(up, tl.where(ge, l, float("inf")))
+    down = tl.maximum(down, tl.where(ge, float("-inf"), l))
+    return n_ge, mass, up, down
+
+
+@triton.jit
+def _probe_stats(base, cand_l_ptr, use_cand, n_cand, vocab, inv_t, m, probe,
+                 MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """For l >= probe: count, mass (sum of e), smallest l; and the largest l below the probe.
+    Over the compacted candidates when there are some, else over the whole row."""
+    cols = tl.arange(0, BLOCK_V)
+    n_ge = tl.zeros([BLOCK_V], tl.int32)
+    mass = tl.zeros([BLOCK_V], tl.float32)
+    up = tl.full([BLOCK_V], float("inf"), tl.float32)
+    down = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    if use_cand != 0:
+        l = tl.load(cand_l_ptr + cols, mask=cols < n_cand, other=float("-inf"))
+        n_ge, mass, up, down = _accumulate(l, probe, m, n_ge, mass, up, down, MASS)
+    else:
+        for v0 in range(0, vocab, BLOCK_V):
+            idx = v0 + cols
+            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+            n_ge, mass, up, down = _accumulate(x * inv_t, probe, m, n_ge, mass, up, down, MASS)
+    return tl.sum(n_ge, axis=0), tl.sum(mass, axis=0), tl.min(up, axis=0), tl.max(down, axis=0)
+
+
+@triton.jit
+def _compact(base, cand_l_ptr, cand_i_ptr, vocab, inv_t, threshold, BLOCK_V: tl.constexpr):
+    """Copies every l >= threshold (at most BLOCK_V of them) and its index, in index order."""
+    cols = tl.arange(0, BLOCK_V)
+    n = tl.zeros([], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        idx = v0 + cols
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        l = x * inv_t
+        take = (idx < vocab) & (l >= threshold)
+        pos = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(cand_l_ptr + pos, l, mask=take)
+        tl.store(cand_i_ptr + pos, idx, mask=take)
+        n += tl.sum(take.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the whole program reads what each of its threads wrote
+    return n
+
+
+@triton.jit
+def _select(base, cand_l_ptr, cand_i_ptr, use_cand, n_cand, vocab, inv_t, m, target, lo, hi, cnt_lo,
+            MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The largest data value t in [lo, hi] (order-preserving integer keys of l) with
+    stat(l >= t) >= target, stat = count or mass. Bisection with both ends snapped to data values
+    after each pass (lo up to the smallest l >= the probe, hi down to the largest l below it), so it
+    ends exactly, after about log2(distinct values) passes, at most 32. Invariant: stat(l >= lo) >=
+    target, the answer lies in [lo, hi], cnt_lo = count(l >= lo). Once at most BLOCK_V tokens are
+    >= lo, they are compacted and every later pass reads one tile instead of the row."""
+    while lo < hi:
+        probe = _key_float(lo + (hi - lo + 1) // 2)
+        n_ge, mass, up, down = _probe_stats(base, cand_l_ptr, use_cand, n_cand, vocab, inv_t, m, probe,
+                                            MASS, BLOCK_V)
+        if MASS:
+            take = mass >= target
+        else:
+            take = n_ge.to(tl.float32) >= target
+        lo = tl.where(take, tl.minimum(_float_key(up).to(tl.int64), hi), lo)
+        cnt_lo = tl.where(take, n_ge, cnt_lo)
+        hi = tl.where(take, hi, _float_key(down).to(tl.int64))
+        if (use_cand == 0) & (cnt_lo <= BLOCK_V) & (lo < hi) & (vocab > BLOCK_V):
+            n_cand = _compact(base, cand_l_ptr, cand_i_ptr, vocab, inv_t, _key_float(lo), BLOCK_V)
+            use_cand = tl.zeros([], tl.int32) + 1
+    return lo, cnt_lo, use_cand, n_cand
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
-    vocab,
-    BLOCK_V: tl.constexpr,
+    part_score_ptr, part_idx_ptr, cand_l_ptr, cand_i_ptr, vocab, num_splits,
+    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * logits_stride
     cols = tl.arange(0, BLOCK_V)
-    temp = tl.load(temp_ptr + row).to(tl.float32)
+    greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
+        temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+    result = tl.zeros([], tl.int32)
 
-    # Pass 1: max and first argmax of the raw logits (the greedy answer).
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = cols
-    for v0 in range(0, vocab, BLOCK_V):
-        idx = v0 + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        better = x > best
-        best = tl.where(better, x, best)
-        best_idx = tl.where(better, idx, best_idx)
-    x_max = tl.max(best, axis=0)
-    result = tl.min(tl.where(best == x_max, best_idx, vocab), axis=0)
-
-    if temp > 0.0:
-        top_k = tl.load(top_k_ptr + row).to(tl.int32)
-        top_p = tl.load(top_p_ptr + row).to(tl.float32)
-        min_p = tl.load(min_p_ptr + row).to(tl.float32)
-        # Division is monotone, so max(x / T) == max(x) / T exactly.
-        m = tl.div_rn(x_max, temp)
-
-        # Top-k: bisection on the order-preserving integer image of l, with both ends snapped to
-        # data values after every pass (lo to the smallest l >= the probe, hi to the largest l
-        # below it). Invariant: count(l >= lo) >= k and the k-th largest l lies in [lo, hi], so it
-        # ends exactly on it, after about log2(distinct values) passes and never more than 32.
+    if simple:
+        if SPLIT:
+            s = tl.arange(0, BLOCK_S)
+            score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+            idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
+            s_max = tl.max(score, axis=0)
+            result = tl.min(tl.where(score == s_max, idx, vocab), axis=0)
+        else:
+            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            best_idx = cols
+            for v0 in range(0, vocab, BLOCK_V):
+                idx = v0 + cols
+                valid = idx < vocab
+                x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
+            s_max = tl.max(best, axis=0)
+            result = tl.min(tl.where(best == s_max, best_idx, vocab), axis=0)
+    else:
+        row_cand_l = cand_l_ptr + row * BLOCK_V
+        row_cand_i = cand_i_ptr + row * BLOCK_V
+        x_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        for v0 in range(0, vocab, BLOCK_V):
+            idx = v0 + cols
+            x_max = tl.maximum(x_max, tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
+        # Multiplying by inv_t > 0 is monotone, so max(x * inv_t) == max(x) * inv_t exactly.
+        m = tl.max(x_max, axis=0) * inv_t
+        use_cand = tl.zeros([], tl.int32)
+        n_cand = tl.zeros([], tl.int32)
+        cnt = vocab + tl.zeros([], tl.int32)
         t_k = tl.full([], float("-inf"), tl.float32)
-        if (top_k > 0) & (top_k < vocab):
-            lo = tl.full([], _NEG_INF_KEY, tl.int64)
-            hi = _float_key(m).to(tl.int64)
-            while lo < hi:
-                probe = _key_float(lo + (hi - lo + 1) // 2)
-                n_ge = tl.zeros([BLOCK_V], tl.int32)
-                up = tl.full([BLOCK_V], float("inf"), tl.float32)
-                down = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                for v0 in range(0, vocab, BLOCK_V):
-                    idx = v0 + cols
-                    x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                    l = tl.div_rn(x, temp)
-                    ge = l >= probe
-                    n_ge += ge.to(tl.int32)
-                    up = tl.minimum(up, tl.where(ge, l, float("inf")))
-                    down = tl.maximum(down, tl.where(ge, float("-inf"), l))
-                take = tl.sum(n_ge, axis=0) >= top_k
-                lo = tl.where(take, _float_key(tl.min(up, axis=0)).to(tl.int64), lo)
-                hi = tl.where(take, hi, _float_key(tl.max(down, axis=0)).to(tl.int64))
+        if use_k:
+            lo, cnt, use_cand, n_cand = _select(
+                base, row_cand_l, row_cand_i, use_cand, n_cand, vocab, inv_t, m, top_k.to(tl.float32),
+                tl.full([], _NEG_INF_KEY, tl.int64), _float_key(m).to(tl.int64), cnt, False, BLOCK_V)
             t_k = _key_float(lo)
+        threshold = t_k
+        if use_p:
+            _, z, _, _ = _probe_stats(base, row_cand_l, use_cand, n_cand, vocab, inv_t, m, t_k, True, BLOCK_V)
+            lo, cnt, use_cand, n_cand = _select(
+                base, row_cand_l, row_cand_i, use_cand, n_cand, vocab, inv_t, m, top_p * z,
+                _float_key(t_k).to(tl.int64), _float_key(m).to(tl.int64), cnt, True, BLOCK_V)
+            threshold = _key_float(lo)
 
-        # Top-p: the same snapped bisection on the bits of e over the top-k set (non-negative
-        # floats order like their bits), for the largest t with mass(e >= t) >= top_p * Z.
-        t_p = tl.full([], 0.0, tl.float32)
-        if top_p < 1.0:
-            z_acc = tl.zeros([BLOCK_V], tl.float32)
+        # The draw: Gumbel-max over the kept tokens.
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_idx = cols
+        if use_cand != 0:
+            valid = cols < n_cand
+            l = tl.load(row_cand_l + cols, mask=valid, other=float("-inf"))
+            idx = tl.load(row_cand_i + cols, mask=valid, other=0)
+            keep = valid & (l >= threshold) & (tl.exp(l - m) >= min_p)
+            best = tl.where(keep, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
+            best_idx = idx
+        else:
             for v0 in range(0, vocab, BLOCK_V):
                 idx = v0 + cols
                 x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                l = tl.div_rn(x, temp)
-                z_acc += tl.where(l >= t_k, tl.exp(l - m), 0.0)
-            target = top_p * tl.sum(z_acc, axis=0)
-            lo_p = tl.full([], 0, tl.int64)
-            hi_p = tl.full([], _ONE_BITS, tl.int64)  # e of the max token is exp(0) = 1
-            while lo_p < hi_p:
-                mid = lo_p + (hi_p - lo_p + 1) // 2
-                probe = mid.to(tl.int32).to(tl.float32, bitcast=True)
-                mass_acc = tl.zeros([BLOCK_V], tl.float32)
-                up = tl.full([BLOCK_V], float("inf"), tl.float32)
-                down = tl.full([BLOCK_V], -1.0, tl.float32)
-                for v0 in range(0, vocab, BLOCK_V):
-                    idx = v0 + cols
-                    x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                    l = tl.div_rn(x, temp)
-                    e = tl.where(l >= t_k, tl.exp(l - m), -1.0)  # -1: outside the top-k set
-                    ge = e >= probe
-                    mass_acc += tl.where(ge, e, 0.0)
-                    up = tl.minimum(up, tl.where(ge, e, float("inf")))
-                    down = tl.maximum(down, tl.where(ge, -1.0, e))
-                take = tl.sum(mass_acc, axis=0) >= target
-                e_up = tl.min(up, axis=0)
-                e_down = tl.max(down, axis=0)
-                lo_p = tl.where(take, tl.minimum(e_up.to(tl.int32, bitcast=True).to(tl.int64), hi_p), lo_p)
-                hi_p = tl.where(take, hi_p, tl.where(e_down >= 0.0, e_down.to(tl.int32, bitcast=True).to(tl.int64),
-                                                     lo_p))
-            t_p = lo_p.to(tl.int32).to(tl.float32, bitcast=True)
-
-        # The draw: Gumbel-max over the kept tokens.
-        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-        e_min = tl.maximum(t_p, min_p)
-        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_idx = cols
-        for v0 in range(0, vocab, BLOCK_V):
-            idx = v0 + cols
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            l = tl.div_rn(x, temp)
-            keep = (idx < vocab) & (l >= t_k) & (tl.exp(l - m) >= e_min)
-            gumbel = -tl.log(-tl.log(_uniform(key, idx)))
-            score = tl.where(keep, l + gumbel, float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_idx = tl.where(better, idx, best_idx)
+                l = x * inv_t
+                keep = (idx < vocab) & (l >= threshold) & (tl.exp(l - m) >= min_p)
+                score = tl.where(keep, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_idx = tl.where(better, idx, best_idx)
         s_max = tl.max(best, axis=0)
         result = tl.min(tl.where(best == s_max, best_idx, vocab), axis=0)
 
@@ -281,15 +383,27 @@ def _check_row_params(name: str, t: torch.Tensor, n_rows: int, dtypes, device) -
     check_shape(t, name, (n_rows,))
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
+    block_v: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as sample_ref: one program per row, no host sync, graph-capturable."""
+    """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
+
+    Rows without filters (greedy, or plain temperature) are drawn by num_splits programs per row
+    (a vocabulary chunk each) and a reduction; rows with top-k / top-p / min-p by one program per
+    row, in passes. block_v and num_splits override the launch shape (tests use them)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
-    check(vocab < 2**31 - 65536, f"vocabulary of {vocab} is too large")
+    check(0 < vocab < 2**31 - 2**20, f"vocabulary of {vocab} is out of range")
     _check_row_params("temperature", temperature, n_rows, (torch.float32,), device)
     _check_row_params("top_k", top_k, n_rows, INDEX_DTYPES, device)
     _check_row_params("top_p", top_p, n_rows, (torch.float32,), device)
@@ -299,10 +413,31 @@ def sample(
     out = torch.empty((n_rows,), dtype=torch.int64, device=device)
     if n_rows == 0:
         return out
-    block_v = min(4096, triton.next_power_of_2(max(vocab, 16)))
+    if block_v is None:
+        block_v = min(4096, triton.next_power_of_2(max(vocab, 16)))
+    check(block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v must be a power of two >= 16, got {block_v}")
+    split_block = min(block_v, 2048)
+    if num_splits is None:
+        num_splits = min(triton.cdiv(vocab, split_block), max(1, triton.cdiv(4 * _num_sms(device), n_rows)))
+    check(num_splits >= 1, f"num_splits must be positive, got {num_splits}")
+    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), split_block) * split_block
+    num_splits = triton.cdiv(vocab, chunk)
+    split = num_splits > 1
+    part_score = torch.empty((n_rows, num_splits) if split else (1,), dtype=torch.float32, device=device)
+    part_idx = torch.empty((n_rows, num_splits) if split else (1,), dtype=torch.int32, device=device)
+    cand_l = torch.empty((n_rows, block_v), dtype=torch.float32, device=device)
+    cand_i = torch.empty((n_rows, block_v), dtype=torch.int32, device=device)
+    if split:
+        _sample_split_kernel[(n_rows, num_splits)](
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
+            part_score, part_idx, vocab, chunk, num_splits,
+            BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4, enable_fp_fusion=False,
+        )
     _sample_kernel[(n_rows,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, vocab,
-        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
+        part_score, part_idx, cand_l, cand_i, vocab, num_splits,
+        SPLIT=split, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False,
     )
     return out
 
