@@ -3,9 +3,10 @@
 Usage (on the H100, from the repository root): python3 bench/gpu_kernels.py --out kernels.json
 Each case runs the kernel once on fresh random inputs with poisoned outputs (NaN caches and a
 NaN-filling torch.empty) and compares it with the reference on the GPU, then times it with
-triton.testing.do_bench (median, L2 flushed between runs) and, where it can be captured, inside a
-CUDA graph (no launch overhead). Achieved bandwidth is counted from the bytes each kernel must move
-at least once; the roofline is HBM at 3.0 TB/s. Exits non-zero if any check fails.
+triton.testing.do_bench (median, L2 flushed between runs), inside a CUDA graph where it can be
+captured (no launch overhead; also proves the wrapper graph-safe), and on the host (checks +
+launch). Achieved bandwidth is counted from the bytes each kernel must move at least once; the
+roofline is HBM at 3.0 TB/s. Exits non-zero if any check fails.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Result:
     rel_err: float | None = None
     us: float | None = None
     graph_us: float | None = None
+    cpu_us: float | None = None
     bytes: int = 0
     gbps: float | None = None
     roofline_us: float | None = None
@@ -96,11 +98,24 @@ def graph_us(fn) -> float | None:
         return None
 
 
+def cpu_us(fn, calls: int = 100) -> float:
+    """Host time per call (argument checks + launch), with the GPU kept ahead of nothing."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def finish(res: Result, fn, nbytes: int, tol_ok: bool) -> Result:
     res.ok = tol_ok
     res.bytes = int(nbytes)
     res.us = time_us(fn)
     res.graph_us = graph_us(fn)
+    res.cpu_us = cpu_us(fn)
     res.roofline_us = nbytes / HBM_BYTES_PER_S * 1e6
     res.gbps = nbytes / (res.us * 1e-6) / 1e9
     res.pct_roofline = 100.0 * res.roofline_us / res.us
@@ -332,12 +347,13 @@ def main() -> int:
         print(f"{'ok  ' if res.ok else 'FAIL'} {res.kernel:17s} {res.shape:40s} err={fmt(res.rel_err, '.2e')} "
               f"{fmt(res.us, '.1f')} us", flush=True)
 
-    header = f"{'kernel':17s} {'shape':40s} {'rel err':>9s} {'us':>9s} {'graph us':>9s} {'GB/s':>8s} " \
-             f"{'roof us':>8s} {'%roof':>6s}  note"
+    header = f"{'kernel':17s} {'shape':40s} {'rel err':>9s} {'us':>9s} {'graph us':>9s} {'cpu us':>7s} " \
+             f"{'GB/s':>8s} {'roof us':>8s} {'%roof':>6s}  note"
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         print(f"{r.kernel:17s} {r.shape:40s} {fmt(r.rel_err, '9.2e')} {fmt(r.us, '9.1f')} {fmt(r.graph_us, '9.1f')} "
-              f"{fmt(r.gbps, '8.0f')} {fmt(r.roofline_us, '8.1f')} {fmt(r.pct_roofline, '6.1f')}  "
+              f"{fmt(r.cpu_us, '7.1f')} {fmt(r.gbps, '8.0f')} {fmt(r.roofline_us, '8.1f')} "
+              f"{fmt(r.pct_roofline, '6.1f')}  "
               f"{'' if r.ok else 'FAILED '}{r.note}{(' ' + r.error) if r.error else ''}")
     failed = [r for r in results if not r.ok]
     print(f"\n{len(results) - len(failed)} of {len(results)} checks passed")

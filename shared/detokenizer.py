@@ -14,6 +14,7 @@ neither it nor anything after it is ever emitted (OpenAI semantics).
 
 from __future__ import annotations
 
+import codecs
 from typing import Iterable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -92,6 +93,52 @@ class IncrementalDetokenizer:
     def has_pending(self) -> bool:
         """Whether some pushed tokens have not produced their text yet."""
         return self._read_offset < len(self._tokens)
+
+
+class ByteLevelDetokenizer:
+    """The fast path for byte-level BPE (Llama 3, Qwen, GPT-style): each token is a fixed byte
+    string, so text is an incremental UTF-8 decode of the concatenated bytes — no window, no
+    second decode, about a microsecond per token. Same contract as IncrementalDetokenizer."""
+
+    __slots__ = ("_bytes_of", "_special", "_skip", "_utf8", "_num_output_tokens")
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._bytes_of = tokenizer.cached_token_bytes
+        self._special = tokenizer.all_special_ids
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._num_output_tokens = 0
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        out = []
+        for tid in token_ids:
+            self._num_output_tokens += 1
+            if self._skip and tid in self._special:
+                continue
+            text = self._utf8.decode(self._bytes_of(tid))
+            if text:
+                out.append(text)
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._utf8.getstate()[0])
+
+
+def make_detokenizer(tokenizer, prompt_token_ids_tail: Sequence[int] = (), skip_special_tokens: bool = True):
+    """The byte-level fast path where the tokenizer allows it, else the windowed decoder."""
+    if getattr(tokenizer, "is_byte_level", False):
+        return ByteLevelDetokenizer(tokenizer, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids_tail, skip_special_tokens)
 
 
 class StopStringMatcher:

@@ -133,6 +133,7 @@ class Tokenizer:
 
         decoder = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
         self._byte_level = _is_byte_level(decoder)
+        self._bytes_cache: dict[int, bytes] = {}
 
         if chat_templates is None:
             chat_templates = _templates_from_config(cfg)
@@ -211,6 +212,17 @@ class Tokenizer:
         if m:
             return bytes([int(m.group(1), 16)])
         return tok.replace("\u2581", " ").encode("utf-8")
+
+    @property
+    def is_byte_level(self) -> bool:
+        return self._byte_level
+
+    def cached_token_bytes(self, token_id: int) -> bytes:
+        """token_bytes through a per-tokenizer cache: the streaming detokenizer's hot path."""
+        b = self._bytes_cache.get(token_id)
+        if b is None:
+            b = self._bytes_cache[token_id] = self.token_bytes(token_id)
+        return b
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (special tokens kept); may hold U+FFFD for a partial

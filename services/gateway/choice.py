@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shared.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from shared.detokenizer import StopStringMatcher, make_detokenizer
 from shared.messages import TokenDelta
 from shared.tokenizer import Tokenizer
 from shared.wire import unpack_ids
@@ -33,7 +33,7 @@ class ChoiceState:
                  stop: Sequence[str], want_logprobs: bool, skip_special_tokens: bool = True):
         self.index = index
         self.request_id = request_id
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_tail, skip_special_tokens=skip_special_tokens)
+        self.detok = make_detokenizer(tokenizer, prompt_tail, skip_special_tokens=skip_special_tokens)
         self.matcher = StopStringMatcher(stop) if stop else None
         self.want_logprobs = want_logprobs
         self.num_tokens = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.engine import make_model as mm
-from shared.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from shared.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, StopStringMatcher
 from shared.tokenizer import Tokenizer
 
 
@@ -24,9 +24,10 @@ def model_vocab(tok) -> int:
     return (tok.vocab_size + 63) // 64 * 64  # the model's padded vocabulary, as make_model writes it
 
 
-def _stream(tok, ids, skip=True, tail=(), rng=None):
+def _stream(tok, ids, skip=True, tail=(), rng=None, fast=False):
     """Push ids (one at a time, or in random batches) and return the list of deltas, flush included."""
-    d = IncrementalDetokenizer(tok, prompt_token_ids_tail=tail, skip_special_tokens=skip)
+    d = (ByteLevelDetokenizer(tok, skip_special_tokens=skip) if fast
+         else IncrementalDetokenizer(tok, prompt_token_ids_tail=tail, skip_special_tokens=skip))
     deltas = []
     i = 0
     while i < len(ids):
@@ -60,12 +61,13 @@ def test_text_round_trips_without_replacement_chars(tok, text):
         assert any(len(tok.token_bytes(i).decode("utf-8", errors="ignore")) == 0 for i in ids)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["windowed", "byte_level"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_each_delta_is_emitted_as_soon_as_complete(tok, text):
+def test_each_delta_is_emitted_as_soon_as_complete(tok, text, fast):
     """Whenever the bytes so far end on a character boundary, all of the text is out; otherwise
     only the tokens holding the incomplete character are held back."""
     ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok)
+    d = ByteLevelDetokenizer(tok) if fast else IncrementalDetokenizer(tok)
     emitted = ""
     data = b""
     for i in ids:
@@ -80,9 +82,10 @@ def test_each_delta_is_emitted_as_soon_as_complete(tok, text):
     assert d.flush() == ""
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["windowed", "byte_level"])
 @pytest.mark.parametrize("skip", [True, False], ids=["skip_special", "keep_special"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_token_sequences_match_full_decode(tok, model_vocab, seed, skip):
+def test_random_token_sequences_match_full_decode(tok, model_vocab, seed, skip, fast):
     rng = random.Random(seed)
     special = sorted(tok.all_special_ids)
     for _ in range(20):
@@ -99,8 +102,8 @@ def test_random_token_sequences_match_full_decode(tok, model_vocab, seed, skip):
             else:
                 ids.append(rng.randrange(0, tok.vocab_size))
         expected = tok.decode(ids, skip_special_tokens=skip)
-        assert "".join(_stream(tok, ids, skip=skip)) == expected
-        assert "".join(_stream(tok, ids, skip=skip, rng=rng)) == expected
+        assert "".join(_stream(tok, ids, skip=skip, fast=fast)) == expected
+        assert "".join(_stream(tok, ids, skip=skip, rng=rng, fast=fast)) == expected
 
 
 def test_prompt_tail_gives_context_but_is_not_emitted(tok):
