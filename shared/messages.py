@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from shared.config import WORKER_ROLES
 from shared.errors import MessageError, service_error
 from shared.sampling_params import SamplingParams
-from shared.wire import BlockHash, Message, PackedIds, register, unpack_ids
+from shared.wire import BlockHash, Message, PackedIds, pack_ids, register, unpack_ids
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_ID_CHARS = 256
@@ -195,16 +195,136 @@ class TokenDelta(Message):
                 _require(len(ids) // 4 == len(lps), "top_ids and top_lps entries must have equal lengths")
 
 
+class Delta:
+    """One request's part of a TokenBatch, as the gateway reads it: TokenDelta's fields on a
+    plain slotted object (a frozen dataclass costs several times more to build per token)."""
+
+    __slots__ = ("request_id", "token_ids", "logprobs", "top_ids", "top_lps", "finish_reason", "error",
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id")
+
+    def __init__(self, request_id, token_ids, prompt_tokens, cached_tokens, completion_tokens):
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.completion_tokens = completion_tokens
+        self.logprobs = self.top_ids = self.top_lps = None
+        self.finish_reason = self.error = self.stop_token_id = None
+
+    @property
+    def token_id_list(self) -> list[int]:
+        return unpack_ids(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Finish(Message):
+    """The end of one request inside a TokenBatch (index into its columns)."""
+
+    TYPE = "finish"
+    VERSION = 1
+
+    index: int
+    reason: str  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    stop_token_id: int | None = None
+
+    def _check(self) -> None:
+        _require(self.reason in FINISH_REASONS, f"reason must be one of {FINISH_REASONS}")
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TokenLogprobs(Message):
+    """Logprobs of one request's new tokens inside a TokenBatch (top_* as in TokenDelta)."""
+
+    TYPE = "token_logprobs"
+    VERSION = 1
+
+    index: int
+    logprobs: list[float]
+    top_ids: list[PackedIds] | None = None
+    top_lps: list[list[float]] | None = None
+
+
 @register
 @dataclass(slots=True, frozen=True, kw_only=True)
 class TokenBatch(Message):
-    """worker → gateway inbox: every delta for that gateway's requests from one step."""
+    """worker → gateway inbox: every new token for that gateway's requests from one step.
+
+    Columnar: request i has token_counts[i] new tokens, which follow request i-1's in token_ids;
+    the per-request counters are packed int32 columns; ends and logprobs are sparse lists. One
+    map per step instead of one per token keeps both ends cheap (a few µs per token matter here).
+    """
 
     TYPE = "token_batch"
-    VERSION = 1
+    VERSION = 2
 
     worker_id: str
-    items: list[TokenDelta]
+    request_ids: list[str]
+    token_counts: PackedIds
+    token_ids: PackedIds
+    prompt_tokens: PackedIds
+    cached_tokens: PackedIds
+    completion_tokens: PackedIds
+    finishes: list[Finish] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, worker_id: str, items: list[TokenDelta]) -> TokenBatch:
+        """A batch from per-request deltas (tests, peers, rare paths; the worker builds columns)."""
+        finishes = [Finish(index=i, reason=d.finish_reason, error=d.error, stop_token_id=d.stop_token_id)
+                    for i, d in enumerate(items) if d.finish_reason is not None]
+        logprobs = [TokenLogprobs(index=i, logprobs=d.logprobs, top_ids=d.top_ids, top_lps=d.top_lps)
+                    for i, d in enumerate(items) if d.logprobs is not None]
+        return cls(worker_id=worker_id, request_ids=[d.request_id for d in items],
+                   token_counts=pack_ids([len(d.token_ids) // 4 for d in items]),
+                   token_ids=b"".join(d.token_ids for d in items),
+                   prompt_tokens=pack_ids([d.prompt_tokens for d in items]),
+                   cached_tokens=pack_ids([d.cached_tokens for d in items]),
+                   completion_tokens=pack_ids([d.completion_tokens for d in items]),
+                   finishes=finishes, logprobs=logprobs)
+
+    @property
+    def items(self) -> list[Delta]:
+        counts = unpack_ids(self.token_counts)
+        prompt, cached, done = (unpack_ids(self.prompt_tokens), unpack_ids(self.cached_tokens),
+                                unpack_ids(self.completion_tokens))
+        ids = self.token_ids
+        out = []
+        pos = 0
+        for i, rid in enumerate(self.request_ids):
+            end = pos + 4 * counts[i]
+            out.append(Delta(rid, ids[pos:end], prompt[i], cached[i], done[i]))
+            pos = end
+        for f in self.finishes:
+            d = out[f.index]
+            d.finish_reason, d.error, d.stop_token_id = f.reason, f.error, f.stop_token_id
+        for lp in self.logprobs:
+            d = out[lp.index]
+            d.logprobs, d.top_ids, d.top_lps = lp.logprobs, lp.top_ids, lp.top_lps
+        return out
+
+    def _check(self) -> None:
+        n = len(self.request_ids)
+        for name in ("token_counts", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            _require(len(getattr(self, name)) == 4 * n, f"{name} needs one entry per request")
+        counts = unpack_ids(self.token_counts)
+        _require(min(counts, default=0) >= 0, "token_counts must not be negative")
+        _require(4 * sum(counts) == len(self.token_ids), "token_ids must hold sum(token_counts) ids")
+        for f in self.finishes:
+            _require(0 <= f.index < n, "a finish index is outside the batch")
+        for lp in self.logprobs:
+            _require(0 <= lp.index < n, "a logprobs index is outside the batch")
+            k = counts[lp.index]
+            _require(len(lp.logprobs) == k, "logprobs needs one entry per token")
+            _require((lp.top_ids is None) == (lp.top_lps is None), "top_ids and top_lps come together")
+            if lp.top_ids is not None:
+                _require(len(lp.top_ids) == k and len(lp.top_lps) == k, "top logprobs need one entry per token")
 
 
 @register

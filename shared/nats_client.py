@@ -213,12 +213,15 @@ class NatsConnection:
 
         While nats-py is reconnecting, messages are buffered (up to its pending size) and sent after.
         """
-        data = encode(msg)
+        await self.publish_encoded(subject, encode(msg), msg.TYPE)
+
+    async def publish_encoded(self, subject: str, data: bytes, type_tag: str = "") -> None:
+        """Publish bytes already made by shared.wire.encode (e.g. on a worker's step thread)."""
         try:
             await self.client.publish(subject, data)
         except nats.errors.MaxPayloadError:
-            raise MessageError(f"{type(msg).__name__} of {len(data)} bytes exceeds the server's max_payload",
-                               "size", msg.TYPE) from None
+            raise MessageError(f"{type_tag or 'message'} of {len(data)} bytes exceeds the server's max_payload",
+                               "size", type_tag) from None
         except _DOWN as e:
             raise ServiceUnavailable(f"NATS connection is down ({e})") from None
 

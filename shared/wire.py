@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import struct
 import sys
 import time
 import types
@@ -505,10 +506,15 @@ if array("i").itemsize != 4:  # pragma: no cover - every platform we run on has 
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+_INT32 = struct.Struct("<i")
+
+
 def pack_ids(ids: Any) -> bytes:
     """Token ids (a sequence of ints or a numpy integer array) as little-endian int32 bytes."""
     if hasattr(ids, "astype"):  # numpy: no per-element Python work
         return ids.astype("<i4", copy=False).tobytes()
+    if len(ids) == 1:  # one token per step is the common case
+        return _INT32.pack(ids[0])
     a = array("i", ids)
     if _BIG_ENDIAN:  # pragma: no cover
         a.byteswap()

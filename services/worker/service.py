@@ -8,28 +8,14 @@ from collections import defaultdict
 
 import structlog
 
-from services.worker.step_loop import AbortCommand, AddCommand, Rejected, StepLoop
+from services.worker.step_loop import AbortCommand, AddCommand, StepLoop
+from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
 from shared.messages import AbortRequest, GenerateRequest, KvEvents, TokenBatch, TokenDelta, WorkerHeartbeat
-from shared.wire import pack_ids
+from shared.wire import encode
 
 log = structlog.get_logger("worker")
-
-
-def to_delta(out) -> TokenDelta:
-    """An engine RequestOutput (or a rejection) as the wire's TokenDelta."""
-    if isinstance(out, Rejected):
-        return TokenDelta(request_id=out.request_id, finish_reason="error", error=out.message)
-    top_ids = top_lps = None
-    if out.top_logprobs is not None:
-        top_ids = [pack_ids([t for t, _ in alts]) for alts in out.top_logprobs]
-        top_lps = [[lp for _, lp in alts] for alts in out.top_logprobs]
-    return TokenDelta(
-        request_id=out.request_id, token_ids=pack_ids(out.new_token_ids), logprobs=out.logprobs,
-        top_ids=top_ids, top_lps=top_lps, finish_reason=out.finish_reason, error=out.error,
-        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-        completion_tokens=out.num_output_tokens, stop_token_id=out.stop_token_id)
 
 
 class WorkerService:
@@ -76,7 +62,7 @@ class WorkerService:
             self.loop_thread.submit(AbortCommand(left))
             for subject, items in batches.items():
                 if subject:
-                    await self.conn.publish(subject, TokenBatch(worker_id=self.cfg.worker_id, items=items))
+                    await self.conn.publish(subject, TokenBatch.of(self.cfg.worker_id, items))
         self.loop_thread.stop()
         for task in self._tasks:
             task.cancel()
@@ -84,7 +70,7 @@ class WorkerService:
     # -- NATS handlers (event loop) ---------------------------------------------------------------
     async def _on_generate(self, msg: GenerateRequest) -> None:
         if self.draining:
-            await self.conn.publish(msg.reply_to, TokenBatch(worker_id=self.cfg.worker_id, items=[TokenDelta(
+            await self.conn.publish(msg.reply_to, TokenBatch.of(self.cfg.worker_id, [TokenDelta(
                 request_id=msg.request_id, finish_reason="error", error="the worker is draining")]))
             return
         self.loop_thread.submit(AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(),
@@ -95,22 +81,16 @@ class WorkerService:
 
     # -- outputs (called on the step thread) ------------------------------------------------------
     def _on_outputs(self, outputs, routes: dict[str, str]) -> None:
-        batches: dict[str, list[TokenDelta]] = defaultdict(list)
-        for out in outputs:
-            subject = out.reply_to if isinstance(out, Rejected) else routes.get(out.request_id)
-            if subject:
-                batches[subject].append(to_delta(out))
-        # Encode here, on the step thread, so the event loop only hands bytes to NATS.
-        payloads = [(subject, TokenBatch(worker_id=self.cfg.worker_id, items=items))
-                    for subject, items in batches.items()]
+        # Packed here, on the step thread, so the event loop only hands messages to NATS.
+        payloads = [(subject, encode(batch)) for subject, batch in token_batches(self.cfg.worker_id, outputs, routes)]
         self._loop.call_soon_threadsafe(self._publish_many, payloads)
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
     def _publish_many(self, payloads) -> None:
-        for subject, batch in payloads:
-            asyncio.ensure_future(self.conn.publish(subject, batch))
+        for subject, data in payloads:
+            asyncio.ensure_future(self.conn.publish_encoded(subject, data, TokenBatch.TYPE))
 
     def _queue_kv_events(self, stored, removed) -> None:
         self._pending_events[0].extend(stored)

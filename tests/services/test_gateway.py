@@ -143,7 +143,7 @@ class Peer:
             delta = TokenDelta(request_id=req.request_id, token_ids=pack_ids([token]), finish_reason=finish,
                                prompt_tokens=prompt, cached_tokens=prompt // 2, completion_tokens=i + 1,
                                stop_token_id=self.eos if eos else None, **extra)
-            await self.conn.publish(req.reply_to, TokenBatch(worker_id=WORKER, items=[delta]))
+            await self.conn.publish(req.reply_to, TokenBatch.of(WORKER, [delta]))
             if finish:
                 return
 

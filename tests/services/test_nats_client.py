@@ -24,7 +24,7 @@ async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") 
 
 
 def batch(n: int = 2) -> TokenBatch:
-    return TokenBatch(worker_id="worker-1", items=[
+    return TokenBatch.of("worker-1", [
         TokenDelta(request_id=f"r{i}", token_ids=pack_ids([100 + i, 200 + i]), logprobs=[-0.5, -1.0],
                    completion_tokens=2 * (i + 1)) for i in range(n)])
 

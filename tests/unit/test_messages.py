@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shared.errors import BadRequest, MessageError, Overloaded, ServiceError, ServiceUnavailable
-from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
-                             WireSamplingParams, WorkerHeartbeat)
+from shared.messages import (AbortRequest, Finish, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
+                             TokenLogprobs, WireSamplingParams, WorkerHeartbeat)
 from shared.sampling_params import SamplingParams
 from shared.wire import (DEFAULT_MAX_BYTES, DecodeCounter, Message, decode, encode, message_types, pack_ids,
                          register, safe_decode, unpack_ids)
@@ -57,8 +57,11 @@ SAMPLES: dict[type, list[Message]] = {
     AbortRequest: [AbortRequest(request_ids=["a", "b"], reason="client disconnected"), AbortRequest(request_ids=[])],
     TokenDelta: [token_delta(), TokenDelta(request_id="r", token_ids=pack_ids([5]), completion_tokens=1),
                  TokenDelta(request_id="r", finish_reason="error", error="CUDA out of memory")],
-    TokenBatch: [TokenBatch(worker_id="worker-3", items=[token_delta(), TokenDelta(request_id="r2")]),
-                 TokenBatch(worker_id="worker-3", items=[])],
+    Finish: [Finish(index=0, reason="stop", stop_token_id=2), Finish(index=3, reason="error", error="boom")],
+    TokenLogprobs: [TokenLogprobs(index=1, logprobs=[-0.5]),
+                    TokenLogprobs(index=0, logprobs=[-0.5], top_ids=[pack_ids([3, 4])], top_lps=[[-0.5, -1.0]])],
+    TokenBatch: [TokenBatch.of("worker-3", [token_delta(), TokenDelta(request_id="r2")]),
+                 TokenBatch.of("worker-3", [])],
     WorkerHeartbeat: [WorkerHeartbeat(worker_id="worker-3", role="decode", model="llama-3.1-8b", ready=True,
                                       draining=False, generate_subject="inferno.worker.worker-3.generate",
                                       abort_subject="inferno.worker.worker-3.abort", timestamp=1731974400.5, seq=17,
@@ -222,14 +225,36 @@ def test_bool_is_not_an_int_and_int_is_a_float():
 
 def test_nested_list_element_path():
     d = raw(SAMPLES[TokenBatch][0])
-    d["items"][1]["request_id"] = 42
-    reject(TokenBatch, d, "field", r"TokenBatch\.items\[1\]\.request_id: expected str, got int")
+    d["request_ids"][1] = 42
+    reject(TokenBatch, d, "field", r"TokenBatch\.request_ids\[1\]: expected str, got int")
     d = raw(SAMPLES[TokenBatch][0])
-    d["items"][0]["logprobs"][1] = "x"
-    reject(TokenBatch, d, "field", r"items\[0\]\.logprobs\[1\]: expected float")
+    d["logprobs"][0]["logprobs"][1] = "x"
+    reject(TokenBatch, d, "field", r"logprobs\[0\]\.logprobs\[1\]: expected float")
     d = raw(SAMPLES[TokenBatch][0])
-    d["items"] = {"a": 1}
-    reject(TokenBatch, d, "field", r"TokenBatch\.items: expected list")
+    d["finishes"] = {"a": 1}
+    reject(TokenBatch, d, "field", r"TokenBatch\.finishes: expected list")
+
+
+def test_token_batch_columns_must_agree():
+    d = raw(SAMPLES[TokenBatch][0])
+    d["token_counts"] = pack_ids([5, 0])  # more tokens than token_ids holds
+    reject(TokenBatch, d, "field", "sum\\(token_counts\\)")
+    d = raw(SAMPLES[TokenBatch][0])
+    d["cached_tokens"] = pack_ids([1])
+    reject(TokenBatch, d, "field", "cached_tokens needs one entry per request")
+    d = raw(SAMPLES[TokenBatch][0])
+    d["finishes"] = [{"t": "finish", "v": 1, "index": 7, "reason": "stop"}]
+    reject(TokenBatch, d, "field", "outside the batch")
+
+
+def test_token_batch_items_give_back_each_delta():
+    first = token_delta()
+    batch = decode(TokenBatch, encode(TokenBatch.of("w", [first, TokenDelta(request_id="r2")])))
+    a, b = batch.items
+    for name in ("request_id", "token_ids", "logprobs", "top_ids", "top_lps", "finish_reason", "error",
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id"):
+        assert getattr(a, name) == getattr(first, name), name
+    assert b.request_id == "r2" and b.token_ids == b"" and b.finish_reason is None
 
 
 def test_logit_bias_keys_must_be_ints():
