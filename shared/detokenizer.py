@@ -100,14 +100,16 @@ class ByteLevelDetokenizer:
     string, so text is an incremental UTF-8 decode of the concatenated bytes — no window, no
     second decode, about a microsecond per token. Same contract as IncrementalDetokenizer."""
 
-    __slots__ = ("_bytes_of", "_special", "_skip", "_utf8", "_num_output_tokens")
+    __slots__ = ("_bytes_of", "_text_of", "_special", "_skip", "_utf8", "_num_output_tokens", "_pending")
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._bytes_of = tokenizer.cached_token_bytes
+        self._text_of = tokenizer.cached_token_text
         self._special = tokenizer.all_special_ids
         self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._num_output_tokens = 0
+        self._pending = False  # the UTF-8 decoder holds the start of a character
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         if isinstance(token_ids, int):
@@ -117,12 +119,16 @@ class ByteLevelDetokenizer:
             self._num_output_tokens += 1
             if self._skip and tid in self._special:
                 continue
-            text = self._utf8.decode(self._bytes_of(tid))
+            text = None if self._pending else self._text_of(tid)
+            if text is None:  # part of a multi-byte character: the incremental decoder's job
+                text = self._utf8.decode(self._bytes_of(tid))
+                self._pending = bool(self._utf8.getstate()[0])
             if text:
                 out.append(text)
-        return "".join(out)
+        return out[0] if len(out) == 1 else "".join(out)
 
     def flush(self) -> str:
+        self._pending = False
         return self._utf8.decode(b"", final=True)
 
     @property
@@ -131,7 +137,7 @@ class ByteLevelDetokenizer:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._utf8.getstate()[0])
+        return self._pending
 
 
 def make_detokenizer(tokenizer, prompt_token_ids_tail: Sequence[int] = (), skip_special_tokens: bool = True):

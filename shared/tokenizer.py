@@ -134,6 +134,7 @@ class Tokenizer:
         decoder = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
         self._byte_level = _is_byte_level(decoder)
         self._bytes_cache: dict[int, bytes] = {}
+        self._text_cache: dict[int, str | None] = {}
 
         if chat_templates is None:
             chat_templates = _templates_from_config(cfg)
@@ -223,6 +224,18 @@ class Tokenizer:
         if b is None:
             b = self._bytes_cache[token_id] = self.token_bytes(token_id)
         return b
+
+    def cached_token_text(self, token_id: int) -> str | None:
+        """The token's bytes as text when they are complete UTF-8 on their own, else None (cached)."""
+        try:
+            return self._text_cache[token_id]
+        except KeyError:
+            try:
+                text = self.cached_token_bytes(token_id).decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            self._text_cache[token_id] = text
+            return text
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (special tokens kept); may hold U+FFFD for a partial
