@@ -125,7 +125,7 @@ class RouterConfig:
     """The scheduler's routing and admission settings."""
 
     heartbeat_ttl: float = 3.0  # a worker is gone after 3 missed 1 s heartbeats
-    max_waiting: int = 256  # per worker; beyond it, new requests get 429
+    max_waiting: int = 4096  # per worker; beyond it, new requests get 429
     overload_kv_usage: float = 0.95  # a worker above this KV usage takes no new request
     retry_after: float = 1.0  # seconds, sent with 429/503
     affinity_bucket: str = "inferno_affinity"  # JetStream KV bucket: session key → worker id

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-
 import torch
 import triton
 import triton.language as tl
@@ -13,10 +11,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check(cond: bool, message: str) -> None:
-    """A ValueError, not an assert: the checks must survive `python -O`."""
+def check(cond: bool, message: str, *args) -> None:
+    """A ValueError, not an assert (it must survive `python -O`); the message is a str.format
+    template filled in only on failure, so a passing check costs next to nothing."""
     if not cond:
-        raise ValueError(message)
+        raise ValueError(message.format(*args))
 
 
 def check_tensor(
@@ -24,25 +23,29 @@ def check_tensor(
     name: str,
     *,
     ndim: int,
-    dtypes: Iterable[torch.dtype],
+    dtypes: tuple[torch.dtype, ...],
     device: torch.device | None = None,
     last_contiguous: bool = True,
     contiguous: bool = False,
 ) -> None:
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    dtypes = tuple(dtypes)
-    check(t.dtype in dtypes, f"{name} has dtype {t.dtype}; expected one of {dtypes}")
-    if device is not None:
-        check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {tuple(dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
     if contiguous:
-        check(t.is_contiguous(), f"{name} must be contiguous (strides {t.stride()})")
-    elif last_contiguous and t.numel() > 0:
-        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (strides {t.stride()})")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    elif last_contiguous and t.stride(-1) != 1 and t.numel() > 0:
+        raise ValueError(f"{name} must be contiguous in its last dimension (strides {t.stride()})")
 
 
 def check_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
-    check(tuple(t.shape) == tuple(shape), f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
 def next_power_of_2(n: int) -> int:

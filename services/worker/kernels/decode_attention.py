@@ -159,11 +159,11 @@ def paged_decode_attention(
     n_blocks, page, n_kv, _ = k_cache.shape
     check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
     check_shape(v_cache, "v_cache", tuple(k_cache.shape))
-    check(n_q % n_kv == 0, f"{n_q} query heads are not a multiple of {n_kv} kv heads")
-    check(page > 0 and page & (page - 1) == 0, f"block size must be a power of two, got {page}")
-    check(head_dim >= 16, f"head_dim must be at least 16, got {head_dim}")
+    check(n_q % n_kv == 0, "{} query heads are not a multiple of {} kv heads", n_q, n_kv)
+    check(page > 0 and page & (page - 1) == 0, "block size must be a power of two, got {}", page)
+    check(head_dim >= 16, "head_dim must be at least 16, got {}", head_dim)
     check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
-    check(block_tables.shape[0] == n_seqs, f"block_tables has {block_tables.shape[0]} rows for {n_seqs} sequences")
+    check(block_tables.shape[0] == n_seqs, "block_tables has {} rows for {} sequences", block_tables.shape[0], n_seqs)
     check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_shape(seq_lens, "seq_lens", (n_seqs,))
 
@@ -174,7 +174,7 @@ def paged_decode_attention(
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
         num_splits = choose_num_splits(n_seqs, n_kv, bound)
-    check(num_splits >= 1, f"num_splits must be positive, got {num_splits}")
+    check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
     block_d = next_power_of_2(head_dim)
     block_n = 64 if block_d <= 128 else 32
     direct = num_splits == 1

@@ -126,9 +126,9 @@ def paged_extend_attention(
     n_blocks, page, n_kv, _ = k_cache.shape
     check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
     check_shape(v_cache, "v_cache", tuple(k_cache.shape))
-    check(n_q % n_kv == 0, f"{n_q} query heads are not a multiple of {n_kv} kv heads")
-    check(page > 0 and page & (page - 1) == 0, f"block size must be a power of two, got {page}")
-    check(head_dim >= 16, f"head_dim must be at least 16, got {head_dim}")
+    check(n_q % n_kv == 0, "{} query heads are not a multiple of {} kv heads", n_q, n_kv)
+    check(page > 0 and page & (page - 1) == 0, "block size must be a power of two, got {}", page)
+    check(head_dim >= 16, "head_dim must be at least 16, got {}", head_dim)
     check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
     n_seqs = block_tables.shape[0]
     check_tensor(query_start_loc, "query_start_loc", ndim=1, dtypes=(torch.int32,), device=device,
@@ -136,8 +136,8 @@ def paged_extend_attention(
     check_shape(query_start_loc, "query_start_loc", (n_seqs + 1,))
     check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_shape(seq_lens, "seq_lens", (n_seqs,))
-    check(n_seqs <= 65535, f"at most 65535 sequences per launch, got {n_seqs}")
-    check(max_query_len >= 0, f"max_query_len must be non-negative, got {max_query_len}")
+    check(n_seqs <= 65535, "at most 65535 sequences per launch, got {}", n_seqs)
+    check(max_query_len >= 0, "max_query_len must be non-negative, got {}", max_query_len)
 
     out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
     if n_tokens == 0 or n_seqs == 0 or max_query_len == 0:

@@ -72,7 +72,7 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(weight, "weight", ndim=1, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
     check_shape(weight, "weight", (x.shape[1],))
-    check(x.shape[1] <= 65536, f"hidden size {x.shape[1]} is too large for a one-tile row")
+    check(x.shape[1] <= 65536, "hidden size {} is too large for a one-tile row", x.shape[1])
     check(float(eps) >= 0.0, "eps must be non-negative")
 
 

@@ -38,7 +38,7 @@ def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling=N
 
     As HF: the angles are the float32 product of the float32 position and inv_freq.
     """
-    check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    check(head_dim % 2 == 0, "head_dim must be even, got {}", head_dim)
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
     freqs = positions[:, None] * inv_freq[None, :]
@@ -153,7 +153,7 @@ def rope_kv_write(
     check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     n_tokens, n_q, head_dim = q.shape
-    check(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
+    check(head_dim % 2 == 0, "head_dim must be even, got {}", head_dim)
     check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=device)
     n_kv = k.shape[1]
     check_shape(k, "k", (n_tokens, n_kv, head_dim))
@@ -164,7 +164,7 @@ def rope_kv_write(
     check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=INDEX_DTYPES, device=device, contiguous=True)
     check_shape(slot_mapping, "slot_mapping", (n_tokens,))
     check_tensor(cos_sin, "cos_sin", ndim=2, dtypes=(torch.float32,), device=device)
-    check(cos_sin.shape[1] == head_dim, f"cos_sin has {cos_sin.shape[1]} columns, expected head_dim {head_dim}")
+    check(cos_sin.shape[1] == head_dim, "cos_sin has {} columns, expected head_dim {}", cos_sin.shape[1], head_dim)
     check_tensor(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES, device=device)
     check_tensor(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), device=device)
     page = k_cache.shape[1]

@@ -403,7 +403,7 @@ def sample(
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
-    check(0 < vocab < 2**31 - 2**20, f"vocabulary of {vocab} is out of range")
+    check(0 < vocab < 2**31 - 2**20, "vocabulary of {} is out of range", vocab)
     _check_row_params("temperature", temperature, n_rows, (torch.float32,), device)
     _check_row_params("top_k", top_k, n_rows, INDEX_DTYPES, device)
     _check_row_params("top_p", top_p, n_rows, (torch.float32,), device)
@@ -415,11 +415,11 @@ def sample(
         return out
     if block_v is None:
         block_v = min(4096, triton.next_power_of_2(max(vocab, 16)))
-    check(block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v must be a power of two >= 16, got {block_v}")
+    check(block_v >= 16 and block_v & (block_v - 1) == 0, "block_v must be a power of two >= 16, got {}", block_v)
     split_block = min(block_v, 2048)
     if num_splits is None:
         num_splits = min(triton.cdiv(vocab, split_block), max(1, triton.cdiv(4 * _num_sms(device), n_rows)))
-    check(num_splits >= 1, f"num_splits must be positive, got {num_splits}")
+    check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
     chunk = triton.cdiv(triton.cdiv(vocab, num_splits), split_block) * split_block
     num_splits = triton.cdiv(vocab, chunk)
     split = num_splits > 1

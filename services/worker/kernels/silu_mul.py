@@ -31,7 +31,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.cons
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] (row stride free, last dim contiguous) -> new [T, I] tensor in x.dtype."""
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
-    check(x.shape[1] % 2 == 0, f"x's last dimension must be even (gate | up), got {x.shape[1]}")
+    check(x.shape[1] % 2 == 0, "x's last dimension must be even (gate | up), got {}", x.shape[1])
     n_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((n_rows, inter), dtype=x.dtype, device=x.device)
     if n_rows == 0 or inter == 0:
