@@ -85,16 +85,20 @@ def time_us(fn) -> float:
 
 
 def graph_us(fn) -> float | None:
-    """Median time of fn replayed from a CUDA graph; None if it cannot be captured."""
-    import triton.testing
-
+    """do_bench of one CUDA-graph replay of fn: GPU time with a cold L2 and no launch overhead
+    (the host's replay call is far shorter than do_bench's L2 flush). None if fn cannot be captured."""
     try:
-        try:
-            ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-        except TypeError:
-            ms = triton.testing.do_bench_cudagraph(fn, rep=100)
-        return ms * 1e3
-    except Exception:  # noqa: BLE001 - reported as "not capturable", the check is separate
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return time_us(graph.replay)
+    except Exception:  # noqa: BLE001 - reported as "not capturable"; the check is separate
         torch.cuda.synchronize()
         return None
 
@@ -117,8 +121,8 @@ def finish(res: Result, fn, nbytes: int, tol_ok: bool) -> Result:
     res.us = time_us(fn)
     res.graph_us = graph_us(fn)
     res.cpu_us = cpu_us(fn)
-    # The GPU time of the kernels themselves: the graph replay where there is one (do_bench's
-    # figure also holds the host's launch time whenever that exceeds its L2 flush).
+    # The GPU time of the kernels themselves: the graph replay's where there is one (do_bench's
+    # figure of a direct call also holds the host's launch time when that exceeds its L2 flush).
     kernel_us = min(res.us, res.graph_us) if res.graph_us is not None else res.us
     res.roofline_us = nbytes / HBM_BYTES_PER_S * 1e6
     res.gbps = nbytes / (kernel_us * 1e-6) / 1e9

@@ -249,7 +249,7 @@ def test_kv_overloaded_worker_is_passed_over_unless_all_are():
 
 
 def test_sticky_only_to_an_admitted_worker_below_the_kv_threshold():
-    router = make_router(heartbeat("a"), heartbeat("b", kv_usage=0.96), heartbeat("c", num_waiting=256))
+    router = make_router(heartbeat("a"), heartbeat("b", kv_usage=0.96), heartbeat("c", num_waiting=4096))
     req = request(prompt(32))
     open_ = router.admit(req, 0.0)
     assert [w.worker_id for w in open_] == ["a", "b"]
@@ -269,6 +269,6 @@ def test_session_keys_are_valid_kv_keys():
 def test_router_config_defaults():
     cfg = RouterConfig()
     assert (cfg.heartbeat_ttl, cfg.max_waiting, cfg.overload_kv_usage, cfg.affinity_bucket) == (
-        3.0, 256, 0.95, "inferno_affinity")
+        3.0, 4096, 0.95, "inferno_affinity")
     with pytest.raises(ValueError):
         dataclasses.replace(cfg, overload_kv_usage=1.5)
