@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,8 @@ import structlog
 from shared.sampling_params import SamplingParams
 
 log = structlog.get_logger("worker.step_loop")
+
+STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class StepLoop(threading.Thread):
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.reply_to: dict[str, str] = {}  # request id -> gateway inbox, owned by this thread
         self.stats = engine.stats()
+        self._stats_at = 0.0
         self._stop = threading.Event()
 
     def submit(self, command) -> None:
@@ -65,6 +69,8 @@ class StepLoop(threading.Thread):
     def run(self) -> None:
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
+            if idle:
+                self._refresh_stats(force=True)
             rejected = self._drain(block=idle)
             if rejected:
                 self.on_outputs(rejected, {})
@@ -79,7 +85,7 @@ class StepLoop(threading.Thread):
             for o in outputs:
                 if o.finished:
                     self.reply_to.pop(o.request_id, None)
-            self.stats = self.engine.stats()
+            self._refresh_stats()
             if outputs:
                 self.on_outputs(outputs, routes)
             if self.on_kv_events and self.block_manager is not None:
@@ -110,5 +116,13 @@ class StepLoop(threading.Thread):
                 command = self.commands.get_nowait()
             except queue.Empty:
                 command = None
-        self.stats = self.engine.stats()
+        self._refresh_stats(force=True)
         return rejected
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        """The load snapshot heartbeats read; a few times a second is plenty, and each costs
+        a pass over the requests."""
+        now = time.monotonic()
+        if force or now - self._stats_at >= STATS_INTERVAL:
+            self.stats = self.engine.stats()
+            self._stats_at = now

@@ -75,7 +75,7 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
-        self.sampler = Sampler(self.ops, self.model_config.vocab_size)
+        self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs)
         num_blocks = config.num_blocks or self._blocks_from_memory()
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype, self.device)
         extra_key = request_block_key(config.cache_key or config.model_dir, "")

@@ -26,33 +26,58 @@ class Sampler:
     Logprobs are those of the raw model distribution.
     """
 
-    def __init__(self, ops: TorchOps, vocab_size: int):
+    def __init__(self, ops: TorchOps, vocab_size: int, device: torch.device, max_rows: int = 256):
         self.ops = ops
         self.vocab_size = vocab_size
+        self.device = device
+        cuda = device.type == "cuda"
+        # The step's one device→host copy lands in pinned memory; a blocking event lets the CPU
+        # sleep (not spin) until it is there, leaving the GIL to the service's event loop.
+        self._ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda)
+        self._done = torch.cuda.Event(blocking=True) if cuda else None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        device = logits.device
         params = [r.sampling_params for r in requests]
         raw = logits
-        logits = self._process(logits.clone() if self._needs_processing(requests) else logits, requests)
-
-        f32 = dict(dtype=torch.float32)
-        host = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], **f32)
-        ints = torch.tensor([[p.top_k, r.seed, r.num_output_tokens] for p, r in zip(params, requests)],
-                            dtype=torch.int64)
-        host, ints = host.to(device, non_blocking=True), ints.to(device, non_blocking=True)
-        token_ids = self.ops.sample(logits, host[:, 0].contiguous(), ints[:, 0].to(torch.int32),
-                                    host[:, 1].contiguous(), host[:, 2].contiguous(),
-                                    ints[:, 1].contiguous(), ints[:, 2].contiguous())
+        if self._needs_processing(requests):
+            logits = self._process(logits.clone(), requests)
+        if all(p.temperature == 0.0 for p in params):
+            token_ids = logits.argmax(dim=-1)  # greedy batch: no sampling kernel, no parameter upload
+        else:
+            token_ids = self._sample(logits, requests)
 
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if k is None:
-            return SampleResult(token_ids.tolist(), None, None, None)
+            return SampleResult(self._to_host(token_ids), None, None, None)
         logp = torch.log_softmax(raw.float(), dim=-1)
         chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
         top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        ids_host = token_ids.tolist()
-        return SampleResult(ids_host, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+        return SampleResult(self._to_host(token_ids), chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        n = len(requests)
+        floats = torch.empty((3, n), dtype=torch.float32)
+        ints = torch.empty((3, n), dtype=torch.int64)
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            floats[0, i], floats[1, i], floats[2, i] = p.temperature, p.top_p, p.min_p
+            ints[0, i], ints[1, i], ints[2, i] = p.top_k, r.seed, r.num_output_tokens
+        if self.device.type == "cuda":
+            floats = floats.pin_memory().to(self.device, non_blocking=True)
+            ints = ints.pin_memory().to(self.device, non_blocking=True)
+        return self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2])
+
+    def _to_host(self, token_ids: torch.Tensor) -> list[int]:
+        if self._done is None:
+            return token_ids.tolist()
+        n = token_ids.shape[0]
+        if n > self._ids_host.shape[0]:
+            self._ids_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host = self._ids_host[:n]
+        host.copy_(token_ids, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return host.tolist()
 
     @staticmethod
     def _needs_processing(requests: list[Request]) -> bool:

@@ -137,6 +137,11 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
+def launch_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N tokens per KV tile, num_warps, num_stages) of the split kernel."""
+    return (64 if head_dim <= 128 else 32), 4, 2
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Enough splits to fill the GPU, never so many that a split streams under ~128 tokens."""
     by_len = triton.cdiv(max(1, max_seq_len), _MIN_TOKENS_PER_SPLIT)
@@ -176,7 +181,7 @@ def paged_decode_attention(
         num_splits = choose_num_splits(n_seqs, n_kv, bound)
     check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
     block_d = next_power_of_2(head_dim)
-    block_n = 64 if block_d <= 128 else 32
+    block_n, num_warps, num_stages = launch_config(block_d)
     direct = num_splits == 1
     if direct:
         part_o = out  # unused
@@ -198,7 +203,7 @@ def paged_decode_attention(
         *po_strides, *pl_strides,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, DIRECT=direct, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(n_seqs, n_q)](

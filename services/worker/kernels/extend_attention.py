@@ -56,38 +56,44 @@ def _extend_kernel(
     q_stride_t, q_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
     bt_stride, out_stride_t, out_stride_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    m_tile = tl.program_id(0)
-    head = tl.program_id(1)
+    """One program: BLOCK_M // GROUP_PAD new tokens of one sequence times the GROUP query heads
+    that share one KV head, so every K/V tile read from the cache serves the whole group.
+    Row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD of the group."""
+    BLOCK_T: tl.constexpr = BLOCK_M // GROUP_PAD
+    t_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    m0 = m_tile * BLOCK_M
-    if m0 >= q_len:
+    t0 = t_tile * BLOCK_T
+    if t0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    kv_head = head // GROUP
 
-    i = m0 + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    i = t0 + r // GROUP_PAD
+    g = r % GROUP_PAD
     d = tl.arange(0, BLOCK_D)
-    i_mask = i < q_len
+    row_mask = (i < q_len) & (g < GROUP)
     d_mask = d < HEAD_DIM
-    rows = (q_start + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + d[None, :],
-                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    tokens = (q_start + i).to(tl.int64)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     last = prefix + i  # the last key position each query row may see
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride
-    # Keys past the tile's last row are never seen; key 0 is seen by every row, so each row's
+    # Keys past the tile's last token are never seen; key 0 is seen by every row, so each row's
     # running max is finite after the first tile.
-    kv_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
+    kv_end = tl.minimum(seq_len, prefix + t0 + BLOCK_T)
     for n0 in range(0, kv_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < kv_end
@@ -109,8 +115,16 @@ def _extend_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * out_stride_t + head * out_stride_h + d[None, :],
-             cast_rtne(o, out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+             cast_rtne(o, out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def launch_config(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = tokens x padded group, BLOCK_N keys, num_warps, num_stages) per program."""
+    block_m = max(16, group_pad, min(128, next_power_of_2(max_query_len) * group_pad))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
+    return block_m, block_n, num_warps, 2
 
 
 def paged_extend_attention(
@@ -137,16 +151,17 @@ def paged_extend_attention(
     check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_shape(seq_lens, "seq_lens", (n_seqs,))
     check(n_seqs <= 65535, "at most 65535 sequences per launch, got {}", n_seqs)
+    check(n_kv <= 65535, "at most 65535 kv heads, got {}", n_kv)
     check(max_query_len >= 0, "max_query_len must be non-negative, got {}", max_query_len)
 
     out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
     if n_tokens == 0 or n_seqs == 0 or max_query_len == 0:
         return out
     block_d = next_power_of_2(head_dim)
-    block_m = 64 if max_query_len > 32 else (32 if max_query_len > 16 else 16)
-    block_n = 64 if block_d <= 128 else 32
-    num_warps = 4 if block_m * block_d <= 64 * 64 else 8
-    grid = (triton.cdiv(max_query_len, block_m), n_q, n_seqs)
+    group = n_q // n_kv
+    group_pad = next_power_of_2(group)
+    block_m, block_n, num_warps, num_stages = launch_config(max_query_len, group_pad, block_d)
+    grid = (triton.cdiv(max_query_len, block_m // group_pad), n_kv, n_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale),
@@ -154,8 +169,8 @@ def paged_extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=n_q // n_kv, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -28,6 +28,7 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 _M32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D  # lowbias32 (Chris Wellons' hash prospector)
 _C2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _float_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 _ONE_BITS = tl.constexpr(0x3F800000)  # bits of 1.0f
 
@@ -56,13 +57,14 @@ def _row_keys_ref(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 in (0, 1): u = ((h >> 9) + 0.5) * 2^-23 with h = hash(seed, offset, index).
+    """[B, V] float32 in (0, 1): u = ((h >> 9) + 0.5) * 2^-23, h = lowbias32(key ^ index * golden),
+    key = lowbias32(lowbias32(lo ^ lowbias32(hi)) ^ lowbias32(offset)) for seed = hi:lo.
 
     23 bits, not 24: (2^24 - 1) + 0.5 rounds up to 2^24 in fp32, which would give u == 1.
     """
     keys = _row_keys_ref(seeds, offsets)
     idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    h = _lowbias32_ref(keys[:, None] ^ _lowbias32_ref(idx)[None, :])
+    h = _lowbias32_ref(keys[:, None] ^ _mul32(idx, _GOLDEN)[None, :])
     return ((h >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
 
 
@@ -138,7 +140,8 @@ def _row_key(seed, offset):
 
 @triton.jit
 def _uniform(row_key, idx):
-    h = _lowbias32(row_key ^ _lowbias32(idx.to(tl.uint32)))
+    # One mixing round per token: the golden-ratio multiply spreads consecutive indices first.
+    h = _lowbias32(row_key ^ (idx.to(tl.uint32) * 0x9E3779B9))
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
 
 
