@@ -7,7 +7,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
-STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}
+STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}  # also: probe
 MODEL=${MODEL:-/tmp/llama-3.1-8b}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -16,11 +16,15 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [ ! -f "$MODEL/config.json" ]; then
-  t0=$(date +%s.%N)
+  SECONDS=0
   python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
-  echo "make-model 8B: $(echo "$(date +%s.%N) - $t0" | bc) s"; du -sh "$MODEL"
+  echo "make-model 8B: ${SECONDS} s"; du -sh "$MODEL"
 fi
 
+if has probe; then
+  python3 bench/load_probe.py "$MODEL" 2>&1 | grep -v '\[info' | tee "$OUT/load_probe.txt"
+  for b in 256 1; do python3 bench/step_profile.py "$MODEL" $b 2>&1 | grep -v '\[info' | head -14; done
+fi
 if has kernels; then
   python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40
 fi

@@ -37,6 +37,19 @@ def main() -> int:
     t = time.perf_counter()
     torch.empty(1, device="cuda")
     print(f"cuda init: {time.perf_counter() - t:.2f} s")
+    for mib in (8, 64, 256):
+        t = time.perf_counter()
+        torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+        print(f"first pinned alloc of {mib} MiB: {1000 * (time.perf_counter() - t):.1f} ms")
+    import services.worker.engine.loader as loader
+    for staging in (16, 64):
+        loader.STAGING_BYTES = staging << 20
+        t = time.perf_counter()
+        m = load_model(model, "cuda", torch.bfloat16, num_threads=8)
+        torch.cuda.synchronize()
+        print(f"load_model, 8 threads, {staging} MiB staging: {time.perf_counter() - t:.2f} s")
+        del m
+        torch.cuda.empty_cache()
     for threads in (4, 8, 16):
         t = time.perf_counter()
         m = load_model(model, "cuda", torch.bfloat16, num_threads=threads)

@@ -31,12 +31,13 @@ def timed(obj, name, totals):
 
 def main() -> int:
     model_dir, batch = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256
+    temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cuda", max_num_seqs=batch,
                                     max_num_batched_tokens=8192))
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         engine.add_request(f"r{i}", torch.randint(10, 120000, (220,), generator=g).tolist(),
-                           SamplingParams(temperature=0.8, top_p=0.95, max_tokens=400, ignore_eos=True))
+                           SamplingParams(temperature=temperature, top_p=0.95, max_tokens=400, ignore_eos=True))
     while any(r.num_output_tokens == 0 for r in engine.batcher.running_requests() + engine.batcher.waiting_requests()):
         engine.step()
     for _ in range(10):

@@ -128,12 +128,13 @@ class RouterConfig:
     max_waiting: int = 4096  # per worker; beyond it, new requests get 429
     overload_kv_usage: float = 0.95  # a worker above this KV usage takes no new request
     retry_after: float = 1.0  # seconds, sent with 429/503
+    forward_timeout: float = 2.0  # a worker must acknowledge a forwarded request within this
     affinity_bucket: str = "inferno_affinity"  # JetStream KV bucket: session key → worker id
     affinity_ttl: float = 3600.0
     scheduler_id: str = field(default_factory=lambda: _new_id("sched"))
 
     def __post_init__(self) -> None:
-        _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl")
+        _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl", "forward_timeout")
         _ints(self, "max_waiting")
         _non_negative(self, "retry_after")
         if not 0.0 < self.overload_kv_usage <= 1.0:
@@ -151,7 +152,7 @@ class WorkerServiceConfig:
     device: str = "cuda"  # "cuda", "cuda:1", "cpu"
     dtype: str = "auto"
     num_blocks: int | None = None  # KV blocks; None: from gpu_memory_utilization (GPU) or a default (CPU)
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.98
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

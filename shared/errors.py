@@ -41,6 +41,11 @@ class ServiceUnavailable(ServiceError):
     error_type = "service_unavailable"
 
 
+class NoResponders(ServiceUnavailable):
+    """Nobody subscribes to the subject right now (e.g. a service is between reconnects): safe to
+    retry, since the message reached no one."""
+
+
 class Overloaded(ServiceError):
     """Admission control refused the request; the client should retry after `retry_after` (HTTP 429)."""
 

@@ -28,7 +28,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from shared.config import NatsConfig
-from shared.errors import MessageError, ServiceUnavailable
+from shared.errors import MessageError, NoResponders, ServiceUnavailable
 from shared.logging import get_logger
 from shared.wire import DecodeCounter, Message, encode, safe_decode
 
@@ -234,7 +234,7 @@ class NatsConnection:
         try:
             resp = await self.client.request(subject, encode(msg), timeout=timeout)
         except nats.errors.NoRespondersError:
-            raise ServiceUnavailable(f"no service is listening on {subject}", retry_after=1.0) from None
+            raise NoResponders(f"no service is listening on {subject}", retry_after=1.0) from None
         except nats.errors.TimeoutError:
             raise ServiceUnavailable(f"no reply on {subject} within {timeout:g}s", retry_after=1.0) from None
         except _DOWN as e:
@@ -245,16 +245,18 @@ class NatsConnection:
         return reply
 
     async def subscribe(self, subject: str, cls: type[M], handler: Handler, queue: str | None = None,
-                        **options: Any) -> Subscription:
+                        concurrency: int = 1, **options: Any) -> Subscription:
         """Deliver each decodable `cls` message on `subject` to `handler` (sync or async).
 
         If the message came with a reply subject and the handler returns a Message, that is sent
-        as the reply. Returns when the server knows of the subscription.
+        as the reply. With concurrency > 1, up to that many handler calls run at once (each
+        message in its own task) instead of one after the other. Returns when the server knows
+        of the subscription.
         """
         nc = self.client
         log = self._log
 
-        async def callback(raw: Msg) -> None:
+        async def handle(raw: Msg) -> None:
             obj = safe_decode(cls, raw.data, self.bad_messages, raw.subject)
             if obj is None:
                 return
@@ -266,6 +268,21 @@ class NatsConnection:
                     await nc.publish(raw.reply, encode(result))
             except Exception:
                 log.exception("nats_handler_failed", subject=raw.subject, type=cls.TYPE)
+
+        if concurrency > 1:
+            slots = asyncio.Semaphore(concurrency)
+            tasks: set[asyncio.Task] = set()
+
+            async def bounded(raw: Msg) -> None:
+                async with slots:
+                    await handle(raw)
+
+            async def callback(raw: Msg) -> None:
+                task = asyncio.ensure_future(bounded(raw))
+                tasks.add(task)  # keep a reference until it is done
+                task.add_done_callback(tasks.discard)
+        else:
+            callback = handle
 
         sub = await nc.subscribe(subject, queue=queue or "", cb=callback, **options)
         if self._connected:  # else nats-py sends the SUB when it reconnects

@@ -11,7 +11,7 @@ from services.gateway.choice import ChoiceState
 from services.gateway.errors import ApiError, from_service_error, unavailable
 from services.gateway.schemas import GenerationSpec
 from services.gateway.token_router import RequestStream, StreamFailed
-from shared.errors import ServiceError
+from shared.errors import NoResponders, ServiceError
 from shared.messages import AbortRequest, GenerateRequest, RouteReply, WireSamplingParams
 from shared.wire import pack_ids
 
@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from services.gateway.app import Gateway
 
 _SEED_SPACE = 1 << 64
+
+
+NO_RESPONDER_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds: rides out a scheduler's reconnect
+
+
+async def route(conn, subject: str, msg: GenerateRequest) -> RouteReply:
+    """Ask a scheduler to place one choice. "No responders" means the message reached nobody, so
+    it is retried for a moment (schedulers resubscribe after a NATS restart); else it is final."""
+    for pause in NO_RESPONDER_RETRIES:
+        try:
+            return await conn.request(subject, msg, RouteReply)
+        except NoResponders:
+            await asyncio.sleep(pause)
+    return await conn.request(subject, msg, RouteReply)
 
 
 class Generation:
@@ -66,7 +80,7 @@ class Generation:
         self.stream = gw.router.open(self.request_ids)
         messages = [self._message(i) for i in range(self.spec.n)]
         routing = asyncio.ensure_future(asyncio.gather(
-            *(conn.request(gw.subjects.generate, m, RouteReply) for m in messages), return_exceptions=True))
+            *(route(conn, gw.subjects.generate, m) for m in messages), return_exceptions=True))
         try:
             # Shielded: a client that leaves while we wait must still have its accepted choices aborted.
             results = await asyncio.shield(routing)

@@ -121,6 +121,11 @@ class Registry:
             del self.orphan_indexes[wid]
         return gone
 
+    def suspend(self, worker_id: str) -> None:
+        """A worker that did not take a forwarded request leaves until its next heartbeat."""
+        if self.workers.pop(worker_id, None) is not None:
+            log.info("worker_suspended", worker_id=worker_id)
+
     def live(self, now: float) -> list[WorkerState]:
         """Every worker alive at `now` (sweeping first, so a silent worker never gets a request)."""
         deadline = now - self.heartbeat_ttl

@@ -15,7 +15,7 @@ from services.scheduler.affinity import SessionAffinity
 from services.scheduler.registry import Registry, WorkerState
 from services.scheduler.router import Choice, Router
 from shared.config import RouterConfig
-from shared.errors import ServiceError
+from shared.errors import ServiceError, ServiceUnavailable
 from shared.logging import get_logger
 from shared.messages import GenerateRequest, KvEvents, RouteReply, WorkerHeartbeat
 from shared.nats_client import NatsConnection
@@ -66,8 +66,9 @@ class Scheduler:
         await self._open_bucket()
         self._subs.append(await self.conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat, self.on_heartbeat))
         self._subs.append(await self.conn.subscribe(self.subjects.kv_events, KvEvents, self.on_kv_events))
+        # Concurrent handlers: each decision is made at once, but the hand-off waits for a worker ack.
         self._generate_sub = await self.conn.subscribe(self.subjects.generate, GenerateRequest, self.handle,
-                                                       queue=SCHEDULER_QUEUE)
+                                                       queue=SCHEDULER_QUEUE, concurrency=1024)
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="scheduler-sweep")
         log.info("scheduler_ready", scheduler_id=self.cfg.scheduler_id, subject=self.subjects.generate,
                  affinity=self.affinity.kv is not None)
@@ -120,14 +121,26 @@ class Scheduler:
     # -- requests -------------------------------------------------------------------------------------
 
     async def handle(self, req: GenerateRequest) -> RouteReply:
-        """Route one request, forward it to its worker, and answer the gateway; never raises."""
+        """Route one request, hand it to its worker (which acknowledges), answer the gateway;
+        never raises. A worker that does not acknowledge (it is between reconnects, or just
+        died) is suspended and the request goes to the next choice, once."""
         try:
-            result = await self.route(req)
-            if isinstance(result, Rejection):
-                self.stats.rejected[result.status] = self.stats.rejected.get(result.status, 0) + 1
-                return result.to_reply()
-            worker = result.worker
-            await self.conn.publish(worker.heartbeat.generate_subject, req.forwarded_to(worker.worker_id))
+            for attempt in range(2):
+                result = await self.route(req)
+                if isinstance(result, Rejection):
+                    self.stats.rejected[result.status] = self.stats.rejected.get(result.status, 0) + 1
+                    return result.to_reply()
+                worker = result.worker
+                try:
+                    ack = await self.conn.request(worker.heartbeat.generate_subject, req.forwarded_to(worker.worker_id),
+                                                  RouteReply, timeout=self.cfg.forward_timeout)
+                except ServiceUnavailable:
+                    ack = None
+                if ack is not None and ack.ok:
+                    break
+                self.registry.suspend(worker.worker_id)
+            else:
+                return RouteReply.rejected(503, "service_unavailable", "no worker took the request", self.cfg.retry_after)
         except ServiceError as e:  # e.g. the NATS connection went down between decision and forward
             self.stats.rejected[e.status] = self.stats.rejected.get(e.status, 0) + 1
             return RouteReply.rejected(e.status, e.error_type, e.message, self.cfg.retry_after)

@@ -25,7 +25,7 @@ def parse_args(argv):
     ap.add_argument("--device", default=env_default("INFERNO_DEVICE", "cpu"))
     ap.add_argument("--dtype", default=env_default("INFERNO_DTYPE", "auto"))
     ap.add_argument("--num-blocks", type=int, default=env_default("INFERNO_NUM_BLOCKS", None, int))
-    ap.add_argument("--gpu-memory-utilization", type=float, default=env_default("INFERNO_GPU_MEMORY_UTILIZATION", 0.9))
+    ap.add_argument("--gpu-memory-utilization", type=float, default=env_default("INFERNO_GPU_MEMORY_UTILIZATION", 0.98))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=env_default("INFERNO_MAX_NUM_SEQS", 256))
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_default("INFERNO_MAX_NUM_BATCHED_TOKENS", 8192))

@@ -12,7 +12,7 @@ from services.worker.step_loop import AbortCommand, AddCommand, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
-from shared.messages import AbortRequest, GenerateRequest, KvEvents, TokenBatch, TokenDelta, WorkerHeartbeat
+from shared.messages import AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta, WorkerHeartbeat
 from shared.wire import encode
 
 log = structlog.get_logger("worker")
@@ -68,29 +68,28 @@ class WorkerService:
             task.cancel()
 
     # -- NATS handlers (event loop) ---------------------------------------------------------------
-    async def _on_generate(self, msg: GenerateRequest) -> None:
+    def _on_generate(self, msg: GenerateRequest) -> RouteReply:
+        """Acknowledge at once (the scheduler waits for it); the step thread does the rest."""
         if self.draining:
-            await self.conn.publish(msg.reply_to, TokenBatch.of(self.cfg.worker_id, [TokenDelta(
-                request_id=msg.request_id, finish_reason="error", error="the worker is draining")]))
-            return
+            return RouteReply.rejected(503, "service_unavailable", "the worker is draining", 1.0)
         self.loop_thread.submit(AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(),
                                            msg.reply_to, msg.cache_salt.encode()))
+        return RouteReply.accepted(self.cfg.worker_id)
 
     async def _on_abort(self, msg: AbortRequest) -> None:
         self.loop_thread.submit(AbortCommand(list(msg.request_ids)))
 
     # -- outputs (called on the step thread) ------------------------------------------------------
     def _on_outputs(self, outputs, routes: dict[str, str]) -> None:
-        # Packed here, on the step thread, so the event loop only hands messages to NATS.
-        payloads = [(subject, encode(batch)) for subject, batch in token_batches(self.cfg.worker_id, outputs, routes)]
-        self._loop.call_soon_threadsafe(self._publish_many, payloads)
+        # Packed on the event loop: it runs while the step thread waits on the GPU (GIL released).
+        self._loop.call_soon_threadsafe(self._publish_outputs, outputs, routes)
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
-    def _publish_many(self, payloads) -> None:
-        for subject, data in payloads:
-            asyncio.ensure_future(self.conn.publish_encoded(subject, data, TokenBatch.TYPE))
+    def _publish_outputs(self, outputs, routes: dict[str, str]) -> None:
+        for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
+            asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
 
     def _queue_kv_events(self, stored, removed) -> None:
         self._pending_events[0].extend(stored)

@@ -7,7 +7,6 @@ compiled on a GPU: TRITON_INTERPRET=0 pytest tests/kernels.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import zlib
@@ -19,15 +18,16 @@ import torch  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 
-# If another test directory imported the kernels first (compiled), re-define them interpreted.
-if INTERPRET:
-    _common = sys.modules.get("services.worker.kernels._common")
-    if _common is not None and not bool(_common.INTERPRET):
-        for _name in ("_common", "decode_attention", "extend_attention", "rmsnorm", "rope", "sampling",
-                      "silu_mul"):
-            _mod = sys.modules.get(f"services.worker.kernels.{_name}")
-            if _mod is not None:
-                importlib.reload(_mod)
+if INTERPRET and "triton" in sys.modules:
+    # triton.jit picks interpreted or compiled when a function is defined, triton's own library
+    # (tl.sum, ...) included, so a triton imported before this file cannot be switched over.
+    import triton.language as _tl
+
+    if type(_tl.sum).__name__ != "InterpretedFunction":
+        raise pytest.UsageError(
+            "triton was imported (compiled mode) before tests/kernels/conftest.py could set "
+            "TRITON_INTERPRET=1: set TRITON_INTERPRET=1 in the environment (or in tests/conftest.py) "
+            "to run the kernel tests together with the other test directories")
 
 DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
 

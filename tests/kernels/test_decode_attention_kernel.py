@@ -77,9 +77,11 @@ def test_caches_are_read_only(device):
 
 
 def test_num_splits_choice_is_from_shapes_only():
-    assert K.choose_num_splits(1, 8, 384) == 3
+    assert K.choose_num_splits(1, 8, 384) == 6
+    assert K.choose_num_splits(64, 8, 512) == 1
     assert K.choose_num_splits(256, 8, 512) == 1
-    assert K.choose_num_splits(8, 8, 8192) == 9
+    assert K.choose_num_splits(8, 8, 8192) == 5
+    assert K.choose_num_splits(1, 8, 1) == 1
     assert 1 <= K.choose_num_splits(1, 1, 10**6) <= 64
 
 

@@ -46,11 +46,16 @@ class PeerWorker:
     async def start(self) -> PeerWorker:
         self.conn = await connect_nats(self.nats_cfg, self.worker_id, wait=5.0)
         self._sub = await self.conn.subscribe(self.subjects.worker_generate(self.worker_id), GenerateRequest,
-                                              self.received.append)
+                                              self.take)
         await self.beat()
         if self.interval is not None:
             self._task = asyncio.create_task(self._beats())
         return self
+
+    def take(self, req: GenerateRequest) -> RouteReply:
+        """A worker acknowledges each forwarded request."""
+        self.received.append(req)
+        return RouteReply.accepted(self.worker_id)
 
     def heartbeat(self) -> WorkerHeartbeat:
         fields = dict(role="mixed", model=MODEL, ready=True, draining=False, block_size=16)

@@ -136,9 +136,18 @@ class Batcher:
         # Running requests first, in admission order. When blocks run out, the latest admitted
         # request is preempted (recomputed later) until the current one fits.
         index = 0
+        block_size = bm.block_size
+        scheduled = plan.scheduled
         while index < len(self._running) and budget > 0:
             request = self._running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            if start + 1 == len(request.all_token_ids) and start < len(request.block_ids) * block_size:
+                # A decode whose slot is already in its last block: the common case, kept cheap.
+                scheduled.append(ScheduledRequest(request, 1, start, True))
+                budget -= 1
+                index += 1
+                continue
+            num_new = self._num_new_tokens(request, start, budget)
             while not bm.allocate_slots(request, num_new):
                 victim = self._running.pop()
                 self._preempt(victim)
@@ -152,6 +161,7 @@ class Batcher:
 
         # Then waiting requests, first come first served, unless this step had to preempt: a
         # request that does not fit blocks those behind it, so long prompts are not starved.
+        plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         if plan.preempted:
             return plan
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
@@ -168,6 +178,7 @@ class Batcher:
             self._running.append(request)
             budget -= num_new
             self._add_to_plan(plan, request, num_new)
+        plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return plan
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -179,7 +190,6 @@ class Batcher:
         start = request.num_computed_tokens
         plan.scheduled.append(ScheduledRequest(request, num_new, start,
                                                samples=start + num_new == request.num_tokens))
-        plan.num_batched_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV and put it back at the head of the queue, to be recomputed
@@ -197,12 +207,15 @@ class Batcher:
         """Advance every scheduled request by its chunk, append the sampled tokens, and return
         the requests that finished this step (their blocks are already freed)."""
         finished: list[Request] = []
+        block_size = self.block_manager.block_size
         for item in plan.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or failed since schedule()
-            request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
+            before = request.num_computed_tokens
+            request.num_computed_tokens = after = before + item.num_new_tokens
+            if after // block_size != before // block_size:  # a block filled up: make it findable
+                self.block_manager.cache_full_blocks(request)
             if not item.samples:
                 continue
             token = sampled.get(request.request_id)

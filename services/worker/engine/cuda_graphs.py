@@ -52,6 +52,7 @@ class CudaGraphRunner:
         self.d_seq_lens, self.d_tables = d32[:B], d32[B:].view(B, W)
         self.d_qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.row_owners: list = [None] * B  # (request id, block count) whose table a row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -71,6 +72,7 @@ class CudaGraphRunner:
         # Dummy step: every row writes slot -1 (skipped) and attends to one token of block 0.
         self.h_slots[:] = -1
         self.h_seq_lens[:] = 1
+        self.h_tables[:] = 0
         self.dev.copy_(self.host)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
@@ -94,19 +96,21 @@ class CudaGraphRunner:
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
-        tok, pos, slots, lens, tables = self.h_tokens, self.h_pos, self.h_slots, self.h_seq_lens, self.h_tables
-        for i, s in enumerate(scheduled):
-            req = s.request
-            p = s.start
-            tok[i] = req.all_token_ids[p]
-            pos[i] = p
-            blocks = req.block_ids
-            slots[i] = blocks[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            tables[i, :len(blocks)] = blocks
-        slots[n:b] = -1
-        lens[n:b] = 1
-        tables[n:b, 0] = 0
+        reqs = [s.request for s in scheduled]
+        starts = [s.start for s in scheduled]
+        self.h_tokens[:n] = [r.all_token_ids[p] for r, p in zip(reqs, starts)]
+        self.h_pos[:n] = starts
+        self.h_slots[:n] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
+        self.h_seq_lens[:n] = [p + 1 for p in starts]
+        # Block tables change only when a request gains a block or rows shift: rewrite those rows.
+        tables, owners = self.h_tables, self.row_owners
+        for i, r in enumerate(reqs):
+            key = (r.request_id, len(r.block_ids))
+            if owners[i] != key:
+                owners[i] = key
+                tables[i, :len(r.block_ids)] = r.block_ids
+        self.h_slots[n:b] = -1
+        self.h_seq_lens[n:b] = 1
         self.dev.copy_(self.host, non_blocking=True)
         self.graphs[b].replay()
         return self.outputs[b][:n], _Indices(self.rows[:n])

@@ -13,7 +13,7 @@ class EngineConfig:
     kernels: str | None = None  # "torch" | "triton"; None: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
-    gpu_memory_utilization: float = 0.95
+    gpu_memory_utilization: float = 0.98
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

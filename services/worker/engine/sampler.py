@@ -55,13 +55,11 @@ class Sampler:
         return SampleResult(self._to_host(token_ids), chosen.tolist(), top_ids.tolist(), top_lp.tolist())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        n = len(requests)
-        floats = torch.empty((3, n), dtype=torch.float32)
-        ints = torch.empty((3, n), dtype=torch.int64)
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            floats[0, i], floats[1, i], floats[2, i] = p.temperature, p.top_p, p.min_p
-            ints[0, i], ints[1, i], ints[2, i] = p.top_k, r.seed, r.num_output_tokens
+        floats = torch.tensor([[p.temperature for p in (r.sampling_params for r in requests)],
+                               [r.sampling_params.top_p for r in requests],
+                               [r.sampling_params.min_p for r in requests]], dtype=torch.float32)
+        ints = torch.tensor([[r.sampling_params.top_k for r in requests], [r.seed for r in requests],
+                             [r.num_output_tokens for r in requests]], dtype=torch.int64)
         if self.device.type == "cuda":
             floats = floats.pin_memory().to(self.device, non_blocking=True)
             ints = ints.pin_memory().to(self.device, non_blocking=True)

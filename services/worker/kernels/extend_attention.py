@@ -121,8 +121,9 @@ def _extend_kernel(
 
 def launch_config(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M rows = tokens x padded group, BLOCK_N keys, num_warps, num_stages) per program."""
-    block_m = max(16, group_pad, min(128, next_power_of_2(max_query_len) * group_pad))
-    block_n = 64 if head_dim <= 128 else 32
+    # Tuned on an H100 (8 x 256 new tokens, GQA 4, head_dim 128, bf16): 64 x 32 tiles, 4 warps.
+    block_m = max(16, group_pad, min(64, next_power_of_2(max_query_len) * group_pad))
+    block_n = 32 if head_dim >= 128 else 64
     num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
     return block_m, block_n, num_warps, 2
 
