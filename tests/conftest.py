@@ -12,6 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at import whether it interprets; on a machine without a GPU every test runs the
+# kernels under the interpreter, whichever test directory happens to import triton first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def find_nats_server() -> str | None:

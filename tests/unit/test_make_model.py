@@ -39,7 +39,7 @@ def test_tokenizer_training_is_deterministic_and_fast(monkeypatch):
     import time
 
     first = mm.build_tokenizer_json()
-    monkeypatch.setattr(mm, "_TOKENIZER_CACHE", None)
+    monkeypatch.setattr(mm, "_TOKENIZER_CACHE", {})
     t0 = time.perf_counter()
     second = mm.build_tokenizer_json()
     elapsed = time.perf_counter() - t0
@@ -354,3 +354,15 @@ def test_cli(tmp_path, capsys):
         mm.main([str(tmp_path / "y"), "--max-shard-bytes", "lots"])
     assert mm.main([str(tmp_path / "z"), "--device", "tpu", "--quiet"]) == 2
     assert "device" in capsys.readouterr().err
+
+
+def test_large_presets_tokenizer_covers_every_model_id():
+    """Random weights sample any id: each must decode to visible text, specials at the end."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    tf = mm.build_tokenizer_json(128256)
+    tok = RustTokenizer.from_str(tf.tokenizer_json)
+    assert tf.size == tok.get_vocab_size(with_added_tokens=True) == 128256
+    assert tf.special_ids["<|begin_of_text|>"] == 128245 and tf.special_ids["<|python_tag|>"] == 128255
+    assert tok.decode([1000, 50000, 128244]) == "<1000><50000><128244>"
+    assert 50000 not in tok.encode("a <50000> b").ids  # encoding never yields a filler

@@ -328,14 +328,20 @@ class _TokenizerFiles:
     size: int  # with the added special tokens
 
 
-_TOKENIZER_CACHE: _TokenizerFiles | None = None
+_TOKENIZER_CACHE: dict[int | None, _TokenizerFiles] = {}
 
 
-def build_tokenizer_json() -> _TokenizerFiles:
-    """Train the byte-level BPE on CORPUS (deterministic; cached per process)."""
-    global _TOKENIZER_CACHE
-    if _TOKENIZER_CACHE is not None:
-        return _TOKENIZER_CACHE
+def build_tokenizer_json(vocab_size: int | None = None) -> _TokenizerFiles:
+    """Train the byte-level BPE on CORPUS (deterministic; cached per process).
+
+    With vocab_size, the vocabulary is filled up to it, as a real tokenizer covers its whole
+    embedding table: every id past the trained BPE tokens gets a token of its own ("<1234>"),
+    and the special tokens take the last ids. Random weights sample such ids all the time, and
+    they must stream as visible text. The split pattern cuts "<", digits and ">" apart, so
+    encoding never produces the fillers.
+    """
+    if vocab_size in _TOKENIZER_CACHE:
+        return _TOKENIZER_CACHE[vocab_size]
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(ignore_merges=True))  # as Llama 3: whole words in the vocab skip merges
@@ -352,6 +358,12 @@ def build_tokenizer_json() -> _TokenizerFiles:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any UTF-8 text encodes
     )
     tok.train_from_iterator([line for line in CORPUS.splitlines(keepends=True)], trainer=trainer)
+    if vocab_size is not None:
+        doc = json.loads(tok.to_str())
+        vocab = doc["model"]["vocab"]
+        for i in range(len(vocab), vocab_size - len(SPECIAL_TOKENS)):
+            vocab[f"<{i}>"] = i
+        tok = Tokenizer.from_str(json.dumps(doc))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     bos_id = special_ids[BOS_TOKEN]
@@ -363,12 +375,12 @@ def build_tokenizer_json() -> _TokenizerFiles:
             special_tokens=[(BOS_TOKEN, bos_id)],
         ),
     ])
-    _TOKENIZER_CACHE = _TokenizerFiles(
+    _TOKENIZER_CACHE[vocab_size] = _TokenizerFiles(
         tokenizer_json=tok.to_str(pretty=True),
         special_ids=special_ids,
         size=tok.get_vocab_size(with_added_tokens=True),
     )
-    return _TOKENIZER_CACHE
+    return _TOKENIZER_CACHE[vocab_size]
 
 
 def _tokenizer_config(tf: _TokenizerFiles, model_max_length: int) -> dict:
@@ -629,7 +641,7 @@ def write_model(
     device = _resolve_device(device)
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
 
-    tf = build_tokenizer_json()
+    tf = build_tokenizer_json(p.vocab_size)
     vocab_size = p.vocab_size if p.vocab_size is not None else _round_up(tf.size, 64)
     if vocab_size < tf.size:
         raise ValueError(f"preset {preset!r} has vocab_size {vocab_size} < tokenizer size {tf.size}")
