@@ -88,13 +88,23 @@ class _Copier:
         self.device = device
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
-        # Two pinned buffers: the disk read into one overlaps the DMA out of the other.
-        self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        # Two pinned buffers: the disk read into one overlaps the DMA out of the other. Made on
+        # first use, so a CPU load of matching dtype (read straight into place) needs none.
+        self.cuda = cuda
+        self.buffers: list[torch.Tensor] = []
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.turn = 0
 
     def copy(self, entry: TensorEntry, dst: torch.Tensor) -> None:
         """dst: a contiguous flat view of the destination elements."""
+        if not self.cuda and entry.dtype == dst.dtype:
+            with open(entry.path, "rb", buffering=0) as f:
+                f.seek(entry.start)
+                if f.readinto(memoryview(dst.view(torch.uint8).numpy())) != entry.nbytes:
+                    raise WeightLoadError(f"{entry.path}: tensor {entry.name!r} is truncated")
+            return
+        if not self.buffers:
+            self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         elem = entry.dtype.itemsize
         step = (STAGING_BYTES // elem) * elem
         done = 0

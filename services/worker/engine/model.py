@@ -11,6 +11,29 @@ from services.worker.engine.ops import TorchOps
 from services.worker.kernels.rope import rope_cos_sin_cache
 
 
+class Linear(nn.Module):
+    """y = x Wᵀ (+ b) with uninitialised parameters: the loader fills them. (nn.Linear and
+    nn.Embedding initialise at construction, which on the meta device pulls in torch._dynamo:
+    seconds of start-up for nothing.)"""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -21,8 +44,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         # q, k and v in one GEMM: the rows are [q | k | v], filled by the loader from three tensors.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
 
@@ -46,8 +69,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # gate and up in one GEMM: rows [gate | up].
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, ops: TorchOps):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -80,7 +103,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
