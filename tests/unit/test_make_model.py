@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.engine import make_model as mm
+from services.worker.engine import synthetic_tokenizer
 from services.worker.engine.model_config import ModelConfig
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -39,7 +40,7 @@ def test_tokenizer_training_is_deterministic_and_fast(monkeypatch):
     import time
 
     first = mm.build_tokenizer_json()
-    monkeypatch.setattr(mm, "_TOKENIZER_CACHE", {})
+    monkeypatch.setattr(synthetic_tokenizer, "_TOKENIZER_CACHE", {})
     t0 = time.perf_counter()
     second = mm.build_tokenizer_json()
     elapsed = time.perf_counter() - t0
