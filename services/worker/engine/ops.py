@@ -6,8 +6,6 @@ the batcher nor the KV manager.
 
 from __future__ import annotations
 
-import torch
-
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.kernels import decode_attention, extend_attention, rmsnorm, rope, sampling, silu_mul
 
