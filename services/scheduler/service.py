@@ -21,6 +21,8 @@ from shared.messages import GenerateRequest, KvEvents, RouteReply, WorkerHeartbe
 from shared.nats_client import NatsConnection
 from shared.subjects import SCHEDULER_QUEUE, Subjects
 
+FORWARD_RETRY_PAUSES = (0.0, 0.25, 0.5, 1.0)  # seconds before each routing attempt
+
 log = get_logger(__name__)
 
 BUCKET_RETRY_S = 5.0
@@ -122,12 +124,17 @@ class Scheduler:
 
     async def handle(self, req: GenerateRequest) -> RouteReply:
         """Route one request, hand it to its worker (which acknowledges), answer the gateway;
-        never raises. A worker that does not acknowledge (it is between reconnects, or just
-        died) is suspended and the request goes to the next choice, once."""
+        never raises. A worker that does not acknowledge (between reconnects, or just died) is
+        suspended until its next heartbeat and the request is routed again; for a moment
+        after a NATS restart every worker can be in that state, hence the short pauses."""
         try:
-            for attempt in range(2):
+            for attempt, pause in enumerate(FORWARD_RETRY_PAUSES):
+                if pause:
+                    await asyncio.sleep(pause)
                 result = await self.route(req)
                 if isinstance(result, Rejection):
+                    if result.status == 503 and attempt + 1 < len(FORWARD_RETRY_PAUSES):
+                        continue  # suspended workers come back with their next heartbeat
                     self.stats.rejected[result.status] = self.stats.rejected.get(result.status, 0) + 1
                     return result.to_reply()
                 worker = result.worker
