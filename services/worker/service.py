@@ -12,7 +12,8 @@ from services.worker.step_loop import AbortCommand, AddCommand, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
-from shared.messages import AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta, WorkerHeartbeat
+from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
+                             WorkerHeartbeat)
 from shared.wire import encode
 
 log = structlog.get_logger("worker")
