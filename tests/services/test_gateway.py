@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from services.gateway.app import Gateway, bound_port, build_app, start_server
 from services.gateway.serving import GATEWAY
+from services.launcher import free_port
 from services.worker.engine.make_model import write_model
 from shared.config import GatewayConfig, NatsConfig
 from shared.messages import (AbortRequest, GenerateRequest, RouteReply, TokenBatch, TokenDelta,
@@ -202,12 +202,6 @@ async def make_stack(nats_config, nats_conn, model_dir, tokenizer):
 @pytest.fixture
 async def stack(make_stack) -> Stack:
     return await make_stack()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01):

@@ -87,8 +87,8 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
-    def covers(self, n: int, scheduled) -> bool:
-        if n > self.max_seqs:
+    def covers(self, scheduled) -> bool:
+        if len(scheduled) > self.max_seqs:
             return False
         return all(s.start + 1 <= self.max_graph_len for s in scheduled)
 

@@ -22,7 +22,7 @@ class ModelRunner:
     def execute(self, scheduled) -> SampleResult | None:
         graphs = self.graphs
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        if graphs is not None and decode_only and graphs.covers(len(scheduled), scheduled):
+        if graphs is not None and decode_only and graphs.covers(scheduled):
             hidden, inputs = graphs.run(scheduled)
         else:
             inputs = build_step_inputs(scheduled, self.kv_cache.block_size, self.device,

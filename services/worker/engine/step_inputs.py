@@ -20,31 +20,22 @@ class StepInputs:
     num_seqs: int
 
 
-def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool,
-                      pad_tokens: int | None = None, pad_seqs: int | None = None) -> StepInputs:
-    """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples).
-
-    pad_tokens / pad_seqs grow the batch to a CUDA-graph bucket: padded tokens write to slot -1
-    (skipped) and padded sequences have length 0.
-    """
+def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool) -> StepInputs:
+    """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples)."""
     n_seq = len(scheduled)
     counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n_seq)
     starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n_seq)
     T = int(counts.sum())
-    T_pad = max(T, pad_tokens or 0)
-    B_pad = max(n_seq, pad_seqs or 0)
     max_blocks = max((len(s.request.block_ids) for s in scheduled), default=1) or 1
 
-    qsl = np.zeros(B_pad + 1, dtype=np.int64)
-    np.cumsum(counts, out=qsl[1:n_seq + 1])
-    qsl[n_seq + 1:] = T
-    seq_lens = np.zeros(B_pad, dtype=np.int64)
-    seq_lens[:n_seq] = starts + counts
+    qsl = np.zeros(n_seq + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    seq_lens = starts + counts
 
-    tokens = np.zeros(T_pad, dtype=np.int64)
-    positions = np.zeros(T_pad, dtype=np.int64)
-    slots = np.full(T_pad, -1, dtype=np.int64)
-    tables = np.zeros((B_pad, max_blocks), dtype=np.int64)
+    tokens = np.empty(T, dtype=np.int64)
+    positions = np.empty(T, dtype=np.int64)
+    slots = np.empty(T, dtype=np.int64)
+    tables = np.zeros((n_seq, max_blocks), dtype=np.int64)
     sample_rows = []
     for i, s in enumerate(scheduled):
         lo, hi = qsl[i], qsl[i + 1]
@@ -72,7 +63,7 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
     view = [dev[offs[i]:offs[i + 1]] for i in range(len(parts))]
     meta = AttentionMetadata(
         slot_mapping=view[2],
-        block_tables=view[6].view(B_pad, max_blocks).to(torch.int32),
+        block_tables=view[6].view(n_seq, max_blocks).to(torch.int32),
         seq_lens=view[3].to(torch.int32),
         query_start_loc=view[4].to(torch.int32),
         max_query_len=int(counts.max()) if n_seq else 0,

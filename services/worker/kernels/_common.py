@@ -48,6 +48,23 @@ def check_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
+def check_paged_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor) -> tuple[int, int]:
+    """The checks every paged-attention wrapper shares; returns (block size, kv heads)."""
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    head_dim, device = q.shape[2], q.device
+    check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,), device=device)
+    n_blocks, page, n_kv, _ = k_cache.shape
+    check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
+    check_shape(v_cache, "v_cache", tuple(k_cache.shape))
+    check(q.shape[1] % n_kv == 0, "{} query heads are not a multiple of {} kv heads", q.shape[1], n_kv)
+    check(page > 0 and page & (page - 1) == 0, "block size must be a power of two, got {}", page)
+    check(head_dim >= 16, "head_dim must be at least 16, got {}", head_dim)
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
+    return page, n_kv
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels._common import (
-    FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, dot_precision, mma, next_power_of_2)
+    cast_rtne, check, check_paged_attention_args, check_shape, check_tensor, dot_precision, mma,
+    next_power_of_2)
 
 # A split should stream enough KV to hide its fixed cost; the grid should cover the GPU about
 # twice. (Tuned on an H100 at Llama-3.1-8B shapes: B=1 ctx 384 -> 6 splits, B=64 ctx 512 -> 1.)
@@ -157,18 +158,9 @@ def paged_decode_attention(
     """Same contract as paged_decode_attention_ref. No host sync and no value-dependent allocation:
     num_splits comes from max_seq_len (a host-side hint, else the block table's width), so a
     CUDA graph captured for a bucket replays with any seq_lens up to that bound."""
-    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_seqs, n_q, head_dim = q.shape
-    check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,), device=device)
-    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,), device=device)
-    n_blocks, page, n_kv, _ = k_cache.shape
-    check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
-    check_shape(v_cache, "v_cache", tuple(k_cache.shape))
-    check(n_q % n_kv == 0, "{} query heads are not a multiple of {} kv heads", n_q, n_kv)
-    check(page > 0 and page & (page - 1) == 0, "block size must be a power of two, got {}", page)
-    check(head_dim >= 16, "head_dim must be at least 16, got {}", head_dim)
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
     check(block_tables.shape[0] == n_seqs, "block_tables has {} rows for {} sequences", block_tables.shape[0], n_seqs)
     check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_shape(seq_lens, "seq_lens", (n_seqs,))

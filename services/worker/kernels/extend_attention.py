@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels._common import (
-    FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, dot_precision, mma, next_power_of_2)
+    cast_rtne, check, check_paged_attention_args, check_shape, check_tensor, dot_precision, mma,
+    next_power_of_2)
 from services.worker.kernels.decode_attention import paged_decode_attention_ref
 
 
@@ -133,18 +134,9 @@ def paged_extend_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
 ) -> torch.Tensor:
     """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid."""
-    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_tokens, n_q, head_dim = q.shape
-    check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,), device=device)
-    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,), device=device)
-    n_blocks, page, n_kv, _ = k_cache.shape
-    check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
-    check_shape(v_cache, "v_cache", tuple(k_cache.shape))
-    check(n_q % n_kv == 0, "{} query heads are not a multiple of {} kv heads", n_q, n_kv)
-    check(page > 0 and page & (page - 1) == 0, "block size must be a power of two, got {}", page)
-    check(head_dim >= 16, "head_dim must be at least 16, got {}", head_dim)
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=device)
     n_seqs = block_tables.shape[0]
     check_tensor(query_start_loc, "query_start_loc", ndim=1, dtypes=(torch.int32,), device=device,
                  contiguous=True)
