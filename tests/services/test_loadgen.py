@@ -266,7 +266,7 @@ async def test_run_deadline_bounds_the_run():
         elapsed = time.perf_counter() - t
     finally:
         await runner.cleanup()
-    assert elapsed < 2.0
+    assert elapsed < 3.0  # unbounded, the 8 requests would take 4 s
     assert result.summary.completed == 0  # each request needs 20 x 50 ms
     assert result.summary.errors == {"run-deadline": 8}
     assert len(server.served) == 2  # never more than the concurrency in flight

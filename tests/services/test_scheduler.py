@@ -244,10 +244,11 @@ async def test_a_silent_worker_is_gone_within_the_heartbeat_ttl(cluster):
         reply = await cluster.send(gen_request(system, rid=f"after-{n}"))
         if reply.worker_id == "w-other":
             break
-        assert time.monotonic() - last_beat < 3.0
+        # 3 missed heartbeats (TTL 3 s), plus the heartbeat's own delivery on a busy machine.
+        assert time.monotonic() - last_beat < 4.0
         await asyncio.sleep(0.05)
     elapsed = time.monotonic() - last_beat
-    assert 2.7 < elapsed < 3.3, elapsed
+    assert 2.7 < elapsed < 4.0, elapsed
     assert "w-fav" not in sched.registry.workers  # with its KV index
     reply = await cluster.send(gen_request(system, rid="later"))
     assert reply.worker_id == "w-other"

@@ -36,16 +36,11 @@ def _read_all_tensors(d: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ tokenizer training
 
 
-def test_tokenizer_training_is_deterministic_and_fast(monkeypatch):
-    import time
-
+def test_tokenizer_training_is_deterministic(monkeypatch):
     first = mm.build_tokenizer_json()
     monkeypatch.setattr(synthetic_tokenizer, "_TOKENIZER_CACHE", {})
-    t0 = time.perf_counter()
     second = mm.build_tokenizer_json()
-    elapsed = time.perf_counter() - t0
     assert second.tokenizer_json == first.tokenizer_json
-    assert elapsed < 1.0, f"training took {elapsed:.2f}s"
     assert 300 <= first.size <= 1100
     assert list(first.special_ids) == list(mm.SPECIAL_TOKENS)
     # Special tokens come right after the BPE vocabulary, in Llama-3.1's order.
