@@ -1,5 +1,6 @@
-"""Where a decode step's wall time goes on the GPU: host phases timed around the engine's parts,
-and a cProfile of the Python side. Usage: python bench/step_profile.py MODEL_DIR [BATCH]"""
+"""Where a step's wall time goes on the GPU: host phases timed around the engine's parts, and a
+cProfile of the Python side. Usage: python bench/step_profile.py MODEL_DIR [BATCH [TEMP [mixed]]]
+("mixed": a new 220-token prompt joins every step, so every step is a mixed eager one)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def timed(obj, name, totals):
 def main() -> int:
     model_dir, batch = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256
     temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cuda", max_num_seqs=batch,
+    mixed = len(sys.argv) > 4 and sys.argv[4] == "mixed"
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cuda", max_num_seqs=batch + (64 if mixed else 0),
                                     max_num_batched_tokens=8192))
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
@@ -46,18 +48,21 @@ def main() -> int:
     timed(engine.batcher, "schedule", totals)
     timed(engine.batcher, "update_from_output", totals)
     timed(engine.runner, "execute", totals)
-    timed(engine.sampler, "_to_host", totals)
+    timed(engine, "_finish", totals)
     timed(engine.sampler, "_sample", totals)
     n = 50
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    for _ in range(n):
+    for i in range(n):
+        if mixed:
+            engine.add_request(f"m{i}", torch.randint(10, 120000, (220,), generator=g).tolist(),
+                               SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
         engine.step()
     prof.disable()
     wall = time.perf_counter() - t0
-    print(f"batch {batch}: {1000 * wall / n:.2f} ms/step, {batch * n / wall:.0f} tok/s")
+    print(f"batch {batch}{' mixed' if mixed else ''}: {1000 * wall / n:.2f} ms/step, {batch * n / wall:.0f} tok/s")
     for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<20} {1000 * total / n:8.3f} ms/step")
     out = io.StringIO()

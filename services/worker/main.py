@@ -31,6 +31,8 @@ def parse_args(argv):
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_default("INFERNO_MAX_NUM_BATCHED_TOKENS", 8192))
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each step's tokens before planning the next (default: overlap on CUDA)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -39,7 +41,7 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool):
+def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool | None = None):
     """The real engine, or the model-free emitter; returns (engine, eos ids, max_model_len)."""
     from services.worker.engine.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
@@ -58,15 +60,16 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool):
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
-        cuda_graphs=cuda_graphs, cache_key=cfg.model_name))
+        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name))
     return engine, eos, engine.max_model_len
 
 
-async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool) -> int:
+async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool,
+                overlap: bool | None = None) -> int:
     from services.worker.service import WorkerService
 
     log = structlog.get_logger("worker")
-    engine, eos, max_len = await asyncio.to_thread(build_engine, cfg, cuda_graphs)
+    engine, eos, max_len = await asyncio.to_thread(build_engine, cfg, cuda_graphs, overlap)
     conn = await connect_nats(nats_cfg, name=cfg.worker_id)
     service = WorkerService(cfg, conn, engine, nats_cfg.subject_prefix, eos, max_len, cfg.block_size)
     await service.start()
@@ -100,4 +103,5 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs))
+    return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
+                             overlap=False if args.no_overlap else None))

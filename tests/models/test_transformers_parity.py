@@ -83,24 +83,28 @@ def hf_expected(model_dirs, hf_models):
     return get
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_continuous_batching_changes_no_tokens(arch, model_dirs, hf_expected):
+def test_continuous_batching_changes_no_tokens(arch, overlap, model_dirs, hf_expected):
     prompts, expected = hf_expected(arch)
-    engine = make_engine(model_dirs[arch])
+    engine = make_engine(model_dirs[arch], overlap=overlap)
     assert run_staggered(engine, prompts, eos_ids(model_dirs[arch])) == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_chunks_change_no_tokens(arch, model_dirs, hf_expected):
+def test_tiny_chunks_change_no_tokens(arch, overlap, model_dirs, hf_expected):
     prompts, expected = hf_expected(arch)
-    engine = make_engine(model_dirs[arch], long_prefill_token_threshold=7, max_num_batched_tokens=20)
+    engine = make_engine(model_dirs[arch], long_prefill_token_threshold=7, max_num_batched_tokens=20,
+                         overlap=overlap)
     assert run_staggered(engine, prompts, eos_ids(model_dirs[arch]), admit_every=1) == expected
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_cache_hits_change_no_tokens(arch, model_dirs, hf_models):
-    engine = make_engine(model_dirs[arch])
+def test_prefix_cache_hits_change_no_tokens(arch, overlap, model_dirs, hf_models):
+    engine = make_engine(model_dirs[arch], overlap=overlap)
     eos = eos_ids(model_dirs[arch])
     vocab = engine.model_config.vocab_size
     shared_prefix = random_prompt(40, vocab, seed=7)  # two full blocks and a bit
@@ -113,18 +117,20 @@ def test_prefix_cache_hits_change_no_tokens(arch, model_dirs, hf_models):
     assert out == hf_greedy(hf_models(arch), second, N_NEW, eos)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_changes_no_tokens(arch, model_dirs, hf_expected):
+def test_preemption_changes_no_tokens(arch, overlap, model_dirs, hf_expected):
     prompts, expected = hf_expected(arch)
     # 14 blocks of 16 tokens cannot hold all eight requests at once: some are preempted and recomputed.
-    engine = make_engine(model_dirs[arch], num_blocks=14)
+    engine = make_engine(model_dirs[arch], num_blocks=14, overlap=overlap)
     outputs = run_staggered(engine, prompts, eos_ids(model_dirs[arch]), admit_every=1)
     assert outputs == expected
     assert engine.batcher.num_preemptions_total > 0
     assert engine.block_manager.num_free_blocks == 14
 
 
-def test_seeded_sampling_ignores_batch_composition(model_dirs):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_sampling_ignores_batch_composition(overlap, model_dirs):
     model_dir = model_dirs["LlamaForCausalLM"]
     vocab = make_engine(model_dir).model_config.vocab_size
     target = random_prompt(12, vocab, seed=21)
@@ -133,7 +139,7 @@ def test_seeded_sampling_ignores_batch_composition(model_dirs):
     alone = make_engine(model_dir).generate([target], params)[0]
     others = [random_prompt(n, vocab, seed=30 + n) for n in (3, 30, 9)]
     noisy = SamplingParams(temperature=1.3, max_tokens=30, ignore_eos=True)
-    mixed = make_engine(model_dir).generate(others[:2] + [target] + others[2:],
+    mixed = make_engine(model_dir, overlap=overlap).generate(others[:2] + [target] + others[2:],
                                             [noisy, noisy, params, noisy])[2]
     assert mixed == alone
     # A different seed draws a different continuation.

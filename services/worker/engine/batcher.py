@@ -20,8 +20,9 @@ class RequestRejected(ValueError):
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens all_token_ids[start:start + num_new_tokens] are computed this step
-    start: int  # request.num_computed_tokens before the step
+    start: int  # the first position computed (num_computed_tokens + tokens still in flight)
     samples: bool  # the chunk reaches the last known token, so a token is sampled after it
+    pending_input: bool = False  # the input is the token the step in flight samples (on the device)
 
 
 @dataclass(slots=True)
@@ -129,9 +130,13 @@ class Batcher:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> BatchPlan:
+        """Plan the next step. It may be planned while the previous step is still in flight:
+        tokens scheduled there count as computed, and a token it is sampling is fed to this
+        step straight from the device (`pending_input`)."""
         plan = BatchPlan()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        max_model_len = self.config.max_model_len
 
         # Running requests first, in admission order. When blocks run out, the latest admitted
         # request is preempted (recomputed later) until the current one fits.
@@ -140,15 +145,24 @@ class Batcher:
         scheduled = plan.scheduled
         while index < len(self._running) and budget > 0:
             request = self._running[index]
-            start = request.num_computed_tokens
-            if start + 1 == len(request.all_token_ids) and start < len(request.block_ids) * block_size:
+            start = request.num_computed_tokens + request.num_inflight_tokens
+            total = len(request.all_token_ids) + request.num_pending_tokens
+            if request.num_pending_tokens and (
+                    request.num_output_tokens + request.num_pending_tokens >= request.sampling_params.max_tokens
+                    or total >= max_model_len):
+                index += 1  # the token in flight is its last: nothing more to compute
+                continue
+            if start + 1 == total and start < len(request.block_ids) * block_size:
                 # A decode whose slot is already in its last block: the common case, kept cheap.
-                scheduled.append(ScheduledRequest(request, 1, start, True))
+                scheduled.append(ScheduledRequest(request, 1, start, True,
+                                                  start == len(request.all_token_ids)))
+                request.num_inflight_tokens += 1
+                request.num_pending_tokens += 1
                 budget -= 1
                 index += 1
                 continue
-            num_new = self._num_new_tokens(request, start, budget)
-            while not bm.allocate_slots(request, num_new):
+            num_new = min(total - start, budget, self.config.max_tokens_per_request_step)
+            while not bm.allocate_slots(request, request.num_inflight_tokens + num_new):
                 victim = self._running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -156,7 +170,7 @@ class Batcher:
                     break
             else:
                 budget -= num_new
-                self._add_to_plan(plan, request, num_new)
+                self._add_to_plan(plan, request, start, num_new)
                 index += 1
 
         # Then waiting requests, first come first served, unless this step had to preempt: a
@@ -166,8 +180,10 @@ class Batcher:
             return plan
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted while its last token was in flight; resumes once it is back
             computed_blocks, num_cached = bm.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, self.config.max_tokens_per_request_step)
             if not bm.allocate_slots(request, num_new, computed_blocks, num_cached):
                 break
             self._waiting.popleft()
@@ -177,25 +193,25 @@ class Batcher:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             budget -= num_new
-            self._add_to_plan(plan, request, num_new)
+            self._add_to_plan(plan, request, num_cached, num_new)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return plan
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        return min(request.num_tokens - num_computed, budget,
-                   self.config.max_tokens_per_request_step)
-
     @staticmethod
-    def _add_to_plan(plan: BatchPlan, request: Request, num_new: int) -> None:
-        start = request.num_computed_tokens
-        plan.scheduled.append(ScheduledRequest(request, num_new, start,
-                                               samples=start + num_new == request.num_tokens))
+    def _add_to_plan(plan: BatchPlan, request: Request, start: int, num_new: int) -> None:
+        known = len(request.all_token_ids)
+        samples = start + num_new == known + request.num_pending_tokens
+        plan.scheduled.append(ScheduledRequest(request, num_new, start, samples, start == known))
+        request.num_inflight_tokens += num_new
+        if samples:
+            request.num_pending_tokens += 1
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV and put it back at the head of the queue, to be recomputed
         (its own blocks are likely still cached then, so recompute is often a prefix hit)."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # a token in flight still arrives: num_pending_tokens stays
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -205,30 +221,37 @@ class Batcher:
 
     def update_from_output(self, plan: BatchPlan, sampled: dict[str, int]) -> list[Request]:
         """Advance every scheduled request by its chunk, append the sampled tokens, and return
-        the requests that finished this step (their blocks are already freed)."""
+        the requests that finished this step (their blocks are already freed). Steps are
+        updated in the order they were scheduled."""
         finished: list[Request] = []
         block_size = self.block_manager.block_size
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         for item in plan.scheduled:
             request = item.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted or failed since schedule()
-            before = request.num_computed_tokens
-            request.num_computed_tokens = after = before + item.num_new_tokens
-            if after // block_size != before // block_size:  # a block filled up: make it findable
-                self.block_manager.cache_full_blocks(request)
-            if not item.samples:
-                continue
-            token = sampled.get(request.request_id)
-            if token is None:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = "the engine returned no sampled token for this request"
-            else:
-                request.all_token_ids.append(token)
-                status = self._stop_status(request, token)
-                if status is None:
-                    continue
-                request.status = status
-            finished.append(request)
+            status = request.status
+            if status is running:
+                request.num_inflight_tokens -= item.num_new_tokens
+                before = request.num_computed_tokens
+                request.num_computed_tokens = after = before + item.num_new_tokens
+            elif not (status is preempted and item.samples):
+                continue  # aborted, failed, or finished by the token of an earlier step
+            if item.samples:
+                request.num_pending_tokens -= 1
+                token = sampled.get(request.request_id)
+                if token is None:
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.error = "the engine returned no sampled token for this request"
+                else:
+                    request.all_token_ids.append(token)
+                    stop = self._stop_status(request, token)
+                    if stop is not None:
+                        request.status = stop
+            if status is running and after // block_size != before // block_size:
+                self.block_manager.cache_full_blocks(request)  # a block filled up: make it findable
+            if request.status.finished:
+                finished.append(request)
+                if status is preempted:  # preempted after its step was launched
+                    self._waiting.remove(request)
 
         if finished:
             self._running = [r for r in self._running if not r.status.finished]

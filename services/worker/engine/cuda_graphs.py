@@ -21,11 +21,27 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
+class _HostStage:
+    """One pinned copy of the static inputs. There are two, used in turn: while one is being
+    copied to the device for a step in flight, the next step is written into the other."""
+
+    def __init__(self, nbytes: int, n64: int, B: int, W: int):
+        self.host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+        h64 = self.host[:8 * n64].numpy().view(np.int64)
+        h32 = self.host[8 * n64:].numpy().view(np.int32)
+        self.tokens, self.pos, self.slots = h64[:B], h64[B:2 * B], h64[2 * B:3 * B]
+        self.feed_dst, self.feed_src = h64[3 * B:4 * B], h64[4 * B:]
+        self.seq_lens, self.tables = h32[:B], h32[B:].reshape(B, W)
+        self.row_owners: list = [None] * B  # (request id, block count) whose table a row holds
+
+
 class CudaGraphRunner:
     """Static device buffers shared by every bucket's graph, filled by one host→device copy.
 
-    Layout of the static buffer (bytes): int64 [tokens | positions | slots] × B_max, then int32
-    [seq_lens × B_max | block_tables B_max × width]. A bucket of size B uses the first B rows.
+    Layout of the static buffer (bytes): int64 [tokens | positions | slots | feed dst | feed src]
+    × B_max, then int32 [seq_lens × B_max | block_tables B_max × width]. A bucket of size B uses
+    the first B rows. Rows whose token the previous step is still sampling get it by a gather on
+    the device ("feed") before the replay.
     """
 
     def __init__(self, model, kv_cache, max_num_seqs: int, max_graph_len: int, device: torch.device):
@@ -38,21 +54,18 @@ class CudaGraphRunner:
         self.width = math.ceil(max_graph_len / self.block_size)
         self.max_graph_len = self.width * self.block_size
         B, W = self.max_seqs, self.width
-        n64, n32 = 3 * B, B + B * W
+        n64, n32 = 5 * B, B + B * W
         self.nbytes = 8 * n64 + 4 * n32
-        self.host = torch.zeros(self.nbytes, dtype=torch.uint8).pin_memory()
+        self.stages = [_HostStage(self.nbytes, n64, B, W) for _ in range(2)]
+        self.turn = 0
         self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
-        h64 = self.host[:8 * n64].numpy().view(np.int64)
-        h32 = self.host[8 * n64:].numpy().view(np.int32)
-        self.h_tokens, self.h_pos, self.h_slots = h64[:B], h64[B:2 * B], h64[2 * B:]
-        self.h_seq_lens, self.h_tables = h32[:B], h32[B:].reshape(B, W)
         d64 = self.dev[:8 * n64].view(torch.int64)
         d32 = self.dev[8 * n64:].view(torch.int32)
-        self.d_tokens, self.d_pos, self.d_slots = d64[:B], d64[B:2 * B], d64[2 * B:]
+        self.d_tokens, self.d_pos, self.d_slots = d64[:B], d64[B:2 * B], d64[2 * B:3 * B]
+        self.d_feed_dst, self.d_feed_src = d64[3 * B:4 * B], d64[4 * B:]
         self.d_seq_lens, self.d_tables = d32[:B], d32[B:].view(B, W)
         self.d_qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
-        self.row_owners: list = [None] * B  # (request id, block count) whose table a row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -70,10 +83,11 @@ class CudaGraphRunner:
     def capture(self) -> float:
         t0 = time.perf_counter()
         # Dummy step: every row writes slot -1 (skipped) and attends to one token of block 0.
-        self.h_slots[:] = -1
-        self.h_seq_lens[:] = 1
-        self.h_tables[:] = 0
-        self.dev.copy_(self.host)
+        stage = self.stages[0]
+        stage.slots[:] = -1
+        stage.seq_lens[:] = 1
+        stage.tables[:] = 0
+        self.dev.copy_(stage.host)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
             self._forward(b)  # compile and warm the kernels outside capture
@@ -92,26 +106,36 @@ class CudaGraphRunner:
             return False
         return all(s.start + 1 <= self.max_graph_len for s in scheduled)
 
-    def run(self, scheduled):
+    def run(self, scheduled, last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None):
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
+        stage = self.stages[self.turn]
+        self.turn ^= 1
         reqs = [s.request for s in scheduled]
         starts = [s.start for s in scheduled]
-        self.h_tokens[:n] = [r.all_token_ids[p] for r, p in zip(reqs, starts)]
-        self.h_pos[:n] = starts
-        self.h_slots[:n] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
-        self.h_seq_lens[:n] = [p + 1 for p in starts]
+        feed = [(i, last_rows[s.request.request_id]) for i, s in enumerate(scheduled) if s.pending_input]
+        if feed:
+            stage.tokens[:n] = [0 if s.pending_input else s.request.all_token_ids[s.start] for s in scheduled]
+            stage.feed_dst[:len(feed)], stage.feed_src[:len(feed)] = zip(*feed)
+        else:
+            stage.tokens[:n] = [r.all_token_ids[p] for r, p in zip(reqs, starts)]
+        stage.pos[:n] = starts
+        stage.slots[:n] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
+        stage.seq_lens[:n] = [p + 1 for p in starts]
         # Block tables change only when a request gains a block or rows shift: rewrite those rows.
-        tables, owners = self.h_tables, self.row_owners
+        tables, owners = stage.tables, stage.row_owners
         for i, r in enumerate(reqs):
             key = (r.request_id, len(r.block_ids))
             if owners[i] != key:
                 owners[i] = key
                 tables[i, :len(r.block_ids)] = r.block_ids
-        self.h_slots[n:b] = -1
-        self.h_seq_lens[n:b] = 1
-        self.dev.copy_(self.host, non_blocking=True)
+        stage.slots[n:b] = -1
+        stage.seq_lens[n:b] = 1
+        self.dev.copy_(stage.host, non_blocking=True)
+        if feed:
+            k = len(feed)
+            self.d_tokens.index_copy_(0, self.d_feed_dst[:k], last_ids.index_select(0, self.d_feed_src[:k]))
         self.graphs[b].replay()
         return self.outputs[b][:n], _Indices(self.rows[:n])
 

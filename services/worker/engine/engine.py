@@ -1,5 +1,11 @@
 """The engine: add requests, step (schedule → run → postprocess), read outputs. Single-threaded;
-the worker service drives it from its step thread."""
+the worker service drives it from its step thread.
+
+With `overlap_steps` the host plans and launches step N+1 before it waits for step N's tokens,
+so the scheduling, input building and output handling of one step run while the GPU computes
+the other (vLLM's async scheduling, SGLang's overlap scheduler). A request that stops at step N
+has also been given a row in step N+1; that row's token is dropped.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
 from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
-from services.worker.engine.sampler import SampleResult, Sampler
+from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
 from shared.block_hash import request_block_key
 from shared.sampling_params import SamplingParams
 
@@ -43,6 +49,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step handed to the device whose tokens have not been read yet."""
+
+    plan: BatchPlan
+    sample: PendingSample | None
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +112,7 @@ class LLMEngine:
             self.runner.graphs = graphs
         self.steps = 0
         self._rng = random.Random(config.seed)
+        self._inflight: LaunchedStep | None = None
 
     def _blocks_from_memory(self) -> int:
         if not self.config.is_cuda:
@@ -125,22 +141,53 @@ class LLMEngine:
         return self.batcher.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.batcher.has_unfinished()
+        return self.batcher.has_unfinished() or self._inflight is not None
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the step that finished (with overlap, the one
+        launched by the previous call)."""
+        if self._inflight is not None and not self._may_overlap():
+            return self._finish(self._take_inflight())
         plan: BatchPlan = self.batcher.schedule()
-        if not plan.scheduled:
-            return []
+        launched = self._launch(plan) if plan.scheduled else None
+        previous, self._inflight = self._inflight, launched
+        outputs = self._finish(previous) if previous is not None else []
+        if not self.config.overlap_steps and self._inflight is not None:
+            outputs = self._finish(self._take_inflight())
+        return outputs
+
+    def _may_overlap(self) -> bool:
+        # Penalties need the values of every output token, so such a request cannot be
+        # planned while its previous token is still on the device.
+        return self.config.overlap_steps and not any(
+            r.needs_token_history for r in self.batcher.running_requests())
+
+    def _take_inflight(self) -> LaunchedStep:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
         try:
-            result = self.runner.execute(plan.scheduled)
+            return LaunchedStep(plan, self.runner.execute(plan.scheduled))
         except Exception as e:  # a bad step fails its requests, never the engine
+            return LaunchedStep(plan, None, e)
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        plan = launched.plan
+        try:
+            if launched.error is not None:
+                raise launched.error
+            result = launched.sample.result() if launched.sample is not None else None
+        except Exception as e:
             return self._fail_step(plan, e)
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        sampled = dict(zip((r.request_id for r in sampling), result.token_ids)) if result else {}
+        # Rows of requests aborted, failed or stopped since the launch produce nothing.
+        sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
+                    if s.request.status is RequestStatus.RUNNING or s.request.status is RequestStatus.PREEMPTED]
+        sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
         self.batcher.update_from_output(plan, sampled)
-        return [self._output(r, i, result) for i, r in enumerate(sampling)]
+        return [self._output(r, row, result) for row, r in sampling]
 
     def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
         out = RequestOutput(r.request_id, [result.token_ids[row]], r.num_prompt_tokens, r.num_cached_tokens,

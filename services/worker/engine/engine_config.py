@@ -20,6 +20,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Plan and launch step N+1 before reading step N's tokens. None: on CUDA, where the host
+    # work then hides behind the GPU's; on the CPU there is nothing to hide it behind.
+    overlap: bool | None = None
     max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
     load_threads: int = 8
     seed: int = 0
@@ -40,6 +43,10 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def overlap_steps(self) -> bool:
+        return self.is_cuda if self.overlap is None else self.overlap
 
     @property
     def kernel_backend(self) -> str:

@@ -29,6 +29,11 @@ class Request:
     The batcher's one rule: each step, num_computed_tokens catches up with len(all_token_ids)
     as far as the token budget allows. That covers prefill, chunked prefill, prefix hits,
     decode and recompute after preemption alike.
+
+    With overlapped steps a step is scheduled before the one in flight has returned its
+    tokens: `num_inflight_tokens` are scheduled but not yet done, and `num_pending_tokens` are
+    being sampled on the device and not yet in all_token_ids. Both are 0 between steps when
+    steps do not overlap.
     """
 
     request_id: str
@@ -46,10 +51,18 @@ class Request:
     num_preemptions: int = 0
     seed: int = 0  # resolved seed: the user's, or one drawn at admission
     error: str | None = None
+    num_inflight_tokens: int = 0
+    num_pending_tokens: int = 0
+    # Penalties read the output tokens' values, so this request's next step cannot be
+    # scheduled before the step in flight has returned its token.
+    needs_token_history: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        p = self.sampling_params
+        self.needs_token_history = (p.repetition_penalty != 1.0 or bool(p.presence_penalty)
+                                    or bool(p.frequency_penalty))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,6 +75,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def next_output_index(self) -> int:
+        """Index among the outputs of the token the latest scheduled step samples (the seeded
+        draw's counter, so a seed gives the same tokens whether steps overlap or not)."""
+        return self.num_output_tokens + self.num_pending_tokens - 1
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -18,6 +18,26 @@ class SampleResult:
     top_logprobs: list[list[float]] | None
 
 
+@dataclass(slots=True)
+class PendingSample:
+    """A step's draw, still on its way to the host. `token_ids` stays on the device so the
+    next step can feed the tokens back before the host has seen them."""
+
+    token_ids: torch.Tensor  # [rows] int64 on the device
+    host_ids: torch.Tensor  # [rows] int64, pinned on CUDA: filled by an asynchronous copy
+    done: torch.cuda.Event | None  # recorded after the copies; None on the CPU
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chosen, top ids, top lp (host)
+
+    def result(self) -> SampleResult:
+        if self.done is not None:
+            self.done.synchronize()  # a blocking event: the thread sleeps and frees the GIL
+        ids = self.host_ids.tolist()
+        if self.logprobs is None:
+            return SampleResult(ids, None, None, None)
+        chosen, top_ids, top_lp = self.logprobs
+        return SampleResult(ids, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+
+
 class Sampler:
     """Per-request parameters inside one batch.
 
@@ -30,13 +50,16 @@ class Sampler:
         self.ops = ops
         self.vocab_size = vocab_size
         self.device = device
-        cuda = device.type == "cuda"
+        self._cuda = device.type == "cuda"
         # The step's one device→host copy lands in pinned memory; a blocking event lets the CPU
-        # sleep (not spin) until it is there, leaving the GIL to the service's event loop.
-        self._ids_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=cuda)
-        self._done = torch.cuda.Event(blocking=True) if cuda else None
+        # sleep (not spin) until it is there, leaving the GIL to the service's event loop. Two
+        # of each: while one step's tokens are read, the next step's copy may be queued.
+        self._ids_host = [torch.empty(max_rows, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event(blocking=True) for _ in range(2)] if self._cuda else None
+        self._turn = 0
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """Queue the draw for `requests` (one per logits row); nothing waits for the device."""
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
@@ -47,42 +70,51 @@ class Sampler:
             token_ids = self._sample(logits, requests)
 
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if k is None:
-            return SampleResult(self._to_host(token_ids), None, None, None)
-        logp = torch.log_softmax(raw.float(), dim=-1)
-        chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
-        top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        return SampleResult(self._to_host(token_ids), chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+        logprobs = None
+        if k is not None:
+            logp = torch.log_softmax(raw.float(), dim=-1)
+            chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
+            top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+            logprobs = tuple(self._host_copy(t) for t in (chosen, top_ids, top_lp))
+        return self._pending(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         floats = torch.tensor([[p.temperature for p in (r.sampling_params for r in requests)],
                                [r.sampling_params.top_p for r in requests],
                                [r.sampling_params.min_p for r in requests]], dtype=torch.float32)
         ints = torch.tensor([[r.sampling_params.top_k for r in requests], [r.seed for r in requests],
-                             [r.num_output_tokens for r in requests]], dtype=torch.int64)
+                             [r.next_output_index for r in requests]], dtype=torch.int64)
         if self.device.type == "cuda":
             floats = floats.pin_memory().to(self.device, non_blocking=True)
             ints = ints.pin_memory().to(self.device, non_blocking=True)
         return self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2])
 
-    def _to_host(self, token_ids: torch.Tensor) -> list[int]:
-        if self._done is None:
-            return token_ids.tolist()
-        n = token_ids.shape[0]
-        if n > self._ids_host.shape[0]:
-            self._ids_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        host = self._ids_host[:n]
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _pending(self, token_ids: torch.Tensor, logprobs) -> PendingSample:
+        if not self._cuda:
+            return PendingSample(token_ids, token_ids, None, logprobs)
+        n, turn = token_ids.shape[0], self._turn
+        self._turn ^= 1
+        if n > self._ids_host[turn].shape[0]:
+            self._ids_host[turn] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host = self._ids_host[turn][:n]
         host.copy_(token_ids, non_blocking=True)
-        self._done.record()
-        self._done.synchronize()
-        return host.tolist()
+        event = self._events[turn]
+        event.record()
+        return PendingSample(token_ids, host, event, logprobs)
 
     @staticmethod
     def _needs_processing(requests: list[Request]) -> bool:
         for r in requests:
             p = r.sampling_params
             if (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                    or (p.min_tokens and r.num_output_tokens < p.min_tokens)):
+                    or (p.min_tokens and r.next_output_index < p.min_tokens)):
                 return True
         return False
 
@@ -94,7 +126,7 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[row].index_add_(0, ids, bias)
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            if p.min_tokens and r.next_output_index < p.min_tokens:
                 stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 if stop:
                     logits[row, torch.tensor(sorted(stop), device=logits.device)] = float("-inf")

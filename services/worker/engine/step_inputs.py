@@ -18,10 +18,16 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
     num_tokens: int
     num_seqs: int
+    # input_ids[feed_dst] are the previous step's sampled ids[feed_src], still on the device
+    feed_dst: torch.Tensor | None = None
+    feed_src: torch.Tensor | None = None
 
 
-def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool) -> StepInputs:
-    """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples)."""
+def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool,
+                      last_rows: dict[str, int] | None = None) -> StepInputs:
+    """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples,
+    pending_input). `last_rows`: the previous step's sampled row of each request, for the
+    inputs that are still on the device."""
     n_seq = len(scheduled)
     counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n_seq)
     starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n_seq)
@@ -37,10 +43,16 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
     slots = np.empty(T, dtype=np.int64)
     tables = np.zeros((n_seq, max_blocks), dtype=np.int64)
     sample_rows = []
+    feed_dst, feed_src = [], []
     for i, s in enumerate(scheduled):
         lo, hi = qsl[i], qsl[i + 1]
         req = s.request
-        tokens[lo:hi] = req.all_token_ids[s.start:s.start + s.num_new_tokens]
+        if s.pending_input:  # one token, sampled by the step in flight
+            tokens[lo] = 0
+            feed_dst.append(lo)
+            feed_src.append(last_rows[req.request_id])
+        else:
+            tokens[lo:hi] = req.all_token_ids[s.start:s.start + s.num_new_tokens]
         pos = np.arange(s.start, s.start + s.num_new_tokens, dtype=np.int64)
         positions[lo:hi] = pos
         table = np.asarray(req.block_ids, dtype=np.int64)
@@ -51,7 +63,8 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
     logits_idx = np.asarray(sample_rows, dtype=np.int64)
 
     # One host buffer, one transfer; the views below slice it on the device.
-    parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1)]
+    parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1),
+             np.asarray(feed_dst, dtype=np.int64), np.asarray(feed_src, dtype=np.int64)]
     flat = np.concatenate(parts)
     host = torch.from_numpy(flat)
     if device.type == "cuda":
@@ -69,4 +82,5 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
         max_query_len=int(counts.max()) if n_seq else 0,
         max_seq_len=int(seq_lens.max()) if n_seq else 0,
     )
-    return StepInputs(view[0], view[1], meta, view[5], T, n_seq)
+    fed = (view[7], view[8]) if feed_dst else (None, None)
+    return StepInputs(view[0], view[1], meta, view[5], T, n_seq, *fed)
