@@ -3,7 +3,7 @@
 # kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -24,6 +24,7 @@ fi
 if has probe; then
   python3 bench/load_probe.py "$MODEL" 2>&1 | grep -v '\[info' | tee "$OUT/load_probe.txt"
   for b in 256 1; do python3 bench/step_profile.py "$MODEL" $b 2>&1 | grep -v '\[info' | head -14; done
+  python3 bench/step_profile.py "$MODEL" 64 0 mixed 2>&1 | grep -v '\[info' | head -30
 fi
 if has kernels; then
   python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40
@@ -31,6 +32,10 @@ fi
 if has w1; then
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
     | tee "$OUT/w1.json"
+fi
+if has w1x; then  # W1 without overlapped steps, for comparison
+  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    --no-overlap | tee "$OUT/w1_no_overlap.json"
 fi
 if has w5; then
   for run in 1 2; do  # the first start compiles Triton kernels into the on-disk cache; the second reuses it
@@ -42,6 +47,8 @@ if has sweep; then
     python3 -m services.cli bench-engine --model "$MODEL" --batch-size $b --prompt-len 220 --decode-tokens 200 \
       --max-num-batched-tokens 8192 --json | tee "$OUT/engine_b$b.json"
   done
+  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 256 --prompt-len 220 --decode-tokens 200 \
+    --max-num-batched-tokens 8192 --json --no-overlap | tee "$OUT/engine_b256_no_overlap.json"
 fi
 if has w2 || has w3; then
   python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
