@@ -4,6 +4,7 @@
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
 # Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x)
+# WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -33,9 +34,9 @@ if has w1; then
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
     | tee "$OUT/w1.json"
 fi
-if has w1x; then  # W1 without overlapped steps, for comparison
+if has w1x; then  # W1 with overlapped steps, for comparison
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
-    --no-overlap | tee "$OUT/w1_no_overlap.json"
+    --overlap | tee "$OUT/w1_overlap.json"
 fi
 if has w5; then
   for run in 1 2; do  # the first start compiles Triton kernels into the on-disk cache; the second reuses it
@@ -48,12 +49,12 @@ if has sweep; then
       --max-num-batched-tokens 8192 --json | tee "$OUT/engine_b$b.json"
   done
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 256 --prompt-len 220 --decode-tokens 200 \
-    --max-num-batched-tokens 8192 --json --no-overlap | tee "$OUT/engine_b256_no_overlap.json"
+    --max-num-batched-tokens 8192 --json --overlap | tee "$OUT/engine_b256_overlap.json"
 fi
 if has w2 || has w3; then
   python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
     --run-dir /tmp/inferno-run --log-format json \
-    --worker-arg "--max-num-seqs 256 --max-num-batched-tokens 8192" > "$OUT/up.log" 2>&1 &
+    --worker-arg "${WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192}" > "$OUT/up.log" 2>&1 &
   UP=$!
   for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
   curl -s localhost:8000/ready; echo

@@ -26,10 +26,10 @@ def main() -> int:
     rows = []
     if (w1 := load(folder, "w1.json")):
         rows.append(("W1 batch-1 decode", f"{w1['decode_tokens_per_s']:.1f} tok/s", "≥ 170"))
-    if (w1x := load(folder, "w1_no_overlap.json")):
-        rows.append(("W1 without overlap", f"{w1x['decode_tokens_per_s']:.1f} tok/s", ""))
-    if (e := load(folder, "engine_b256_no_overlap.json")):
-        rows.append(("engine batch 256 without overlap", f"{e['decode_tokens_per_s']:.0f} tok/s "
+    if (w1x := load(folder, "w1_overlap.json")):
+        rows.append(("W1 with --overlap", f"{w1x['decode_tokens_per_s']:.1f} tok/s", ""))
+    if (e := load(folder, "engine_b256_overlap.json")):
+        rows.append(("engine batch 256 with --overlap", f"{e['decode_tokens_per_s']:.0f} tok/s "
                      f"({e['decode_step_ms']:.1f} ms/step)", ""))
     for b in (16, 64, 256):
         if (e := load(folder, f"engine_b{b}.json")):

@@ -31,8 +31,8 @@ def parse_args(argv):
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_default("INFERNO_MAX_NUM_BATCHED_TOKENS", 8192))
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="read each step's tokens before planning the next (default: overlap on CUDA)")
+    ap.add_argument("--overlap", action="store_true", default=env_default("INFERNO_OVERLAP", False),
+                    help="plan and launch step N+1 before reading step N's tokens")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -41,7 +41,7 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool | None = None):
+def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = False):
     """The real engine, or the model-free emitter; returns (engine, eos ids, max_model_len)."""
     from services.worker.engine.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool | No
 
 
 async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool,
-                overlap: bool | None = None) -> int:
+                overlap: bool = False) -> int:
     from services.worker.service import WorkerService
 
     log = structlog.get_logger("worker")
@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
-                             overlap=False if args.no_overlap else None))
+                             overlap=args.overlap))

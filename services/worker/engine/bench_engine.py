@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--no-overlap", action="store_true", help="read each step's tokens before planning the next")
+    ap.add_argument("--overlap", action="store_true", help="plan step N+1 before reading step N's tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.no_cuda_graphs, overlap=False if args.no_overlap else None))
+        cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap))
     result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
     if args.json:
         print(json.dumps(result))

@@ -25,8 +25,10 @@ class _HostStage:
     """One pinned copy of the static inputs. There are two, used in turn: while one is being
     copied to the device for a step in flight, the next step is written into the other."""
 
-    def __init__(self, nbytes: int, n64: int, B: int, W: int):
-        self.host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+    def __init__(self, nbytes: int, n64: int, B: int, W: int, pin: bool):
+        self.host = torch.zeros(nbytes, dtype=torch.uint8)
+        if pin:
+            self.host = self.host.pin_memory()
         h64 = self.host[:8 * n64].numpy().view(np.int64)
         h32 = self.host[8 * n64:].numpy().view(np.int32)
         self.tokens, self.pos, self.slots = h64[:B], h64[B:2 * B], h64[2 * B:3 * B]
@@ -56,7 +58,8 @@ class CudaGraphRunner:
         B, W = self.max_seqs, self.width
         n64, n32 = 5 * B, B + B * W
         self.nbytes = 8 * n64 + 4 * n32
-        self.stages = [_HostStage(self.nbytes, n64, B, W) for _ in range(2)]
+        self.cuda = device.type == "cuda"
+        self.stages = [_HostStage(self.nbytes, n64, B, W, pin=self.cuda) for _ in range(2)]
         self.turn = 0
         self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         d64 = self.dev[:8 * n64].view(torch.int64)
@@ -66,7 +69,7 @@ class CudaGraphRunner:
         self.d_seq_lens, self.d_tables = d32[:B], d32[B:].view(B, W)
         self.d_qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -88,8 +91,11 @@ class CudaGraphRunner:
         stage.seq_lens[:] = 1
         stage.tables[:] = 0
         self.dev.copy_(stage.host)
-        torch.cuda.synchronize()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
+            if not self.cuda:
+                self.outputs[b] = self._forward(b)
+                self.graphs[b] = _EagerReplay(self._forward, b, self.outputs[b])
+                continue
             self._forward(b)  # compile and warm the kernels outside capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -97,7 +103,8 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
@@ -138,6 +145,18 @@ class CudaGraphRunner:
             self.d_tokens.index_copy_(0, self.d_feed_dst[:k], last_ids.index_select(0, self.d_feed_src[:k]))
         self.graphs[b].replay()
         return self.outputs[b][:n], _Indices(self.rows[:n])
+
+
+class _EagerReplay:
+    """The CPU's stand-in for a captured graph: replay runs the forward again on the static
+    buffers into the same output tensor. It lets the CPU tests drive every line of the static
+    input path (staging, row tables, fed-back tokens, padding rows) that the GPU replays."""
+
+    def __init__(self, forward, bucket: int, out: torch.Tensor):
+        self.forward, self.bucket, self.out = forward, bucket, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward(self.bucket))
 
 
 class _Indices:
