@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.request import LENGTH, PREEMPTED, RUNNING, STOPPED, Request, RequestStatus
 from services.worker.engine.scheduler_config import SchedulerConfig
 
 __all__ = ["Batcher", "BatchPlan", "RequestRejected", "ScheduledRequest", "SchedulerConfig"]
@@ -225,7 +225,8 @@ class Batcher:
         updated in the order they were scheduled."""
         finished: list[Request] = []
         block_size = self.block_manager.block_size
-        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        running, preempted = RUNNING, PREEMPTED
+        max_model_len = self.config.max_model_len
         for item in plan.scheduled:
             request = item.request
             status = request.status
@@ -242,31 +243,24 @@ class Batcher:
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = "the engine returned no sampled token for this request"
                 else:
-                    request.all_token_ids.append(token)
-                    stop = self._stop_status(request, token)
-                    if stop is not None:
-                        request.status = stop
+                    tokens = request.all_token_ids
+                    tokens.append(token)
+                    num_output = len(tokens) - request.num_prompt
+                    params = request.sampling_params
+                    if token in request.stop_ids and num_output >= params.min_tokens:
+                        request.status = STOPPED
+                    elif num_output >= params.max_tokens or len(tokens) >= max_model_len:
+                        request.status = LENGTH
             if status is running and after // block_size != before // block_size:
                 self.block_manager.cache_full_blocks(request)  # a block filled up: make it findable
-            if request.status.finished:
+            if request.status is not status:  # it finished just now
                 finished.append(request)
                 if status is preempted:  # preempted after its step was launched
                     self._waiting.remove(request)
 
         if finished:
-            self._running = [r for r in self._running if not r.status.finished]
+            self._running = [r for r in self._running if r.status is running]
             for request in finished:
                 self.block_manager.free(request)
                 del self._requests[request.request_id]
         return finished
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens and (
-                token in params.stop_token_ids
-                or (not params.ignore_eos and token in request.eos_token_ids)):
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -22,7 +22,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
-from services.worker.engine.request import Request, RequestStatus
+from services.worker.engine.request import FINISHED, PREEMPTED, RUNNING, STOPPED, Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
 from shared.block_hash import request_block_key
@@ -49,6 +49,9 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+_REASONS = {status: status.value for status in FINISHED}
 
 
 @dataclass(slots=True)
@@ -184,19 +187,19 @@ class LLMEngine:
             return self._fail_step(plan, e)
         # Rows of requests aborted, failed or stopped since the launch produce nothing.
         sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
-                    if s.request.status is RequestStatus.RUNNING or s.request.status is RequestStatus.PREEMPTED]
+                    if s.request.status is RUNNING or s.request.status is PREEMPTED]
         sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
         self.batcher.update_from_output(plan, sampled)
         return [self._output(r, row, result) for row, r in sampling]
 
     def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
-        out = RequestOutput(r.request_id, [result.token_ids[row]], r.num_prompt_tokens, r.num_cached_tokens,
-                            r.num_output_tokens)
-        if r.status.finished:
-            out.finish_reason = r.status.value
-            last = r.all_token_ids[-1]
-            if r.status is RequestStatus.FINISHED_STOPPED:
-                out.stop_token_id = last
+        tokens = r.all_token_ids
+        out = RequestOutput(r.request_id, [tokens[-1]], r.num_prompt, r.num_cached_tokens, len(tokens) - r.num_prompt)
+        status = r.status
+        if status in FINISHED:
+            out.finish_reason = _REASONS[status]
+            if status is STOPPED:
+                out.stop_token_id = tokens[-1]
         if result.logprobs is not None and r.sampling_params.logprobs is not None:
             out.logprobs = [result.logprobs[row]]
             k = r.sampling_params.logprobs
