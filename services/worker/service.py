@@ -18,6 +18,13 @@ from shared.wire import encode
 
 log = structlog.get_logger("worker")
 
+# The scheduler routes by what each worker holds and how busy it is. An agent sends its next turn
+# the moment the last one ends, so a step that finishes requests sends its new KV blocks and load
+# before the final tokens (NATS keeps one connection's messages in order): the scheduler knows
+# them before the client can send again. At most one such update per window; KV events of other
+# steps go out within the window too, rather than at the next periodic heartbeat.
+PROMPT_UPDATE_WINDOW = 0.01  # seconds
+
 
 class WorkerService:
     def __init__(self, cfg: WorkerServiceConfig, conn, engine, prefix: str, eos_token_ids=(),
@@ -36,6 +43,9 @@ class WorkerService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._pending_events: tuple[list, list] = ([], [])
+        self._events_flush: asyncio.TimerHandle | None = None
+        self._load_update: asyncio.TimerHandle | None = None
+        self._load_update_at = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -89,16 +99,38 @@ class WorkerService:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
     def _publish_outputs(self, outputs, routes: dict[str, str]) -> None:
+        if any(getattr(o, "finished", True) for o in outputs):
+            self._load_changed()
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
             asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
+
+    def _load_changed(self) -> None:
+        wait = self._load_update_at + PROMPT_UPDATE_WINDOW - time.monotonic()
+        if wait <= 0:
+            self._send_load_update()
+        elif self._load_update is None:
+            self._load_update = self._loop.call_later(wait, self._send_load_update)
+
+    def _send_load_update(self) -> None:
+        if self._load_update is not None:
+            self._load_update.cancel()
+            self._load_update = None
+        self._load_update_at = time.monotonic()
+        asyncio.ensure_future(self._publish_heartbeat_quietly())
 
     def _queue_kv_events(self, stored, removed) -> None:
         self._pending_events[0].extend(stored)
         self._pending_events[1].extend(removed)
         if len(self._pending_events[0]) + len(self._pending_events[1]) >= 256:
             asyncio.ensure_future(self._flush_kv_events())
+        elif self._events_flush is None:
+            self._events_flush = self._loop.call_later(
+                PROMPT_UPDATE_WINDOW, lambda: asyncio.ensure_future(self._flush_kv_events()))
 
     async def _flush_kv_events(self) -> None:
+        if self._events_flush is not None:
+            self._events_flush.cancel()
+            self._events_flush = None
         stored, removed = self._pending_events
         if not stored and not removed:
             return
@@ -116,6 +148,13 @@ class WorkerService:
             except Exception:  # NATS down: the connection reconnects by itself; keep beating
                 log.debug("heartbeat not sent", exc_info=True)
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _publish_heartbeat_quietly(self) -> None:
+        try:
+            await self._flush_kv_events()  # the blocks first, so the load never arrives without them
+            await self._publish_heartbeat()
+        except Exception:  # NATS down: the periodic heartbeat tries again
+            log.debug("load update not sent", exc_info=True)
 
     async def _publish_heartbeat(self) -> None:
         s = self.loop_thread.stats

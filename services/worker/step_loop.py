@@ -19,6 +19,7 @@ from shared.sampling_params import SamplingParams
 log = structlog.get_logger("worker.step_loop")
 
 STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
+FINISH_STATS_GAP = 0.01  # ... but a step that finished requests refreshes it sooner
 
 
 @dataclass(slots=True)
@@ -82,16 +83,20 @@ class StepLoop(threading.Thread):
                 log.exception("step failed")
                 continue
             routes = {o.request_id: self.reply_to.get(o.request_id, "") for o in outputs}
+            finished = False
             for o in outputs:
                 if o.finished:
+                    finished = True
                     self.reply_to.pop(o.request_id, None)
-            self._refresh_stats()
-            if outputs:
-                self.on_outputs(outputs, routes)
+            # A finish frees load the scheduler should see at once (the service sends it).
+            self._refresh_stats(force=finished and time.monotonic() - self._stats_at >= FINISH_STATS_GAP)
+            # KV events first: the service sends them ahead of the tokens that end a request.
             if self.on_kv_events and self.block_manager is not None:
                 stored, removed = self.block_manager.take_events()
                 if stored or removed:
                     self.on_kv_events(stored, removed)
+            if outputs:
+                self.on_outputs(outputs, routes)
         self.stats = self.engine.stats()
 
     def _drain(self, block: bool) -> list[Rejected]:
