@@ -1,4 +1,4 @@
-"""`inferno bench`: flags to a BenchConfig, one run or a rate sweep, then the report."""
+"""`inferno bench`: flags to a BenchConfig, one run, a rate sweep or a session run, then the report."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ from collections.abc import Sequence
 from shared.loadgen.client import BenchError, BenchResult, run_benchmark
 from shared.loadgen.report import (PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep,
                                    write_json)
-from shared.loadgen.workload import BenchConfig, parse_range
+from shared.loadgen.sessions import run_sessions
+from shared.loadgen.workload import BenchConfig, SessionConfig, parse_range
+
+# Defaults of the flags that depend on the workload (None in the parser, so a flag that does not
+# apply to the chosen workload can be told from one left alone).
+W2_NUM_REQUESTS = 1000
+W2_INPUT_LEN = (100, 340)
+W4_TURNS = 8
+W4_SYSTEM_LEN = 4000
+W4_USER_LEN = (50, 150)
 
 
 def _positive_rate(text: str) -> float:
@@ -25,6 +34,16 @@ def _positive_rate(text: str) -> float:
 
 def _rates(text: str) -> list[float]:
     return [_positive_rate(part) for part in text.split(",") if part.strip()]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _length(text: str) -> tuple[int, int]:
@@ -45,14 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="inferno bench",
         description="Load an OpenAI-compatible endpoint with synthetic streaming requests "
-                    "(defaults: workload W2, 1000 requests all at once).")
+                    "(defaults: workload W2, 1000 requests all at once; --sessions: workload W4).")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--endpoint", choices=["completions", "chat"],
+                   help="default completions; chat with --sessions (the only one it takes)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer ...'")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--input-len", type=_length, default=(100, 340), metavar="N|LO:HI",
-                   help="prompt length in tokens, uniform over LO..HI (default 100:340)")
+    p.add_argument("--num-requests", type=int, help=f"default {W2_NUM_REQUESTS} (not with --sessions)")
+    p.add_argument("--input-len", type=_length, metavar="N|LO:HI",
+                   help="prompt length in tokens, uniform over LO..HI (default 100:340; not with --sessions)")
     p.add_argument("--output-len", type=_length, default=(100, 300), metavar="N|LO:HI",
                    help="max_tokens, uniform over LO..HI (default 100:300)")
     load = p.add_mutually_exclusive_group()
@@ -60,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Poisson arrivals at R requests/s (default inf: all at once)")
     load.add_argument("--sweep-rates", type=_rates, metavar="R1,R2,...",
                       help="run the Poisson workload at each rate in turn, one row per rate (W3)")
+    load.add_argument("--sessions", type=_positive_int, metavar="N",
+                      help="workload W4 on the chat endpoint: N sessions at once (at most --concurrency), "
+                           "each a run of turns that resend the shared system prompt and the dialogue so far")
+    w4 = p.add_argument_group("sessions (W4)")
+    w4.add_argument("--turns", type=_positive_int, metavar="T", help=f"turns per session (default {W4_TURNS})")
+    w4.add_argument("--system-len", type=_positive_int, metavar="N",
+                    help=f"words of the system prompt all sessions share (default {W4_SYSTEM_LEN})")
+    w4.add_argument("--user-len", type=_length, metavar="N|LO:HI",
+                    help="words of each new user message, uniform over LO..HI (default 50:150)")
+    w4.add_argument("--session-affinity", action="store_true",
+                    help="send x-session-affinity: SEED-SESSION on every turn of a session")
     p.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
     p.add_argument("--seed", type=int, default=0,
                    help="prompts, lengths and arrivals follow it; a server with prefix caching "
@@ -96,15 +127,39 @@ def _pids(args: argparse.Namespace) -> dict[str, int]:
     return pids
 
 
+def _session_config(args: argparse.Namespace) -> SessionConfig | None:
+    """The W4 flags; ValueError for a flag that does not apply to the chosen workload."""
+    if args.sessions is None:
+        given = [flag for flag, value in (("--turns", args.turns), ("--system-len", args.system_len),
+                                          ("--user-len", args.user_len)) if value is not None]
+        if args.session_affinity:
+            given.append("--session-affinity")
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --sessions")
+        return None
+    given = [flag for flag, value in (("--num-requests", args.num_requests), ("--input-len", args.input_len))
+             if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} do not apply with --sessions (see --turns, --system-len, --user-len)")
+    if args.endpoint == "completions" or args.prompt_mode == "tokens":
+        raise ValueError("--sessions runs on the chat endpoint with text prompts")
+    return SessionConfig(sessions=args.sessions, turns=args.turns or W4_TURNS,
+                         system_len=args.system_len or W4_SYSTEM_LEN, user_len=args.user_len or W4_USER_LEN,
+                         affinity=args.session_affinity)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    sessions = _session_config(args)
+    endpoint = args.endpoint or ("chat" if sessions is not None else "completions")
     return BenchConfig(
-        base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        base_url=args.base_url, model=args.model, endpoint=endpoint, api_key=args.api_key,
+        num_requests=W2_NUM_REQUESTS if args.num_requests is None else args.num_requests,
+        input_len=args.input_len or W2_INPUT_LEN, output_len=args.output_len,
         concurrency=args.concurrency, request_rate=args.request_rate, seed=args.seed,
-        prompt_mode=args.prompt_mode or ("tokens" if args.endpoint == "completions" else "text"),
+        prompt_mode=args.prompt_mode or ("tokens" if endpoint == "completions" else "text"),
         vocab_size=args.vocab_size, ignore_eos=args.ignore_eos, temperature=args.temperature,
         timeout=args.timeout, max_duration=args.max_duration, pids=_pids(args),
-        save_requests=args.save_requests)
+        save_requests=args.save_requests, sessions=sessions)
 
 
 async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:
@@ -114,7 +169,8 @@ async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:
             print(f"rate {cfg.request_rate:g}/s ...", file=sys.stderr, flush=True)
         if results:  # the model a sweep's first run found
             cfg = dataclasses.replace(cfg, model=results[0].model)
-        results.append(await run_benchmark(cfg))
+        run = run_sessions if cfg.sessions is not None else run_benchmark
+        results.append(await run(cfg))
     return results
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
+from shared.loadgen.session_stats import SessionSummary, summarize_sessions
 from shared.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
 from shared.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
 
@@ -30,6 +32,7 @@ class BenchResult:
     cpu: CpuCost | None  # None when no service pids were given
     client_cpu_s: float  # CPU used by this process meanwhile: is the load generator the limit?
     records: list[RequestRecord]
+    sessions: SessionSummary | None = None  # session runs (W4) only
 
 
 def api_root(base_url: str) -> str:
@@ -39,21 +42,27 @@ def api_root(base_url: str) -> str:
 
 
 def request_body(cfg: BenchConfig, model: str, item: WorkItem) -> bytes:
+    if cfg.endpoint == "completions":
+        prompt: dict = {"prompt": item.prompt}  # a list of token ids is a valid OpenAI prompt
+    else:
+        prompt = {"messages": [{"role": "user", "content": item.prompt}]}
+    return encode_body(cfg, model, prompt, item.output_len)
+
+
+def encode_body(cfg: BenchConfig, model: str, prompt: Mapping[str, object], max_tokens: int) -> bytes:
+    """A streaming request with usage; `prompt` holds "prompt" or "messages"."""
     body: dict = {
         "model": model,
-        "max_tokens": item.output_len,
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **prompt,
     }
-    if cfg.endpoint == "completions":
-        body["prompt"] = item.prompt  # a list of token ids is a valid OpenAI prompt
-    else:
-        body["messages"] = [{"role": "user", "content": item.prompt}]
     if cfg.temperature is not None:
         body["temperature"] = cfg.temperature
-    if cfg.ignore_eos:  # vLLM-compatible extensions: every request makes exactly output_len tokens
+    if cfg.ignore_eos:  # vLLM-compatible extensions: every request makes exactly max_tokens tokens
         body["ignore_eos"] = True
-        body["min_tokens"] = item.output_len
+        body["min_tokens"] = max_tokens
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -83,7 +92,17 @@ def _has_text(choice) -> bool:
     return isinstance(delta, dict) and bool(delta.get("content") or delta.get("reasoning_content"))
 
 
-def _fail(record: RequestRecord, kind: str, detail: object = "") -> None:
+def _content(choice: dict) -> str:
+    """The text a chunk adds to the reply (reasoning_content is left out: clients do not send it back)."""
+    text = choice.get("text")
+    if isinstance(text, str):
+        return text
+    delta = choice.get("delta")
+    content = delta.get("content") if isinstance(delta, dict) else None
+    return content if isinstance(content, str) else ""
+
+
+def fail(record: RequestRecord, kind: str, detail: object = "") -> None:
     record.error = kind
     record.error_detail = str(detail)[:ERROR_DETAIL_CHARS]
 
@@ -93,10 +112,12 @@ def _count(value) -> int | None:
 
 
 class SseReader:
-    """Turns the raw bytes of one streamed response into its record's chunk times and usage."""
+    """Turns the raw bytes of one streamed response into its record's chunk times and usage,
+    and, given a list, collects the reply's text into it (a session sends it back next turn)."""
 
-    def __init__(self, record: RequestRecord):
+    def __init__(self, record: RequestRecord, text: list[str] | None = None):
         self.record = record
+        self.text = text
         self._tail = b""  # a line not yet ended
 
     def feed(self, data: bytes, now: float) -> bool:
@@ -106,7 +127,7 @@ class SseReader:
         """
         *lines, self._tail = (self._tail + data).split(b"\n")
         if len(self._tail) > MAX_SSE_LINE:
-            _fail(self.record, "bad-sse", f"a line longer than {MAX_SSE_LINE} bytes")
+            fail(self.record, "bad-sse", f"a line longer than {MAX_SSE_LINE} bytes")
             return False
         for line in lines:
             if self.record.end is not None:
@@ -126,50 +147,59 @@ class SseReader:
         except ValueError:
             event = None
         if not isinstance(event, dict):
-            _fail(record, "bad-sse", payload)
+            fail(record, "bad-sse", payload)
             return False
         if event.get("error"):
-            _fail(record, "stream-error", event["error"])
+            fail(record, "stream-error", event["error"])
             return False
         usage = event.get("usage")
         if isinstance(usage, dict):
             record.prompt_tokens = _count(usage.get("prompt_tokens"))
             record.completion_tokens = _count(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
+            record.cached_tokens = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
         choices = event.get("choices")
         if isinstance(choices, list) and choices and _has_text(choices[0]):
             record.chunk_times.append(now)
+            if self.text is not None:
+                self.text.append(_content(choices[0]))
         return True
 
 
-async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: float) -> None:
+async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: float,
+                    text: list[str] | None) -> None:
     # Whole reads rather than an await per line: a client that falls behind catches up a
     # buffer at a time. After [DONE] it still reads to EOF, so the connection is reused.
-    reader = SseReader(record)
+    reader = SseReader(record, text)
     async for data in resp.content.iter_any():
         now = time.perf_counter() - t0  # before any parsing; the lines of one read came together
         if record.end is None and not reader.feed(data, now):
             return
     if record.end is None:
-        _fail(record, "incomplete-stream", "the stream ended without data: [DONE]")
+        fail(record, "incomplete-stream", "the stream ended without data: [DONE]")
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: bytes,
-                     record: RequestRecord, t0: float) -> None:
-    """Send one request and fill its record; a failure becomes its error kind, not an exception."""
+                     record: RequestRecord, t0: float, *, headers: Mapping[str, str] | None = None,
+                     text: list[str] | None = None) -> None:
+    """Send one request and fill its record; a failure becomes its error kind, not an exception.
+
+    headers: added to the session's own; text: a list that collects the reply's text.
+    """
     record.start = time.perf_counter() - t0
     try:
-        async with session.post(url, data=body, allow_redirects=False) as resp:
+        async with session.post(url, data=body, headers=headers, allow_redirects=False) as resp:
             if resp.status != 200:
                 detail = await resp.content.read(ERROR_DETAIL_CHARS)
-                return _fail(record, f"http-{resp.status}", detail.decode("utf-8", "replace"))
-            await _read_sse(resp, record, t0)
+                return fail(record, f"http-{resp.status}", detail.decode("utf-8", "replace"))
+            await _read_sse(resp, record, t0, text)
     except asyncio.CancelledError:
         if record.end is None:
-            _fail(record, "run-deadline", "unfinished when the run's deadline passed")
+            fail(record, "run-deadline", "unfinished when the run's deadline passed")
         raise
     except Exception as exc:  # one request's failure, whatever it is, never ends the run
         if record.end is None:  # past [DONE] the response is whole; draining to EOF may fail
-            _fail(record, *_error_kind(exc))
+            fail(record, *_error_kind(exc))
     finally:
         if record.error is not None or record.end is None:
             record.end = time.perf_counter() - t0
@@ -211,14 +241,34 @@ async def _send_all(session: aiohttp.ClientSession, url: str, bodies: list[bytes
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Given the model id and the URL, returns what sends the run's requests (given the HTTP
+# session and the run's clock origin): the plan is made before the clock starts.
+Driver = Callable[[aiohttp.ClientSession, float], Awaitable[None]]
+Planner = Callable[[str, str], Driver]
+
+
 async def run_benchmark(cfg: BenchConfig) -> BenchResult:
-    """Run one workload against cfg.base_url and measure it."""
+    """Run one workload of independent requests (W2, W3) against cfg.base_url and measure it."""
+    if cfg.sessions is not None:
+        raise ValueError("a session workload runs with shared.loadgen.sessions.run_sessions")
+    items = build_workload(cfg)
+    offsets = arrival_offsets(cfg.num_requests, cfg.request_rate, cfg.seed)
+    records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]
+
+    def plan(model: str, url: str) -> Driver:
+        bodies = [request_body(cfg, model, item) for item in items]  # encoded before the clock starts
+        return lambda session, t0: _send_all(session, url, bodies, offsets, records, cfg.concurrency, t0)
+
+    return await measure(cfg, records, plan)
+
+
+async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner) -> BenchResult:
+    """Open the HTTP session, find the model, run the planned driver under the run's deadline
+    and CPU meter, then summarize the records the driver filled."""
     try:
         meter = CpuMeter(cfg.pids) if cfg.pids else None
     except ValueError as exc:  # a pid that is not running
         raise BenchError(str(exc)) from None
-    items = build_workload(cfg)
-    offsets = arrival_offsets(cfg.num_requests, cfg.request_rate, cfg.seed)
     root = api_root(cfg.base_url)
     headers = {"Content-Type": "application/json"}
     if cfg.api_key:
@@ -228,21 +278,21 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     async with aiohttp.ClientSession(connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as session:
         model = cfg.model or await fetch_model_id(session, root)
-        url = f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}"
-        bodies = [request_body(cfg, model, item) for item in items]  # encoded before the clock starts
-        records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]
+        drive = plan(model, f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}")
         cpu_before = meter.sample() if meter else None
         client_cpu0, started_at, t0 = time.process_time(), time.time(), time.perf_counter()
         try:
-            await asyncio.wait_for(_send_all(session, url, bodies, offsets, records, cfg.concurrency, t0),
-                                   cfg.max_duration)
+            await asyncio.wait_for(drive(session, t0), cfg.max_duration)
         except asyncio.TimeoutError:
             pass  # the requests still open were cancelled and marked run-deadline
         client_cpu = time.process_time() - client_cpu0
         cpu_after = meter.sample() if meter else None
     for record in records:
-        if record.start is None:
-            _fail(record, "run-deadline", "not sent before the run's deadline")
+        if record.start is None and record.error is None:
+            fail(record, "run-deadline", "not sent before the run's deadline")
     summary = summarize(records)
     cpu = CpuCost.between(cpu_before, cpu_after, summary.total_output_tokens) if meter else None
-    return BenchResult(cfg, model, started_at, summary, cpu, client_cpu, records)
+    sessions = None
+    if cfg.sessions is not None:
+        sessions = summarize_sessions(records, cfg.sessions.sessions, cfg.sessions.turns)
+    return BenchResult(cfg, model, started_at, summary, cpu, client_cpu, records, sessions)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shared.loadgen.client import BenchResult
+from shared.loadgen.session_stats import SessionSummary
 from shared.loadgen.stats import Distribution
 
 
@@ -21,13 +22,48 @@ def _rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _pct(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.1f} %"
+
+
+def _headline(result: BenchResult) -> str:
+    cfg = result.config
+    output = f"output {cfg.output_len[0]}:{cfg.output_len[1]}"
+    if cfg.sessions is None:
+        return (f"model {result.model}  endpoint {cfg.endpoint}  requests {cfg.num_requests}  "
+                f"concurrency {cfg.concurrency or 'unlimited'}  rate {_rate(cfg.request_rate)}/s  "
+                f"input {cfg.input_len[0]}:{cfg.input_len[1]}  {output}")
+    sc = cfg.sessions
+    return (f"model {result.model}  endpoint {cfg.endpoint}  sessions {sc.sessions} x {sc.turns} turns  "
+            f"concurrency {cfg.concurrency or 'unlimited'}  system {sc.system_len} words  "
+            f"user {sc.user_len[0]}:{sc.user_len[1]} words  {output}  "
+            f"affinity {'on' if sc.affinity else 'off'}")
+
+
+def format_sessions(ss: SessionSummary) -> list[str]:
+    """Prompt-cache hits and TTFT of a session run: overall, first against later turns, per turn."""
+    lines = [
+        f"sessions completed {ss.completed_sessions} of {ss.sessions}   prompt-cache hit ratio "
+        f"{_pct(ss.hit_ratio)} ({ss.cached_tokens:,} of {ss.prompt_tokens:,} prompt tokens cached)",
+        "",
+        f"{'TTFT (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'count':>8}",
+    ]
+    for name, d in (("first turns", ss.ttft_first), ("later turns", ss.ttft_later)):
+        lines.append(f"{name:<14}{_num(d.mean):>10}{_num(d.p50):>10}{_num(d.p90):>10}{_num(d.p99):>10}"
+                     f"{d.count:>8}")
+    lines += ["", f"{'turn':>4}{'done':>6}{'failed':>8}{'prompt tok':>12}{'cached tok':>12}{'hit':>9}"
+                  f"{'TTFT p50':>10}{'TTFT p99':>10}"]
+    for t in ss.per_turn:
+        lines.append(f"{t.turn:>4}{t.completed:>6}{t.failed:>8}{t.prompt_tokens:>12,}{t.cached_tokens:>12,}"
+                     f"{_pct(t.hit_ratio):>9}{_num(t.ttft.p50, 1):>10}{_num(t.ttft.p99, 1):>10}")
+    return lines
+
+
 def format_result(result: BenchResult) -> str:
-    cfg, s = result.config, result.summary
+    s = result.summary
     errors = ", ".join(f"{kind}: {n}" for kind, n in s.errors.items())
     lines = [
-        f"model {result.model}  endpoint {cfg.endpoint}  requests {cfg.num_requests}  "
-        f"concurrency {cfg.concurrency or 'unlimited'}  rate {_rate(cfg.request_rate)}/s  "
-        f"input {cfg.input_len[0]}:{cfg.input_len[1]}  output {cfg.output_len[0]}:{cfg.output_len[1]}",
+        _headline(result),
         f"completed {s.completed}  failed {s.failed}" + (f"  ({errors})" if errors else ""),
         f"duration {s.duration_s:.2f} s   input tokens {s.total_input_tokens:,}   "
         f"output tokens {s.total_output_tokens:,}",
@@ -38,6 +74,8 @@ def format_result(result: BenchResult) -> str:
     ]
     for name, d in (("TTFT", s.ttft), ("ITL", s.itl), ("TPOT", s.tpot), ("E2E", s.e2e)):
         lines.append(f"{name:<14}{_num(d.mean):>10}{_num(d.p50):>10}{_num(d.p90):>10}{_num(d.p99):>10}")
+    if result.sessions is not None:
+        lines += ["", *format_sessions(result.sessions)]
     if result.cpu is not None:
         cpu = result.cpu
         lines += ["", f"{'CPU':<14}{'seconds':>10}{'µs/token':>10}   (over {cpu.output_tokens:,} output tokens)"]
@@ -87,6 +125,8 @@ def result_to_dict(result: BenchResult) -> dict:
         "cpu": _jsonable(result.cpu),
         "client_cpu_s": result.client_cpu_s,
     }
+    if result.sessions is not None:
+        doc["sessions"] = _jsonable(result.sessions)
     if result.config.save_requests:
         doc["requests"] = [
             {**_jsonable(r), "ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot} for r in result.records

@@ -20,8 +20,11 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks carrying text
     prompt_tokens: int | None = None  # from the final usage chunk
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
     error: str | None = None  # http-<status>, timeout, connection-error, stream-error, ...
     error_detail: str = ""
+    session: int | None = None  # W4 only: which session and which of its turns (from 0)
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -43,6 +43,28 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """Workload W4: multi-turn chat sessions that share one system prompt (lengths in words)."""
+
+    sessions: int
+    turns: int = 8
+    system_len: int = 4000
+    user_len: tuple[int, int] = (50, 150)
+    affinity: bool = False  # send x-session-affinity: <seed>-<session index> on every turn
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.sessions <= MAX_REQUESTS:
+            raise ValueError(f"sessions must be in [1, {MAX_REQUESTS}]")
+        if not 1 <= self.turns <= MAX_REQUESTS // self.sessions:
+            raise ValueError(f"turns must be at least 1 and sessions x turns at most {MAX_REQUESTS}")
+        if self.system_len < 1:
+            raise ValueError("system_len must be at least 1 word")
+        lo, hi = self.user_len
+        if not 1 <= lo <= hi:
+            raise ValueError(f"user_len must satisfy 1 <= low <= high, got {(lo, hi)}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark run. Defaults are workload W2 of the design handbook."""
@@ -65,6 +87,7 @@ class BenchConfig:
     max_duration: float = 3600.0  # seconds for the whole run; unfinished requests then fail
     pids: dict[str, int] = field(default_factory=dict)  # service name -> pid, for CPU cost
     save_requests: bool = False
+    sessions: SessionConfig | None = None  # W4 instead of independent requests (chat endpoint only)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -92,6 +115,12 @@ class BenchConfig:
         for name, pid in self.pids.items():
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
                 raise ValueError(f"pid of {name!r} must be a positive int, got {pid!r}")
+        if self.sessions is not None:
+            if self.endpoint != "chat":
+                raise ValueError("a session workload runs on the chat endpoint")
+            if not math.isinf(self.request_rate):
+                raise ValueError("a session workload sends each turn when the previous one ends: "
+                                 "request_rate must be inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +131,20 @@ class WorkItem:
     output_len: int  # sent as max_tokens (and min_tokens with ignore_eos)
 
 
-def _rng(seed: int, stream: str) -> random.Random:
+def seeded_rng(seed: int, stream: str) -> random.Random:
     # One generator per purpose, so the arrival schedule of a seed does not depend on the
     # prompt mode or the lengths, and a sweep sends the same prompts at every rate.
     return random.Random(f"inferno-loadgen:{stream}:{seed}")
 
 
+def random_words(rng: random.Random, n: int) -> str:
+    """n words of WORDS, one space apart: close to n tokens for most tokenizers."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
 def build_workload(cfg: BenchConfig) -> list[WorkItem]:
     """The requests of a run, the same for the same seed."""
-    len_rng, prompt_rng = _rng(cfg.seed, "lengths"), _rng(cfg.seed, "prompts")
+    len_rng, prompt_rng = seeded_rng(cfg.seed, "lengths"), seeded_rng(cfg.seed, "prompts")
     items = []
     for index in range(cfg.num_requests):
         n_in = len_rng.randint(*cfg.input_len)
@@ -118,7 +152,7 @@ def build_workload(cfg: BenchConfig) -> list[WorkItem]:
         if cfg.prompt_mode == "tokens":
             prompt: list[int] | str = [prompt_rng.randrange(MIN_TOKEN_ID, cfg.vocab_size) for _ in range(n_in)]
         else:
-            prompt = " ".join(prompt_rng.choice(WORDS) for _ in range(n_in))
+            prompt = random_words(prompt_rng, n_in)
         items.append(WorkItem(index, prompt, n_in, n_out))
     return items
 
@@ -127,7 +161,7 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
     """Send times in seconds after the first request: a Poisson process, or all zero for inf."""
     if math.isinf(request_rate):
         return [0.0] * num_requests
-    rng = _rng(seed, "arrivals")
+    rng = seeded_rng(seed, "arrivals")
     offsets, t = [], 0.0
     for _ in range(num_requests):
         offsets.append(t)
