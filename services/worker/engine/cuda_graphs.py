@@ -91,6 +91,8 @@ class CudaGraphRunner:
         stage.seq_lens[:] = 1
         stage.tables[:] = 0
         self.dev.copy_(stage.host)
+        if self.cuda:
+            torch.cuda.synchronize()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
             if not self.cuda:
                 self.outputs[b] = self._forward(b)
