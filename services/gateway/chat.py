@@ -13,6 +13,9 @@ from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_jso
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
+_TEXT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -21,29 +24,36 @@ class ChatFormat(ResponseFormat):
     def __init__(self, texts: TokenTexts, want_logprobs: bool):
         self.texts = texts
         self.want_logprobs = want_logprobs
+        self.frame: ChunkFrame | None = None
+        self.heads: list[bytes] = []  # per choice: the chunk up to the content's JSON string
 
     def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
         if update.token_ids is None:
             return None
         return chat_entries(self.texts, update.token_ids, update.logprobs, update.top_ids, update.top_lps)
 
-    def opening(self, choices: list[ChoiceState]) -> list[dict]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in choices]
+    def begin(self, frame: ChunkFrame, choices: list[ChoiceState]) -> bytes:
+        self.frame = frame
+        self.heads = [b'%s{"index":%d,"delta":{"content":' % (frame.head, c.index) for c in choices]
+        return b"".join(frame.chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}) for c in choices)
 
-    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+    def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        if update.token_ids is None and update.finish_reason is None:
+            if not update.text:
+                return None  # text held back (a partial character, a possible stop string)
+            # The per-token path: a byte template filled with the JSON string, no dict, no encoder.
+            return self.heads[choice.index] + json_str(update.text) + _TEXT_TAIL
+        frame = self.frame
         if update.token_ids is not None:
             return frame.chunk({"index": choice.index, "delta": {"content": update.text} if update.text else {},
                                 "logprobs": {"content": self._entries(update)},
                                 "finish_reason": update.finish_reason})
         if update.text:
-            # The per-token path: a byte template, no dict and no general JSON encoding.
             return b'%s{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":%s}]}\n\n' % (
                 frame.head, choice.index, json_str(update.text), json_finish(update.finish_reason))
-        if update.finish_reason is not None:
-            return b'%s{"index":%d,"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n' % (
-                frame.head, choice.index, json_finish(update.finish_reason))
-        return None  # text held back (a partial character, a possible stop string)
+        return b'%s{"index":%d,"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n' % (
+            frame.head, choice.index, json_finish(update.finish_reason))
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
         if update.text:

@@ -54,15 +54,18 @@ class ChoiceState:
         """Consume one delta; None once the choice has finished (late deltas after a stop string)."""
         if self.finish_reason is not None:
             return None
-        raw = d.token_ids
-        # One token per step is the common case: skip the array round trip of unpack_ids.
-        ids = [int.from_bytes(raw, "little", signed=True)] if len(raw) == 4 else unpack_ids(raw)
-        self.num_tokens += len(ids)
         if d.cached_tokens > self.cached_tokens:
             self.cached_tokens = d.cached_tokens
         if d.prompt_tokens:
             self.prompt_tokens = d.prompt_tokens
+        raw = d.token_ids
         finish = d.finish_reason
+        if len(raw) == 4 and finish is None and self.matcher is None and not self.want_logprobs:
+            # The per-token path: one token mid-stream, no stop token, stop string or logprobs to mind.
+            self.num_tokens += 1
+            return ChoiceUpdate(self.detok.push(int.from_bytes(raw, "little", signed=True)), None)
+        ids = unpack_ids(raw)
+        self.num_tokens += len(ids)
         if finish in FAILED:
             self.finish_reason = finish
             self.error = d.error or ("the worker aborted the request" if finish == "abort" else "generation failed")

@@ -13,6 +13,9 @@ from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_jso
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
+_TEXT_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
@@ -21,6 +24,8 @@ class CompletionFormat(ResponseFormat):
     def __init__(self, texts: TokenTexts, want_logprobs: bool):
         self.texts = texts
         self.want_logprobs = want_logprobs
+        self.frame: ChunkFrame | None = None
+        self.heads: list[bytes] = []  # per choice: the chunk up to the text's JSON string
 
     def _logprobs(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
         if update.token_ids is None:
@@ -29,16 +34,23 @@ class CompletionFormat(ResponseFormat):
             choice.logprobs = CompletionLogprobs()
         return choice.logprobs.add(self.texts, update.token_ids, update.logprobs, update.top_ids, update.top_lps)
 
-    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
-        if update.token_ids is not None:
-            lp = self._logprobs(choice, update)
-            return frame.chunk({"index": choice.index, "text": update.text, "logprobs": lp,
-                                "finish_reason": update.finish_reason})
-        if not update.text and update.finish_reason is None:
-            return None  # text held back (a partial character, a possible stop string)
-        # The per-token path: a byte template, no dict and no general JSON encoding.
-        return b'%s{"index":%d,"text":%s,"logprobs":null,"finish_reason":%s}]}\n\n' % (
-            frame.head, choice.index, json_str(update.text), json_finish(update.finish_reason))
+    def begin(self, frame: ChunkFrame, choices: list[ChoiceState]) -> bytes:
+        self.frame = frame
+        self.heads = [b'%s{"index":%d,"text":' % (frame.head, c.index) for c in choices]
+        return b""
+
+    def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        if update.token_ids is None:
+            if update.finish_reason is None:
+                if not update.text:
+                    return None  # text held back (a partial character, a possible stop string)
+                # The per-token path: a byte template filled with the JSON string, no dict, no encoder.
+                return self.heads[choice.index] + json_str(update.text) + _TEXT_TAIL
+            return b'%s%s,"logprobs":null,"finish_reason":%s}]}\n\n' % (
+                self.heads[choice.index], json_str(update.text), json_finish(update.finish_reason))
+        lp = self._logprobs(choice, update)
+        return self.frame.chunk({"index": choice.index, "text": update.text, "logprobs": lp,
+                                 "finish_reason": update.finish_reason})
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
         if update.text:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import signal
 import time
 from pathlib import Path
@@ -19,6 +20,9 @@ from shared.subjects import DEFAULT_PREFIX
 from shared.tokenizer import Tokenizer
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Allocations between young collections (CPython's default: 700). The per-token path makes
+# short-lived objects by the thousand per step; most die before a collection at this threshold.
+GC_YOUNG_THRESHOLD = 50_000
 
 log = get_logger("gateway.main")
 
@@ -68,6 +72,7 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     gw: Gateway = app[GATEWAY]
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
     runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
+    tune_gc()
     log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
              auth=bool(cfg.api_keys))
     connecting = gw.spawn(_connect_forever(gw, nats_cfg))
@@ -94,6 +99,14 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     if conn is not None:
         await conn.drain()
     log.info("gateway_stopped")
+
+
+def tune_gc() -> None:
+    """Keep the collector off the per-token path: what start-up built (tokenizer tables, modules,
+    the app) moves to the permanent generation, and young collections run less often. With the
+    defaults, collections ran several times per step and took a tenth of the gateway's CPU."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 def _run(coro) -> None:

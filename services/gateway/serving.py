@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from services.gateway.choice import FAILED, ChoiceState, ChoiceUpdate
+from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.errors import ApiError, invalid, stream_error_event
 from services.gateway.generation import Generation
+from services.gateway.pump import Pump
 from services.gateway.schemas import GenerationSpec
 from services.gateway.streaming import ChunkFrame, SseWriter, dumps, event
 from services.gateway.token_router import StreamFailed
@@ -35,12 +36,13 @@ class ResponseFormat:
     chunk_object = ""
     id_prefix = ""
 
-    def opening(self, choices: list[ChoiceState]) -> list[dict]:
-        """Choice entries of the chunks sent before any token (chat: the assistant role)."""
-        return []
+    def begin(self, frame: ChunkFrame, choices: list[ChoiceState]) -> bytes:
+        """Start a stream (a format object serves one request): keep its frame, build the per-choice
+        byte templates of the per-token chunk, and return the events sent before any token."""
+        raise NotImplementedError
 
-    def chunk(self, frame: ChunkFrame, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
-        """The SSE event for one update, or None when there is nothing to send yet."""
+    def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        """The SSE event for one update of a stream, or None when there is nothing to send yet."""
         raise NotImplementedError
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
@@ -98,35 +100,6 @@ async def generate(gw: Gateway, request: web.Request, spec: GenerationSpec, prom
             gw.metrics.requests_in_flight.dec()
 
 
-def _apply(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
-                                                               StreamFailed | None]:
-    now = time.monotonic()
-    metrics = gw.metrics
-    out = []
-    for item in items:
-        if type(item) is StreamFailed:
-            return out, item
-        choice = gen.by_id.get(item.request_id)
-        if choice is None:
-            continue
-        update = choice.apply(item)
-        if update is None:
-            continue
-        if item.token_ids:
-            if gen.first_token_at is None:
-                gen.first_token_at = now
-                metrics.time_to_first_token.observe(now - gen.arrival)
-            elif choice.last_arrival:
-                metrics.inter_token_latency.observe(now - choice.last_arrival)
-            choice.last_arrival = now
-        if update.finish_reason is not None:
-            if update.finish_reason in FAILED:
-                return out, StreamFailed(500, choice.error or "generation failed", "server_error")
-            gen.finish_choice(choice)
-        out.append((choice, update))
-    return out, None
-
-
 def _record_success(gw: Gateway, gen: Generation) -> None:
     m = gw.metrics
     m.e2e_request_latency.observe(time.monotonic() - gen.arrival)
@@ -151,42 +124,35 @@ async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: Respo
     writer = SseWriter()
     await writer.start(request)
     frame = ChunkFrame(gen.response_id, fmt.chunk_object, int(time.time()), gen.spec.model)
-    opening = b"".join(frame.chunk(entry) for entry in fmt.opening(gen.choices))
-    if opening and not await writer.write(opening):
+    opening = fmt.begin(frame, gen.choices)
+    if opening and not writer.send(opening):
         gen.abort("client disconnected")
         return writer.response
-    queue = gen.stream.queue
-    while gen.unfinished:
-        updates, failure = _apply(gw, gen, await queue.take_all())
-        parts = []
-        for choice, update in updates:
-            data = fmt.chunk(frame, choice, update)
-            if data is not None:
-                parts.append(data)
-        if failure is not None:
-            _record_failure(gw, gen, failure, in_stream=True)
-            parts.append(event(stream_error_event(failure.status, failure.message, failure.type)))
-            await writer.finish(b"".join(parts))
-            return writer.response
-        if parts and not await writer.write(b"".join(parts)):
-            gen.abort("client disconnected")
-            log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
-            return writer.response
+    pump = Pump(gw, gen, fmt, writer)
+    await pump.run(gen.stream.inbox)
+    if writer.closed:
+        gen.abort("client disconnected")
+        log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
+        return writer.response
+    failure = pump.failure
+    if failure is not None:
+        _record_failure(gw, gen, failure, in_stream=True)
+        await writer.finish(pump.tail + event(stream_error_event(failure.status, failure.message, failure.type)))
+        return writer.response
     _record_success(gw, gen)
-    await writer.finish(frame.usage_chunk(usage(gen)) if gen.spec.include_usage else b"")
+    tail = pump.tail + frame.usage_chunk(usage(gen)) if gen.spec.include_usage else pump.tail
+    await writer.finish(tail)
     return writer.response
 
 
 async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> web.Response:
-    queue = gen.stream.queue
-    while gen.unfinished:
-        updates, failure = _apply(gw, gen, await queue.take_all())
-        for choice, update in updates:
-            fmt.collect(choice, update)
-        if failure is not None:
-            _record_failure(gw, gen, failure, in_stream=False)
-            raise ApiError(failure.status, failure.message, type=failure.type,
-                           retry_after=1.0 if failure.status == 503 else None)
+    pump = Pump(gw, gen, fmt)
+    await pump.run(gen.stream.inbox)
+    failure = pump.failure
+    if failure is not None:
+        _record_failure(gw, gen, failure, in_stream=False)
+        raise ApiError(failure.status, failure.message, type=failure.type,
+                       retry_after=1.0 if failure.status == 503 else None)
     _record_success(gw, gen)
     body = {"id": gen.response_id, "object": fmt.object, "created": int(time.time()), "model": gen.spec.model,
             "choices": [fmt.final_choice(c) for c in gen.choices], "usage": usage(gen)}

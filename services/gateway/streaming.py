@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from json.encoder import encode_basestring  # the C version when available
 from typing import Any, Callable
@@ -62,35 +63,48 @@ class ChunkFrame:
 
 
 class SseWriter:
-    """The streaming response; `closed` turns True once a write fails (the client went away)."""
+    """The streaming response; `closed` turns True once a write fails (the client went away).
 
-    __slots__ = ("response", "closed")
+    Chunks are written synchronously, straight to the request's transport, with the HTTP/1.1
+    chunk framing that aiohttp announced in the headers: aiohttp's own write() is a coroutine,
+    and the per-token path runs inside the inbox's hand-over, where nothing may wait. A slow
+    reader's bytes wait in the transport's buffer instead (before, aiohttp's write waited for it
+    to drain while the deltas waited in the request's queue: the same bound, the request's output).
+    The end of the body (write_eof) still goes through aiohttp, which keeps its keep-alive logic."""
+
+    __slots__ = ("response", "closed", "transport", "chunked")
 
     def __init__(self) -> None:
         self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         self.closed = False
+        self.transport: asyncio.Transport | None = None
+        self.chunked = False
 
     async def start(self, request: web.Request) -> None:
-        await self.response.prepare(request)
+        await self.response.prepare(request)  # sends the headers at once (StreamResponse does not buffer them)
+        self.transport = request.transport
+        # aiohttp chunks a body of unknown length for HTTP/1.1 and sends it bare (then closes) for 1.0.
+        self.chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
 
-    async def write(self, data: bytes) -> bool:
-        """False when the client is gone (the caller then aborts the request)."""
-        if self.closed:
+    def send(self, data: bytes) -> bool:
+        """Write now; False when the client is gone (the caller then aborts the request)."""
+        if not data:
+            return not self.closed  # an empty HTTP chunk would end the body
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            self.closed = True
             return False
         try:
-            await self.response.write(data)
-        except (ConnectionError, RuntimeError):  # aiohttp: reset, or "Cannot write to closing transport"
+            transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+        except (ConnectionError, RuntimeError):
             self.closed = True
             return False
         return True
 
     async def finish(self, data: bytes = b"") -> None:
-        if data:
-            await self.write(data + DONE)
-        else:
-            await self.write(DONE)
-        if not self.closed:
+        """The last chunks, [DONE] and the end of the body."""
+        if self.send(data + DONE):
             try:
                 await self.response.write_eof()
-            except (ConnectionError, RuntimeError):
+            except (ConnectionError, RuntimeError):  # aiohttp: reset, or "Cannot write to closing transport"
                 self.closed = True

@@ -43,6 +43,11 @@ class WorkerHealth:
         """Live workers that take new requests."""
         return [hb for hb in self.live() if hb.ready and not hb.draining]
 
+    def heard_within_ttl(self) -> set[str]:
+        """Ids of the workers heard from within the TTL: none of them is silent, whatever `since`."""
+        now = self.clock()
+        return {w for w, e in self.workers.items() if now - e.received < self.ttl}
+
     def is_silent(self, worker_id: str, since: float) -> bool:
         """True when `worker_id` has not been heard from for the TTL; a worker never heard from
         counts from `since` (when the caller started depending on it)."""

@@ -1,0 +1,102 @@
+"""One request's deltas through its choices as the inbox hands them over: state, metrics, bytes out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from services.gateway.choice import FAILED, ChoiceState, ChoiceUpdate
+from services.gateway.token_router import DeltaInbox, StreamFailed
+
+if TYPE_CHECKING:
+    from services.gateway.app import Gateway
+    from services.gateway.generation import Generation
+    from services.gateway.serving import ResponseFormat
+    from services.gateway.streaming import SseWriter
+
+
+def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
+                                                                    StreamFailed | None]:
+    """Run deltas through their choices (and the latency metrics); stop at the first failure."""
+    now = time.monotonic()
+    metrics = gw.metrics
+    by_id = gen.by_id
+    out = []
+    for item in items:
+        if type(item) is StreamFailed:
+            return out, item
+        choice = by_id.get(item.request_id)
+        if choice is None:
+            continue
+        update = choice.apply(item)
+        if update is None:
+            continue
+        if item.token_ids:
+            if gen.first_token_at is None:
+                gen.first_token_at = now
+                metrics.time_to_first_token.observe(now - gen.arrival)
+            elif choice.last_arrival:
+                metrics.inter_token_latency.observe(now - choice.last_arrival)
+            choice.last_arrival = now
+        if update.finish_reason is not None:
+            if update.finish_reason in FAILED:
+                return out, StreamFailed(500, choice.error or "generation failed", "server_error")
+            gen.finish_choice(choice)
+        out.append((choice, update))
+    return out, None
+
+
+class Pump:
+    """Consumes one request's deltas synchronously, inside the inbox's hand-over: a streamed
+    request's chunks go to the socket at once and a collected one's into its choices; the handler
+    task sleeps on `done` and wakes once, at the end (or when the client has gone)."""
+
+    __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail")
+
+    def __init__(self, gw: Gateway, gen: Generation, fmt: ResponseFormat, writer: SseWriter | None = None):
+        self.gw = gw
+        self.gen = gen
+        self.fmt = fmt
+        self.writer = writer  # None: the answer is one JSON body, built once every choice has ended
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.failure: StreamFailed | None = None
+        self.tail = b""  # the chunks of the last hand-over: the handler writes them with the stream's end
+
+    async def run(self, inbox: DeltaInbox) -> None:
+        """Consume until every choice has ended, the request failed or the client went away."""
+        inbox.attach(self.feed)
+        try:
+            await self.done
+        finally:
+            inbox.detach()
+
+    def feed(self, items: list) -> None:
+        """The inbox's hand-over: this request's deltas from one burst of TokenBatches (one step, or
+        several when the gateway fell behind), possibly ending with a StreamFailed."""
+        done = self.done
+        if done.done():
+            return
+        try:
+            gen = self.gen
+            updates, failure = apply_deltas(self.gw, gen, items)
+            fmt = self.fmt
+            writer = self.writer
+            data = b""
+            if writer is None:
+                for choice, update in updates:
+                    fmt.collect(choice, update)
+            else:
+                for choice, update in updates:
+                    chunk = fmt.chunk(choice, update)
+                    if chunk is not None:
+                        data += chunk  # every event of the hand-over goes out in one write
+            if failure is not None or not gen.unfinished:
+                self.failure = failure
+                self.tail = data
+                done.set_result(None)
+            elif data and not writer.send(data):
+                done.set_result(None)  # the client went away: writer.closed tells the handler
+        except Exception as e:  # a bug in one request must not stop the inbox of the others
+            if not done.done():
+                done.set_exception(e)
