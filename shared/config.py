@@ -160,6 +160,7 @@ class WorkerServiceConfig:
     heartbeat_interval: float = 1.0
     drain_timeout: float = 30.0
     emit_only: bool = False  # model-free token emitter, only to measure serving overhead
+    emit_step_seconds: float = 0.0  # the emitter's step time (0: as fast as it can)
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
@@ -174,6 +175,7 @@ class WorkerServiceConfig:
         _ints(self, "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "heartbeat_interval",
                   "drain_timeout")
+        _non_negative(self, "emit_step_seconds")
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(self, name)

@@ -36,6 +36,9 @@ def parse_args(argv):
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
+    ap.add_argument("--emit-step-seconds", type=float, default=0.0,
+                    help="with --emit-only: seconds per step, e.g. 0.015 for a GPU's batch-256 decode (one token "
+                         "per request per step, as there); 0 emits as fast as it can")
     ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
@@ -51,7 +54,7 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = Fa
     if cfg.emit_only:
         from services.worker.emitter import TokenEmitter
         max_len = min(cfg.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-        return TokenEmitter(model_cfg.vocab_size, max_len), eos, max_len
+        return TokenEmitter(model_cfg.vocab_size, max_len, cfg.emit_step_seconds), eos, max_len
     from services.worker.engine.engine import LLMEngine
     from services.worker.engine.engine_config import EngineConfig
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
-                  emit_only=args.emit_only)
+                  emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)
