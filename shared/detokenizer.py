@@ -112,8 +112,15 @@ class ByteLevelDetokenizer:
         self._pending = False  # the UTF-8 decoder holds the start of a character
 
     def push(self, token_ids: int | Iterable[int]) -> str:
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
+        if type(token_ids) is int:  # one token per step: the streaming hot path
+            self._num_output_tokens += 1
+            if self._skip and token_ids in self._special:
+                return ""
+            text = None if self._pending else self._text_of(token_ids)
+            if text is None:
+                text = self._utf8.decode(self._bytes_of(token_ids))
+                self._pending = bool(self._utf8.getstate()[0])
+            return text
         out = []
         for tid in token_ids:
             self._num_output_tokens += 1

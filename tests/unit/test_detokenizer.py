@@ -24,16 +24,17 @@ def model_vocab(tok) -> int:
     return (tok.vocab_size + 63) // 64 * 64  # the model's padded vocabulary, as make_model writes it
 
 
-def _stream(tok, ids, skip=True, tail=(), rng=None, fast=False):
-    """Push ids (one at a time, or in random batches) and return the list of deltas, flush included."""
+def _stream(tok, ids, skip=True, tail=(), rng=None, fast=False, as_ints=False):
+    """Push ids (one at a time, or in random batches; as_ints: each a bare int, the streaming hot
+    path) and return the list of deltas, flush included."""
     d = (ByteLevelDetokenizer(tok, skip_special_tokens=skip) if fast
          else IncrementalDetokenizer(tok, prompt_token_ids_tail=tail, skip_special_tokens=skip))
     deltas = []
     i = 0
     while i < len(ids):
         n = rng.randint(1, 4) if rng else 1
-        deltas.append(d.push(ids[i:i + n]))
-        i += n
+        deltas.append(d.push(ids[i]) if as_ints else d.push(ids[i:i + n]))
+        i += 1 if as_ints else n
     deltas.append(d.flush())
     return deltas
 
@@ -104,6 +105,7 @@ def test_random_token_sequences_match_full_decode(tok, model_vocab, seed, skip, 
         expected = tok.decode(ids, skip_special_tokens=skip)
         assert "".join(_stream(tok, ids, skip=skip, fast=fast)) == expected
         assert "".join(_stream(tok, ids, skip=skip, rng=rng, fast=fast)) == expected
+        assert _stream(tok, ids, skip=skip, fast=fast, as_ints=True) == _stream(tok, ids, skip=skip, fast=fast)
 
 
 def test_prompt_tail_gives_context_but_is_not_emitted(tok):
