@@ -3,7 +3,7 @@
 # kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x)
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4)
 # WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -68,5 +68,19 @@ if has w2 || has w3; then
   fi
   kill -INT $UP; wait $UP
   tail -5 /tmp/inferno-run/worker-0.log > "$OUT/worker_tail.log" 2>/dev/null
+fi
+if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB) beside its weights
+  python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8001 --workers 2 \
+    --run-dir /tmp/inferno-run-w4 --log-format json \
+    --worker-arg "--num-blocks 8000 --max-num-seqs 128 --max-num-batched-tokens 4096" > "$OUT/up_w4.log" 2>&1 &
+  UP=$!
+  for i in $(seq 1 480); do curl -sf localhost:8001/ready >/dev/null && break; sleep 0.5; done
+  sleep 3  # both workers registered
+  for mode in affinity plain; do
+    python3 -m services.cli bench --base-url http://127.0.0.1:8001 --sessions 16 --turns 8 --system-len 4000 \
+      --output-len 64 --seed 0 $([ $mode = affinity ] && echo --session-affinity) \
+      --pids-file /tmp/inferno-run-w4/pids.json --out "$OUT/w4_$mode.json" 2>&1 | tail -16
+  done
+  kill -INT $UP; wait $UP
 fi
 python3 bench/summarize.py "$OUT"

@@ -56,6 +56,11 @@ def main() -> int:
             s = r["summary"]
             rows.append((f"W3 @ {r['config']['request_rate']} req/s",
                          f"ITL p99 {s['itl']['p99']:.1f} ms, TTFT p99 {s['ttft']['p99']:.1f} ms", "ITL p99 ≤ 30 @20"))
+    for mode in ("affinity", "plain"):
+        if (w4 := load(folder, f"w4_{mode}.json")) and w4.get("sessions"):
+            ss = w4["sessions"]
+            rows.append((f"W4 sessions, {mode}", f"hit ratio {100 * ss['hit_ratio']:.1f} %, TTFT p50 first "
+                         f"{ss['ttft_first']['p50']:.0f} ms / later {ss['ttft_later']['p50']:.0f} ms", ""))
     width = max((len(r[0]) for r in rows), default=10)
     print("\n" + "=" * 100)
     for name, value, target in rows:
