@@ -18,6 +18,7 @@ from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerationSpec, Limits
 from services.gateway.serving import GATEWAY
+from services.gateway.tokenize import handle_detokenize, handle_tokenize
 from services.gateway.token_router import StreamFailed, TokenRouter
 from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
 from services.worker.engine.model_config import ModelConfig
@@ -230,6 +231,8 @@ def build_app(cfg: GatewayConfig, conn: NatsConnection | None, tokenizer: Tokeni
     app.router.add_get("/v1/models", handle_models)
     app.router.add_post("/v1/completions", generation(handle_completions))
     app.router.add_post("/v1/chat/completions", generation(handle_chat))
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
 
     async def on_startup(app: web.Application) -> None:
         gw.start()

@@ -148,8 +148,8 @@ def _token_ids(value: Any, param: str, vocab_size: int, max_len: int) -> list[in
     return value
 
 
-def _common(body: Any, limits: Limits, max_tokens_key: str) -> dict:
-    """The fields both endpoints share, as keyword arguments of GenerationSpec."""
+def _object_for_model(body: Any, limits: Limits) -> None:
+    """A JSON object whose optional 'model' names the served model."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = body.get("model")
@@ -157,6 +157,11 @@ def _common(body: Any, limits: Limits, max_tokens_key: str) -> dict:
         raise invalid("'model' must be a string", param="model")
     if model is not None and model != limits.model_name:
         raise model_not_found(model[:256])
+
+
+def _common(body: Any, limits: Limits, max_tokens_key: str) -> dict:
+    """The fields both endpoints share, as keyword arguments of GenerationSpec."""
+    _object_for_model(body, limits)
     n = _int(body, "n", 1, 1, limits.max_n)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
@@ -305,6 +310,36 @@ def parse_chat(body: Any, limits: Limits) -> GenerationSpec:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     kwargs["logprobs"] = (top or 0) if want else None
     return _finish(kwargs, limits)
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's tokenizer endpoints)
+
+@dataclass(slots=True)
+class TokenizeSpec:
+    """What Gateway.tokenize reads: a prompt, or chat messages rendered by the chat template."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def parse_tokenize(body: Any, limits: Limits) -> TokenizeSpec:
+    _object_for_model(body, limits)
+    if "messages" in body:
+        return TokenizeSpec(messages=_messages(body), tools=_tools(body),
+                            add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    return TokenizeSpec(prompt=_prompt(body, limits))
+
+
+def parse_detokenize(body: Any, limits: Limits) -> list[int]:
+    _object_for_model(body, limits)
+    return _token_ids(body.get("tokens"), "tokens", limits.vocab_size, limits.max_model_len)
 
 
 # ---------------------------------------------------------------------------------------------
