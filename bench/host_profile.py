@@ -2,11 +2,12 @@
 inputs, sampling glue, bookkeeping, outputs. Runs on the CPU with the tiny model, so it measures
 the Python that every GPU step also pays. Decode steps go through the CUDA-graph runner's static
 inputs (its CPU stand-in replays the forward), as on the GPU.
-Usage: python bench/host_profile.py [BATCH] [--profile] [--overlap]"""
+Usage: python bench/host_profile.py [BATCH] [--profile] [--overlap] [--freeze]"""
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -53,6 +54,19 @@ def main() -> int:
         finally:
             forward_s += time.perf_counter() - t
     engine.model.forward = timed_forward
+    gc_s = 0.0
+    gc_started = 0.0
+
+    def on_gc(phase, info):  # the collector's pauses inside the timed steps
+        nonlocal gc_s, gc_started
+        if phase == "start":
+            gc_started = time.perf_counter()
+        else:
+            gc_s += time.perf_counter() - gc_started
+    if "--freeze" in sys.argv:  # what a long-running worker can do once it has started
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(on_gc)
     prof = cProfile.Profile() if "--profile" in sys.argv else None
     n = 40
     t0 = time.perf_counter()
@@ -63,9 +77,11 @@ def main() -> int:
     if prof:
         prof.disable()
     wall = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
     host = wall - forward_s
     print(f"batch {batch}: step {1000 * wall / n:.2f} ms, forward {1000 * forward_s / n:.2f} ms, "
-          f"host {1000 * host / n:.2f} ms = {1e6 * host / n / batch:.1f} µs per token")
+          f"host {1000 * host / n:.2f} ms = {1e6 * host / n / batch:.1f} µs per token "
+          f"(of which garbage collection {1000 * gc_s / n:.2f} ms)")
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
