@@ -91,15 +91,16 @@ class WorkerService:
         self.loop_thread.submit(AbortCommand(list(msg.request_ids)))
 
     # -- outputs (called on the step thread) ------------------------------------------------------
-    def _on_outputs(self, outputs, routes: dict[str, str]) -> None:
+    def _on_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
+        """`finished`: some request ended this step, freeing load the scheduler should know of."""
         # Packed on the event loop: it runs while the step thread waits on the GPU (GIL released).
-        self._loop.call_soon_threadsafe(self._publish_outputs, outputs, routes)
+        self._loop.call_soon_threadsafe(self._publish_outputs, outputs, routes, finished)
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
-    def _publish_outputs(self, outputs, routes: dict[str, str]) -> None:
-        if any(getattr(o, "finished", True) for o in outputs):
+    def _publish_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
+        if finished:
             self._load_changed()
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
             asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
@@ -116,7 +117,7 @@ class WorkerService:
             self._load_update.cancel()
             self._load_update = None
         self._load_update_at = time.monotonic()
-        asyncio.ensure_future(self._publish_heartbeat_quietly())
+        asyncio.ensure_future(self._publish_load())
 
     def _queue_kv_events(self, stored, removed) -> None:
         self._pending_events[0].extend(stored)
@@ -142,19 +143,16 @@ class WorkerService:
     # -- heartbeats -------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
         while True:
-            try:
-                await self._flush_kv_events()
-                await self._publish_heartbeat()
-            except Exception:  # NATS down: the connection reconnects by itself; keep beating
-                log.debug("heartbeat not sent", exc_info=True)
+            await self._publish_load()
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
-    async def _publish_heartbeat_quietly(self) -> None:
+    async def _publish_load(self) -> None:
+        """KV events, then the heartbeat: the load never arrives without the blocks behind it."""
         try:
-            await self._flush_kv_events()  # the blocks first, so the load never arrives without them
+            await self._flush_kv_events()
             await self._publish_heartbeat()
-        except Exception:  # NATS down: the periodic heartbeat tries again
-            log.debug("load update not sent", exc_info=True)
+        except Exception:  # NATS down: the connection reconnects by itself; the next beat tries again
+            log.debug("heartbeat not sent", exc_info=True)
 
     async def _publish_heartbeat(self) -> None:
         s = self.loop_thread.stats

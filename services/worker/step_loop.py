@@ -46,7 +46,7 @@ class Rejected:
 
 
 class StepLoop(threading.Thread):
-    def __init__(self, engine, on_outputs: Callable[[list, dict[str, str]], None], eos_token_ids=(),
+    def __init__(self, engine, on_outputs: Callable[[list, dict[str, str], bool], None], eos_token_ids=(),
                  on_kv_events: Callable[[list, list], None] | None = None):
         super().__init__(name="step-loop", daemon=True)
         self.engine = engine
@@ -74,7 +74,7 @@ class StepLoop(threading.Thread):
                 self._refresh_stats(force=True)
             rejected = self._drain(block=idle)
             if rejected:
-                self.on_outputs(rejected, {})
+                self.on_outputs(rejected, {}, False)
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -96,7 +96,7 @@ class StepLoop(threading.Thread):
                 if stored or removed:
                     self.on_kv_events(stored, removed)
             if outputs:
-                self.on_outputs(outputs, routes)
+                self.on_outputs(outputs, routes, finished)
         self.stats = self.engine.stats()
 
     def _drain(self, block: bool) -> list[Rejected]:

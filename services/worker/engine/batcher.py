@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import LENGTH, PREEMPTED, RUNNING, STOPPED, Request, RequestStatus
+from services.worker.engine.request import Request, RequestStatus
 from services.worker.engine.scheduler_config import SchedulerConfig
 
 __all__ = ["Batcher", "BatchPlan", "RequestRejected", "ScheduledRequest", "SchedulerConfig"]
@@ -225,7 +225,7 @@ class Batcher:
         updated in the order they were scheduled."""
         finished: list[Request] = []
         block_size = self.block_manager.block_size
-        running, preempted = RUNNING, PREEMPTED
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         max_model_len = self.config.max_model_len
         for item in plan.scheduled:
             request = item.request
@@ -245,12 +245,12 @@ class Batcher:
                 else:
                     tokens = request.all_token_ids
                     tokens.append(token)
-                    num_output = len(tokens) - request.num_prompt
+                    num_output = request.num_output_tokens
                     params = request.sampling_params
                     if token in request.stop_ids and num_output >= params.min_tokens:
-                        request.status = STOPPED
+                        request.status = RequestStatus.FINISHED_STOPPED
                     elif num_output >= params.max_tokens or len(tokens) >= max_model_len:
-                        request.status = LENGTH
+                        request.status = RequestStatus.FINISHED_LENGTH
             if status is running and after // block_size != before // block_size:
                 self.block_manager.cache_full_blocks(request)  # a block filled up: make it findable
             if request.status is not status:  # it finished just now

@@ -48,7 +48,7 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         "prefill_s": prefill_s, "decode_s": decode_s,
         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "kernels": engine.ops.name, "model_load_s": engine.load_seconds,
-        "overlap": engine.config.overlap_steps,
+        "overlap": engine.config.overlap,
     }
 
 

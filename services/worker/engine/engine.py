@@ -1,7 +1,7 @@
 """The engine: add requests, step (schedule → run → postprocess), read outputs. Single-threaded;
 the worker service drives it from its step thread.
 
-With `overlap_steps` the host plans and launches step N+1 before it waits for step N's tokens,
+With `EngineConfig.overlap` the host plans and launches step N+1 before it waits for step N's tokens,
 so the scheduling, input building and output handling of one step run while the GPU computes
 the other (vLLM's async scheduling, SGLang's overlap scheduler). A request that stops at step N
 has also been given a row in step N+1; that row's token is dropped.
@@ -22,7 +22,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
-from services.worker.engine.request import FINISHED, PREEMPTED, RUNNING, STOPPED, Request, RequestStatus
+from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
 from shared.block_hash import request_block_key
@@ -156,14 +156,14 @@ class LLMEngine:
         launched = self._launch(plan) if plan.scheduled else None
         previous, self._inflight = self._inflight, launched
         outputs = self._finish(previous) if previous is not None else []
-        if not self.config.overlap_steps and self._inflight is not None:
+        if not self.config.overlap and self._inflight is not None:
             outputs = self._finish(self._take_inflight())
         return outputs
 
     def _may_overlap(self) -> bool:
         # Penalties need the values of every output token, so such a request cannot be
         # planned while its previous token is still on the device.
-        return self.config.overlap_steps and not any(
+        return self.config.overlap and not any(
             r.needs_token_history for r in self.batcher.running_requests())
 
     def _take_inflight(self) -> LaunchedStep:
@@ -187,18 +187,19 @@ class LLMEngine:
             return self._fail_step(plan, e)
         # Rows of requests aborted, failed or stopped since the launch produce nothing.
         sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
-                    if s.request.status is RUNNING or s.request.status is PREEMPTED]
+                    if s.request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)]
         sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
         self.batcher.update_from_output(plan, sampled)
         return [self._output(r, row, result) for row, r in sampling]
 
     def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
         tokens = r.all_token_ids
-        out = RequestOutput(r.request_id, [tokens[-1]], r.num_prompt, r.num_cached_tokens, len(tokens) - r.num_prompt)
+        out = RequestOutput(r.request_id, [tokens[-1]], r.num_prompt_tokens, r.num_cached_tokens,
+                            r.num_output_tokens)
         status = r.status
         if status in FINISHED:
             out.finish_reason = _REASONS[status]
-            if status is STOPPED:
+            if status is RequestStatus.FINISHED_STOPPED:
                 out.stop_token_id = tokens[-1]
         if result.logprobs is not None and r.sampling_params.logprobs is not None:
             out.logprobs = [result.logprobs[row]]

@@ -45,9 +45,5 @@ class EngineConfig:
         return self.device.startswith("cuda")
 
     @property
-    def overlap_steps(self) -> bool:
-        return self.overlap
-
-    @property
     def kernel_backend(self) -> str:
         return self.kernels or ("triton" if self.is_cuda else "torch")

@@ -24,9 +24,6 @@ class RequestStatus(enum.Enum):
 
 FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
-# Enum members are looked up through descriptors; the per-token paths use these names instead.
-RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
-STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 
 
 @dataclass(slots=True, eq=False)
@@ -63,15 +60,12 @@ class Request:
     # Penalties read the output tokens' values, so this request's next step cannot be
     # scheduled before the step in flight has returned its token.
     needs_token_history: bool = False
-    # Stop conditions, resolved once: the ids that end it, and its output length limit.
-    stop_ids: frozenset[int] = frozenset()
-    num_prompt: int = 0
+    stop_ids: frozenset[int] = frozenset()  # the ids that stop it (stop_token_ids, and eos unless ignored)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
-        self.num_prompt = len(self.prompt_token_ids)
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         self.needs_token_history = (p.repetition_penalty != 1.0 or bool(p.presence_penalty)
                                     or bool(p.frequency_penalty))
@@ -87,10 +81,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def num_tokens_with_pending(self) -> int:
-        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def next_output_index(self) -> int:
