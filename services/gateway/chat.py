@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 
 from services.gateway.choice import ChoiceState, ChoiceUpdate
-from services.gateway.logprobs import TokenTexts, chat_entries
+from services.gateway.logprobs import chat_entries
 from services.gateway.schemas import parse_chat, resolve_max_tokens
 from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
@@ -20,12 +20,6 @@ class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
-
-    def __init__(self, texts: TokenTexts, want_logprobs: bool):
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        self.frame: ChunkFrame | None = None
-        self.heads: list[bytes] = []  # per choice: the chunk up to the content's JSON string
 
     def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
         if update.token_ids is None:

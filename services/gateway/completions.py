@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 
 from services.gateway.choice import ChoiceState, ChoiceUpdate
-from services.gateway.logprobs import CompletionLogprobs, TokenTexts
+from services.gateway.logprobs import CompletionLogprobs
 from services.gateway.schemas import parse_completion, resolve_max_tokens
 from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
@@ -20,12 +20,6 @@ class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl"
-
-    def __init__(self, texts: TokenTexts, want_logprobs: bool):
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        self.frame: ChunkFrame | None = None
-        self.heads: list[bytes] = []  # per choice: the chunk up to the text's JSON string
 
     def _logprobs(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
         if update.token_ids is None:

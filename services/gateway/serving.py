@@ -22,6 +22,7 @@ from shared.logging import get_logger
 
 if TYPE_CHECKING:
     from services.gateway.app import Gateway
+    from services.gateway.logprobs import TokenTexts
 
 GATEWAY = web.AppKey("gateway", object)  # the Gateway of an app (typed loosely: no import cycle)
 MAX_SESSION_ID_CHARS = 256
@@ -35,6 +36,12 @@ class ResponseFormat:
     object = ""
     chunk_object = ""
     id_prefix = ""
+
+    def __init__(self, texts: TokenTexts, want_logprobs: bool):
+        self.texts = texts
+        self.want_logprobs = want_logprobs
+        self.frame: ChunkFrame | None = None
+        self.heads: list[bytes] = []  # per choice: the per-token chunk up to the text's JSON string
 
     def begin(self, frame: ChunkFrame, choices: list[ChoiceState]) -> bytes:
         """Start a stream (a format object serves one request): keep its frame, build the per-choice
