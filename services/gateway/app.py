@@ -210,7 +210,7 @@ def build_app(cfg: GatewayConfig, conn: NatsConnection | None, tokenizer: Tokeni
               heartbeat_ttl: float = HEARTBEAT_TTL) -> web.Application:
     """The gateway's aiohttp app. `conn` may be None and attached later with
     `app[GATEWAY].attach(conn)` (the entry point connects in the background)."""
-    mc = model_config or ModelConfig.from_dir(cfg.model_dir)
+    mc = model_config or ModelConfig.from_path(cfg.model_dir)
     prefix = subject_prefix or (conn.cfg.subject_prefix if conn is not None else DEFAULT_PREFIX)
     gw = Gateway(cfg, tokenizer, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size,
                  subject_prefix=prefix, heartbeat_ttl=heartbeat_ttl)

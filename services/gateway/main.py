@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("gateway", json=json_logs, level=args.log_level)
     try:
-        tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        model_config = ModelConfig.from_dir(cfg.model_dir)
+        tokenizer = Tokenizer.from_path(cfg.model_dir)
+        model_config = ModelConfig.from_path(cfg.model_dir)
     except (OSError, ValueError) as e:
         log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))
         return 2

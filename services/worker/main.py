@@ -49,8 +49,8 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = Fa
     from services.worker.engine.model_config import ModelConfig
     from shared.tokenizer import Tokenizer
 
-    model_cfg = ModelConfig.from_dir(cfg.model_dir)
-    eos = Tokenizer.from_dir(cfg.model_dir).eos_token_ids
+    model_cfg = ModelConfig.from_path(cfg.model_dir)
+    eos = Tokenizer.from_path(cfg.model_dir).eos_token_ids
     if cfg.emit_only:
         from services.worker.emitter import TokenEmitter
         max_len = min(cfg.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
@@ -90,7 +90,7 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
-    model_name = args.model_name or (Path(args.model_dir).name if args.model_dir else "model")
+    model_name = args.model_name or (Path(args.model_dir).name.removesuffix(".gguf") if args.model_dir else "model")
     kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=model_name, device=args.device,
                   dtype=args.dtype, num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -82,7 +82,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None):
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.model_config = ModelConfig.from_path(config.model_dir)
         dtype = getattr(torch, config.dtype) if config.dtype else (
             getattr(torch, self.model_config.torch_dtype, torch.bfloat16) if config.is_cuda else torch.float32)
         self.dtype = dtype

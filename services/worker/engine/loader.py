@@ -1,5 +1,5 @@
-"""Loads a Hugging Face model directory into a DecoderLM: meta-device build, fused q/k/v and
-gate/up, bytes streamed from safetensors straight into place (pinned staging on the GPU)."""
+"""Loads a Hugging Face model directory (or a GGUF file) into a DecoderLM: meta-device build, fused
+q/k/v and gate/up, bytes streamed from safetensors straight into place (pinned staging on the GPU)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
+from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
+from shared.gguf_file import GGUFError, is_gguf, open_gguf
 
 STAGING_BYTES = 64 << 20
 
@@ -134,13 +136,16 @@ class _Copier:
             self.stream.synchronize()
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                ops: TorchOps | None = None, num_threads: int = 4) -> DecoderLM:
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers."""
+    model_path = Path(model_path)
+    cfg = ModelConfig.from_path(model_path)
     device = torch.device(device)
     dtype = dtype or getattr(torch, cfg.torch_dtype, torch.bfloat16)
-    plan = plan_load(model_dir, cfg)
+    expected = expected_tensors(cfg)
+    gguf = open_gguf(model_path) if is_gguf(model_path) else None
+    plan = None if gguf else plan_load(model_path, cfg)
     with torch.device("meta"):
         model = DecoderLM(cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype.
@@ -153,6 +158,18 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         count = math.prod(place.shape)
         return param.view(-1)[place.row * row_elems: place.row * row_elems + count]
 
+    if gguf is not None:
+        try:
+            load_gguf_weights(gguf, cfg, expected, lambda name: flat_target(expected[name]), device, dtype, num_threads)
+        except GGUFError as e:
+            raise WeightLoadError(str(e)) from e
+    else:
+        _load_safetensors(plan, flat_target, device, num_threads)
+    model.init_rope(cfg.max_model_len, device)
+    return model.eval().requires_grad_(False)
+
+
+def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int) -> None:
     # Spread the tensors over threads by size so each thread moves about the same bytes.
     jobs = sorted(plan, key=lambda item: -item[0].nbytes)
     lanes: list[list] = [[] for _ in range(max(1, num_threads))]
@@ -173,5 +190,3 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     with ThreadPoolExecutor(len(lanes)) as pool:
         for future in [pool.submit(run_lane, lane) for lane in lanes if lane]:
             future.result()
-    model.init_rope(cfg.max_model_len, device)
-    return model.eval().requires_grad_(False)

@@ -1,4 +1,4 @@
-"""The model's shape, read from a Hugging Face config.json and checked before anything is built."""
+"""The model's shape, read from a Hugging Face config.json (or a GGUF's metadata) and checked before anything is built."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class RopeFreqFactors:
+    """Per-frequency divisors of the rotary inverse frequencies: how llama.cpp stores Llama-3.1's
+    scaling (the rope_freqs.weight tensor of a GGUF) instead of the four llama3 parameters."""
+
+    freq_factors: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -42,7 +50,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | RopeFreqFactors | None = None
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     sliding_window: int | None = None
@@ -66,6 +74,18 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        """A model directory, or a .gguf file whose metadata stands in for config.json."""
+        from shared.gguf_file import is_gguf
+
+        if is_gguf(path):
+            from services.worker.engine.gguf_config import config_from_gguf
+            from shared.gguf_file import open_gguf
+
+            return cls.from_dict(config_from_gguf(open_gguf(path)), source=str(path))
+        return cls.from_dir(path)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -121,6 +141,12 @@ class ModelConfig:
                     raise ModelConfigError(f"{source}: rope_scaling of type llama3 lacks {e.args[0]!r}") from e
             elif kind not in (None, "default"):
                 raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
+        if raw.get("rope_freq_factors"):
+            factors = tuple(float(f) for f in raw["rope_freq_factors"])
+            if len(factors) != head_dim // 2:
+                raise ModelConfigError(
+                    f"{source}: rope_freq_factors has {len(factors)} entries, head_dim {head_dim} needs {head_dim // 2}")
+            scaling = RopeFreqFactors(factors)
 
         if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
             raise ModelConfigError(f"{source}: attention_bias / mlp_bias are not supported for {arch}")

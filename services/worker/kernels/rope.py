@@ -17,6 +17,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> tor
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if hasattr(scaling, "freq_factors"):  # llama.cpp's form: one divisor per frequency (a GGUF's rope_freqs)
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device=device)
     # transformers' _compute_llama3_parameters, step for step.
     factor = scaling.factor
     low_freq_factor = scaling.low_freq_factor

