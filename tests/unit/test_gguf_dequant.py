@@ -18,11 +18,11 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 from services.worker.engine import gguf_dequant as gd  # noqa: E402
 
-QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 PLAIN_TYPES = ["F32", "F16", "BF16"]
 PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # byte offsets of each type's f16 fields inside a block
-HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 SHAPES = {32: [(5, 256), (4, 64), (1, 32)], 256: [(3, 512), (2, 256), (1, 256)]}
 
 
@@ -58,7 +58,7 @@ def _reference(data: np.ndarray, name: str, shape) -> np.ndarray:
 
 
 def test_supported_types_and_layouts_match_ggml():
-    assert gd.SUPPORTED_TYPES == ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+    assert gd.SUPPORTED_TYPES == ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
     for name in gd.SUPPORTED_TYPES:
         assert gd.block_layout(name) == GGML_QUANT_SIZES[QT[name]]
 
@@ -133,7 +133,8 @@ def test_k_quants_match_ggml_scalar_loops(name):
     assert np.array_equal(out, np.array(expected, dtype=np.float32).reshape(2, 256))
 
 
-@pytest.mark.parametrize("name, step_factor", [("Q8_0", 0.53), ("Q4_0", 1.01), ("Q4_1", 0.53)])
+@pytest.mark.parametrize("name, step_factor", [("Q8_0", 0.53), ("Q4_0", 1.01), ("Q4_1", 0.53), ("Q5_0", 1.01),
+                                              ("Q5_1", 0.53)])
 def test_quantize_round_trip(name, step_factor):
     # Error bound per block: half a quantization step, plus a little for the f16 rounding of the scale;
     # Q4_0 spends its 16 levels on [-8, 7]*d with d = -max/8, so the far end can be off by a whole step.
@@ -144,8 +145,9 @@ def test_quantize_round_trip(name, step_factor):
     assert np.array_equal(out, _reference(data, name, x.shape))
     xb, ob = x.reshape(-1, 32), out.reshape(-1, 32)
     amax = np.abs(xb).max(axis=1)
-    step = {"Q8_0": amax / 127, "Q4_0": amax / 8, "Q4_1": (xb.max(axis=1) - xb.min(axis=1)) / 15}[name]
-    assert np.all(np.abs(ob - xb).max(axis=1) <= step_factor * step + 1e-3 * amax * (name == "Q4_1"))
+    span = xb.max(axis=1) - xb.min(axis=1)
+    step = {"Q8_0": amax / 127, "Q4_0": amax / 8, "Q4_1": span / 15, "Q5_0": amax / 16, "Q5_1": span / 31}[name]
+    assert np.all(np.abs(ob - xb).max(axis=1) <= step_factor * step + 1e-3 * amax * (name in ("Q4_1", "Q5_1")))
 
 
 @pytest.mark.parametrize("name", PLAIN_TYPES)
@@ -211,7 +213,7 @@ def test_non_contiguous_and_misaligned_input(name):
     assert torch.equal(gd.dequantize(torch.from_numpy(data).reshape(2, -1), name, shape, torch.float32), expected)
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q8_K", "TQ1_0", "I8", "nonsense"])
+@pytest.mark.parametrize("name", ["IQ2_XXS", "Q2_K", "Q3_K", "Q8_K", "TQ1_0", "I8", "nonsense"])
 def test_unsupported_type_is_named(name):
     with pytest.raises(gd.UnsupportedQuantType, match=name) as info:
         gd.dequantize(torch.zeros(64, dtype=torch.uint8), name, (1, 256), torch.float32)

@@ -61,6 +61,22 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return q.float().mul_(dm[:, :1]).add_(dm[:, 1:])
 
 
+def _five_bit(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0/Q5_1 quants [n, 32]: low nibbles as Q4_0, the 5th bit of element j is bit j of the
+    little-endian uint32 at qh_at (bit k of byte i is element 8i + k)."""
+    high = _bits(b[:, qh_at:qh_at + 4], width=1, count=8).transpose(1, 2).reshape(-1, 32)
+    return _nibbles(b[:, qh_at + 4:], dim=1).reshape(-1, 32) | (high << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _five_bit(b, 2).float().sub_(16).mul_(_half(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    dm = _half(b, 0, 2)
+    return _five_bit(b, 4).float().mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
 def _k_quant(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K: y = d*sc*q - dmin*m over 8 sub-blocks of 32, q already unpacked to [n, 8, 32]."""
     dm = _half(b, 0, 2)
@@ -99,6 +115,9 @@ _TYPES: dict[str, tuple[int, int, _BlockFn | torch.dtype]] = {
     "Q8_0": (32, 34, _q8_0),
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
+    # llama.cpp's K-quant mixes fall back to these where a row is not a multiple of 256 (SmolLM2's 576).
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),
