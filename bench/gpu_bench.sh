@@ -3,7 +3,8 @@
 # kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4)
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4, smol)
+# smol: the real demo model (SMOL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf), check + W1 + W2 shapes.
 # WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,7 +17,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-if [ ! -f "$MODEL/config.json" ]; then
+if [ ! -f "$MODEL/config.json" ] && [ "$STAGES" != "smol" ]; then
   SECONDS=0
   python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
   echo "make-model 8B: ${SECONDS} s"; du -sh "$MODEL"
@@ -82,5 +83,26 @@ if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB)
       --pids-file /tmp/inferno-run-w4/pids.json --out "$OUT/w4_$mode.json" 2>&1 | tail -16
   done
   kill -INT $UP; wait $UP
+fi
+if has smol; then  # the real demo model: SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_0 → bf16), launch-bound
+  SMOL=${SMOL:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
+  python3 bench/real_model_check.py "$SMOL" 2>&1 | grep -v '\[info' | tee "$OUT/smol_check.json"
+  python3 -m services.cli bench-engine --model "$SMOL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    | tee "$OUT/smol_w1.json"
+  python3 -m services.cli bench-engine --model "$SMOL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    --overlap | tee "$OUT/smol_w1_overlap.json"
+  python3 -m services.cli bench-engine --model "$SMOL" --batch-size 256 --prompt-len 220 --decode-tokens 200 \
+    --max-num-batched-tokens 8192 --json --overlap | tee "$OUT/smol_b256_overlap.json"
+  for flags in "--max-num-seqs 256 --max-num-batched-tokens 8192" \
+               "--max-num-seqs 1024 --max-num-batched-tokens 16384 --overlap"; do
+    tag=$([[ $flags == *overlap* ]] && echo big || echo default)
+    python3 -m services.cli up --model "$SMOL" --model-name smollm2 --device cuda --port 8002 \
+      --run-dir /tmp/inferno-run-smol --log-format json --worker-arg "$flags" > "$OUT/up_smol_$tag.log" 2>&1 &
+    UP=$!
+    for i in $(seq 1 240); do curl -sf localhost:8002/ready >/dev/null && break; sleep 0.5; done
+    python3 -m services.cli bench --base-url http://127.0.0.1:8002 --model smollm2 --num-requests 1000 \
+      --vocab-size 49152 --pids-file /tmp/inferno-run-smol/pids.json --out "$OUT/smol_w2_$tag.json" 2>&1 | tail -14
+    kill -INT $UP; wait $UP
+  done
 fi
 python3 bench/summarize.py "$OUT"

@@ -61,6 +61,19 @@ def main() -> int:
             ss = w4["sessions"]
             rows.append((f"W4 sessions, {mode}", f"hit ratio {100 * ss['hit_ratio']:.1f} %, TTFT p50 first "
                          f"{ss['ttft_first']['p50']:.0f} ms / later {ss['ttft_later']['p50']:.0f} ms", ""))
+    if (c := load(folder, "smol_check.json")):
+        rows.append(("SmolLM2 GGUF on the GPU", f"ready {c['engine_ready_s']:.2f} s (weights {c['load_weights_s']:.2f} s), "
+                     f"{c['answers'][0]!r}", ""))
+    for name, label in (("smol_w1.json", "SmolLM2 batch-1 decode"), ("smol_w1_overlap.json", "SmolLM2 batch-1 --overlap"),
+                        ("smol_b256_overlap.json", "SmolLM2 engine batch 256 --overlap")):
+        if (e := load(folder, name)):
+            rows.append((label, f"{e['decode_tokens_per_s']:.0f} tok/s ({e['decode_step_ms']:.2f} ms/step)", ""))
+    for tag in ("default", "big"):
+        if (w2 := load(folder, f"smol_w2_{tag}.json")):
+            s = w2["summary"]
+            cpu = (w2.get("cpu") or {}).get("total_us_per_token")
+            rows.append((f"SmolLM2 W2 shape ({tag} flags)", f"{s['total_throughput']:.0f} total tok/s (out "
+                         f"{s['output_throughput']:.0f}, failed {s['failed']}, CPU {cpu or 0:.1f} µs/token)", ""))
     width = max((len(r[0]) for r in rows), default=10)
     print("\n" + "=" * 100)
     for name, value, target in rows:

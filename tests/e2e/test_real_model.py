@@ -1,0 +1,83 @@
+"""The real demo model (SmolLM2-135M-Instruct GGUF) through the whole stack with the openai client:
+20 questions with one-word answers, scored against transformers' answers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.conftest import MODEL_NAME, metrics, start_stack
+
+QUESTIONS = [
+    ("What is the capital of France?", "paris"), ("What is the capital of Japan?", "tokyo"),
+    ("What is the capital of Italy?", "rome"), ("What is the capital of Germany?", "berlin"),
+    ("What is the capital of Spain?", "madrid"), ("What color is the sky on a clear day?", "blue"),
+    ("What color is grass?", "green"), ("What is the largest planet in our solar system?", "jupiter"),
+    ("Which planet is known as the Red Planet?", "mars"), ("What is the opposite of hot?", "cold"),
+    ("Which animal is known as the king of the jungle?", "lion"), ("What do bees make?", "honey"),
+    ("What is frozen water called?", "ice"), ("Which ocean is the largest?", "pacific"),
+    ("Who wrote Romeo and Juliet?", "shakespeare"), ("What language is spoken in Brazil?", "portuguese"),
+    ("What is the chemical symbol for gold?", "au"), ("What is the closest star to Earth?", "sun"),
+    ("What gas do plants absorb from the air?", "carbon"), ("What is the opposite of up?", "down"),
+]
+MAX_TOKENS = 24
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": f"{question} Answer with one word."}]
+
+
+def correct(answer: str, expected: str) -> bool:
+    return expected in answer.lower()
+
+
+@pytest.fixture(scope="module")
+def real_stack(smollm2_gguf, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("real-stack"), smollm2_gguf)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_answers(smollm2_hf):
+    tok, model = smollm2_hf
+    out = []
+    for question, _ in QUESTIONS:
+        ids = tok.apply_chat_template(messages(question), add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)
+        with torch.no_grad():
+            gen = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
+        out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return out
+
+
+def test_twenty_questions_score_as_transformers(real_stack, hf_answers):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=real_stack.url + "/v1", api_key="unused", max_retries=0)
+    ours = []
+    for question, _ in QUESTIONS:
+        r = client.chat.completions.create(model=MODEL_NAME, messages=messages(question), max_tokens=MAX_TOKENS,
+                                           temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        ours.append(r.choices[0].message.content)
+    ours_ok = [correct(a, e) for a, (_, e) in zip(ours, QUESTIONS)]
+    hf_ok = [correct(a, e) for a, (_, e) in zip(hf_answers, QUESTIONS)]
+    print(f"\nanswer check: inferno {sum(ours_ok)}/{len(QUESTIONS)}, transformers {sum(hf_ok)}/{len(QUESTIONS)}; "
+          f"identical texts {sum(a == b for a, b in zip(ours, hf_answers))}/{len(QUESTIONS)}")
+    assert ours_ok == hf_ok, list(zip(ours, hf_answers))
+    assert sum(ours_ok) >= 10  # a real model: most of these it knows
+    assert metrics(real_stack).get("inferno:num_requests_running", 0) == 0
+
+
+def test_streamed_chat_answers_in_english(real_stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=real_stack.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The capital of France is Paris."
+    assert chunks[-1].usage.completion_tokens == 8  # seven tokens and <|im_end|>
