@@ -12,6 +12,35 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_TOKENS_LIMIT = 1 << 20
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A closed interval [lo, hi], or (lo, hi] when lo_open."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# The float parameters' ranges: checked by validate() and published in the gateway's OpenAPI schema.
+RANGES = {
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, 10.0, lo_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+}
+LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 
 
 class SamplingParamsError(ValueError):
@@ -50,26 +79,19 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(param, message)
 
-        check(0.0 <= self.temperature <= 100.0, "temperature", "temperature must be in [0, 100]")
+        for name, bounds in RANGES.items():
+            check(getattr(self, name) in bounds, name, f"{name} must be in {bounds}")
         check(0 <= self.top_k <= (vocab_size or 1 << 30) or self.top_k == -1, "top_k",
               "top_k must be -1, 0 or a positive count")
         if self.top_k == -1:
             self.top_k = 0
-        check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
-              "repetition_penalty must be in (0, 10]")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-              "presence_penalty must be in [-2, 2]")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-              "frequency_penalty must be in [-2, 2]")
         check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
               f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
         for token_id, bias in self.logit_bias.items():
             check(isinstance(token_id, int) and 0 <= token_id < (vocab_size or 1 << 31),
                   "logit_bias", f"logit_bias token id {token_id} is outside the vocabulary")
-            check(-100.0 <= bias <= 100.0, "logit_bias", "logit_bias values must be in [-100, 100]")
-        check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "seed must fit in 64 bits")
+            check(bias in LOGIT_BIAS_RANGE, "logit_bias", f"logit_bias values must be in {LOGIT_BIAS_RANGE}")
+        check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed", "seed must fit in 64 bits")
         check(1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", "max_tokens must be at least 1")
         check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]")
         check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",

@@ -1,15 +1,10 @@
-"""POST /v1/chat/completions: messages through the chat template in, chat.completion objects out."""
+"""The chat completions format: chat.completion bodies and chat.completion.chunk events."""
 
 from __future__ import annotations
 
-import time
-
-from aiohttp import web
-
 from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import chat_entries
-from services.gateway.schemas import parse_chat, resolve_max_tokens
-from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
+from services.gateway.response_format import ResponseFormat
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
@@ -62,13 +57,3 @@ class ChatFormat(ResponseFormat):
         lp = {"content": choice.logprobs or []} if self.want_logprobs else None
         return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.parts)},
                 "logprobs": lp, "finish_reason": choice.finish_reason}
-
-
-async def handle_chat(request: web.Request) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    arrival = time.monotonic()
-    spec = parse_chat(await read_json(request), gw.limits)
-    prompt_ids = await gw.tokenize(spec)
-    resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
-    fmt = ChatFormat(gw.texts, spec.logprobs is not None)
-    return await generate(gw, request, spec, prompt_ids, fmt, arrival)

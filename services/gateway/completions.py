@@ -1,15 +1,10 @@
-"""POST /v1/completions: a prompt (text or token ids) in, text_completion objects out."""
+"""The completions format: text_completion bodies and chunks (prompt as text or token ids)."""
 
 from __future__ import annotations
 
-import time
-
-from aiohttp import web
-
 from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import CompletionLogprobs
-from services.gateway.schemas import parse_completion, resolve_max_tokens
-from services.gateway.serving import GATEWAY, ResponseFormat, generate, read_json
+from services.gateway.response_format import ResponseFormat
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
 
 
@@ -57,13 +52,3 @@ class CompletionFormat(ResponseFormat):
             lp = (choice.logprobs or CompletionLogprobs()).as_dict()
         return {"index": choice.index, "text": "".join(choice.parts), "logprobs": lp,
                 "finish_reason": choice.finish_reason}
-
-
-async def handle_completions(request: web.Request) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    arrival = time.monotonic()
-    spec = parse_completion(await read_json(request), gw.limits)
-    prompt_ids = await gw.tokenize(spec)
-    resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
-    fmt = CompletionFormat(gw.texts, spec.logprobs is not None)
-    return await generate(gw, request, spec, prompt_ids, fmt, arrival)

@@ -1,11 +1,9 @@
-"""OpenAI-shaped errors at the HTTP edge: one exception type, its JSON body and its response."""
+"""OpenAI-shaped errors at the API's edge: one exception type, its JSON body and its headers."""
 
 from __future__ import annotations
 
 import json
 import math
-
-from aiohttp import web
 
 from shared.errors import ServiceError
 from shared.sampling_params import SamplingParamsError
@@ -29,13 +27,14 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            # Retry-After takes whole seconds; round up so a client never retries too early.
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return web.Response(status=self.status, headers=headers, content_type="application/json",
-                            text=json.dumps(self.body()))
+    def json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        # Retry-After takes whole seconds; round up so a client never retries too early.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -51,6 +50,10 @@ def from_service_error(e: ServiceError) -> ApiError:
     """A failure reported by the scheduler or NATS (429, 503, 400, ...), with its Retry-After."""
     code = {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(e.status)
     return ApiError(e.status, e.message, type=e.error_type, code=code, retry_after=e.retry_after)
+
+
+def too_large(max_body_bytes: int) -> ApiError:
+    return ApiError(413, f"The request body exceeds the limit of {max_body_bytes} bytes.", code="request_too_large")
 
 
 def model_not_found(model: str) -> ApiError:

@@ -1,4 +1,4 @@
-"""One HTTP request on the cluster: its n GenerateRequests, their routing, timers and aborts."""
+"""One API request on the cluster: its n GenerateRequests, their routing, timers and aborts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shared.messages import AbortRequest, GenerateRequest, RouteReply, WireSampl
 from shared.wire import pack_ids
 
 if TYPE_CHECKING:
-    from services.gateway.app import Gateway
+    from services.gateway.gateway import Gateway
 
 _SEED_SPACE = 1 << 64
 
@@ -36,11 +36,12 @@ async def route(conn, subject: str, msg: GenerateRequest) -> RouteReply:
 
 
 class Generation:
-    """Owns the RequestStream of one HTTP request from routing to the end, including its aborts."""
+    """Owns the RequestStream of one API request from routing to the end, including its aborts."""
 
     def __init__(self, gw: Gateway, response_id: str, spec: GenerationSpec, prompt_ids: list[int],
-                 session_id: str | None, arrival: float):
+                 session_id: str | None, arrival: float, timeout: float | None = None):
         self.gw = gw
+        self.timeout = gw.cfg.request_timeout if timeout is None else timeout  # seconds from arrival
         self.response_id = response_id
         self.spec = spec
         self.prompt_ids = prompt_ids
@@ -95,12 +96,11 @@ class Generation:
         loop = asyncio.get_running_loop()
         elapsed = time.monotonic() - self.arrival
         gw.metrics.request_queue_time.observe(elapsed)
-        cfg = gw.cfg
-        self._timers.append(loop.call_later(cfg.request_timeout - elapsed, self._expire,
-                                            f"the request did not finish within {cfg.request_timeout:g} s"))
-        if cfg.first_token_timeout < cfg.request_timeout:
-            self._timers.append(loop.call_later(cfg.first_token_timeout - elapsed, self._expire_first,
-                                                f"no token within {cfg.first_token_timeout:g} s"))
+        timeout, first = self.timeout, gw.cfg.first_token_timeout
+        self._timers.append(loop.call_later(timeout - elapsed, self._expire,
+                                            f"the request did not finish within {timeout:g} s"))
+        if first < timeout:
+            self._timers.append(loop.call_later(first - elapsed, self._expire_first, f"no token within {first:g} s"))
 
     def _record_routes(self, results: list) -> ApiError | None:
         failure: ApiError | None = None

@@ -10,8 +10,8 @@ import signal
 import time
 from pathlib import Path
 
-from services.gateway.app import Gateway, build_app, start_server
-from services.gateway.serving import GATEWAY
+from services.gateway.app import build_app, start_server
+from services.gateway.gateway import Gateway
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig, env_default, parse_csv
 from shared.logging import get_logger, setup_logging
@@ -28,7 +28,8 @@ log = get_logger("gateway.main")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="inferno gateway", description="OpenAI-compatible HTTP gateway of Inferno.")
+    p = argparse.ArgumentParser(prog="inferno gateway",
+                                description="OpenAI-compatible HTTP gateway of Inferno.")
     p.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"),
                    help="NATS server(s), comma-separated (env INFERNO_NATS_URL)")
     p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
@@ -39,7 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", action="append", default=[],
                    help="an accepted API key (repeatable; also env INFERNO_API_KEYS, comma-separated)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a whole request")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds for a whole request (a request's x-timeout header may ask for less)")
     p.add_argument("--first-token-timeout", type=float, default=120.0)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that in-flight requests get to finish on SIGTERM")
@@ -68,8 +70,9 @@ async def _connect_forever(gw: Gateway, nats_cfg: NatsConfig) -> None:
 
 async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
                 drain_timeout: float) -> None:
-    app = build_app(cfg, None, tokenizer, subject_prefix=nats_cfg.subject_prefix, model_config=model_config)
-    gw: Gateway = app[GATEWAY]
+    gw = Gateway(cfg, tokenizer, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
+                 subject_prefix=nats_cfg.subject_prefix)
+    app = build_app(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
     runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
     tune_gc()

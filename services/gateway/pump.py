@@ -10,10 +10,10 @@ from services.gateway.choice import FAILED, ChoiceState, ChoiceUpdate
 from services.gateway.token_router import DeltaInbox, StreamFailed
 
 if TYPE_CHECKING:
-    from services.gateway.app import Gateway
+    from services.gateway.gateway import Gateway
     from services.gateway.generation import Generation
-    from services.gateway.serving import ResponseFormat
-    from services.gateway.streaming import SseWriter
+    from services.gateway.response_format import ResponseFormat
+    from services.gateway.streaming import ChunkSink
 
 
 def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
@@ -49,12 +49,12 @@ def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[
 
 class Pump:
     """Consumes one request's deltas synchronously, inside the inbox's hand-over: a streamed
-    request's chunks go to the socket at once and a collected one's into its choices; the handler
+    request's chunks go to its sink (the socket) at once and a collected one's into its choices; the handler
     task sleeps on `done` and wakes once, at the end (or when the client has gone)."""
 
     __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail")
 
-    def __init__(self, gw: Gateway, gen: Generation, fmt: ResponseFormat, writer: SseWriter | None = None):
+    def __init__(self, gw: Gateway, gen: Generation, fmt: ResponseFormat, writer: ChunkSink | None = None):
         self.gw = gw
         self.gen = gen
         self.fmt = fmt

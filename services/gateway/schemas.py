@@ -1,19 +1,29 @@
-"""Validation of OpenAI completions and chat bodies into typed request specs, with every field bounded.
+"""The request bodies of every route: their fields (each one validates and describes itself, see
+fields.py), the typed specs they become, and their JSON Schemas for /openapi.json.
 
-Types are checked here; numeric bounds of sampling parameters are checked by
-SamplingParams.validate (the one place that knows them). Unknown fields are ignored.
+Numeric ranges of the sampling parameters live in shared/sampling_params.py (RANGES): the
+fields publish them and SamplingParams.validate checks them. Unknown fields are ignored;
+fields of features that are not built yet are refused with a 400 (fields.Refused).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import context_length_exceeded, from_sampling_error, invalid, model_not_found
-from shared.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                    MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError)
+from services.gateway.fields import (Boolean, Field, Integer, Limits, Number, Refused, String, TokenIds,
+                                     finite_number, number_schema, object_schema, read_fields, token_ids,
+                                     token_ids_schema)
+from shared.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_STRING_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, MIN_SEED, RANGES,
+                                    SamplingParams, SamplingParamsError)
+
+__all__ = ["Limits", "GenerationSpec", "TokenizeSpec", "decode_body", "parse_completion", "parse_chat",
+           "parse_tokenize", "parse_detokenize", "resolve_max_tokens", "request_schemas"]
 
 MAX_MESSAGES = 1024
 MAX_CHAT_CHARS = 1 << 20  # text characters over all messages of one chat request
@@ -21,16 +31,6 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_TOOLS = 128
 MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What the served model allows."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_n: int = 16
 
 
 @dataclass(slots=True)
@@ -49,7 +49,20 @@ class GenerationSpec:
     cache_salt: str
     prompt: str | list[int] | None = None  # completions
     messages: list[dict] | None = None  # chat
-    tools: list[dict] | None = None  # chat: passed to the chat template
+    add_generation_prompt: bool = True
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+@dataclass(slots=True)
+class TokenizeSpec:
+    """What /tokenize renders: a prompt, or chat messages (with tools) through the chat template."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
     add_generation_prompt: bool = True
 
     @property
@@ -58,185 +71,213 @@ class GenerationSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Field readers: each takes the body and a key, returns the typed value or the default, or raises
-# a 400 naming the field. null means "not given", as OpenAI clients send it.
+# The body itself
 
-def _number(body: dict, key: str, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(f"'{key}' must be a finite number", param=key)
-    return float(v)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _int(body: dict, key: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise invalid(f"'{key}' must be an integer", param=key)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise invalid(f"'{key}' must be in [{lo}, {hi}], got {v}" if hi is not None else
-                      f"'{key}' must be at least {lo}, got {v}", param=key)
-    return v
+def decode_body(raw: bytes) -> Any:
+    """The body as JSON; a 400 when it is not UTF-8 JSON or holds a string that is not Unicode (a
+    lone surrogate, which JSON's \\u escapes can write and nothing downstream can encode)."""
+    try:
+        text = raw.decode()  # strict: json.loads(bytes) would let encoded surrogates through
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        raise invalid("the request body is not valid JSON") from None
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then can a string hold a surrogate
+        where = _first_surrogate(body)
+        if where is not None:
+            raise invalid(f"'{where or 'body'}' holds invalid Unicode (a lone surrogate)", param=where or None)
+    return body
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"'{key}' must be a boolean", param=key)
-    return v
+def _first_surrogate(body: Any) -> str | None:
+    """The path of the first string (or key) that is not valid Unicode, or None."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not is_unicode(k):
+                    return path
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
 
 
-def _str(body: dict, key: str, default: str, max_chars: int) -> str:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise invalid(f"'{key}' must be a string", param=key)
-    if len(v) > max_chars:
-        raise invalid(f"'{key}' may hold at most {max_chars} characters", param=key)
-    return v
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise invalid("'stop' must be a string or a list of strings", param="stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", param="stop")
-    if any(len(s) > MAX_STOP_STRING_CHARS for s in items):
-        raise invalid(f"each stop string may hold at most {MAX_STOP_STRING_CHARS} characters", param="stop")
-    return tuple(dict.fromkeys(s for s in items if s))
-
-
-def _logit_bias(body: dict) -> dict[int, float]:
-    v = body.get("logit_bias")
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise invalid("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
-    if len(v) > MAX_LOGIT_BIAS:  # before converting anything
-        raise invalid(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
-    out: dict[int, float] = {}
-    for key, bias in v.items():
-        try:
-            token_id = int(key)  # JSON object keys are strings: "50256"
-        except (TypeError, ValueError):
-            raise invalid(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise invalid(f"'logit_bias' value for {key!r} must be a number", param="logit_bias")
-        out[token_id] = float(bias)
-    return out
-
-
-def _token_ids(value: Any, param: str, vocab_size: int, max_len: int) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise invalid(f"'{param}' must be a list of token ids", param=param)
-    if len(value) > max_len:
-        raise invalid(f"'{param}' may hold at most {max_len} token ids", param=param)
-    if any(not 0 <= t < vocab_size for t in value):
-        raise invalid(f"'{param}' holds a token id outside the vocabulary (size {vocab_size})", param=param)
-    return value
+def is_unicode(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _object_for_model(body: Any, limits: Limits) -> None:
-    """A JSON object whose optional 'model' names the served model."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("'model' must be a string", param="model")
-    if model is not None and model != limits.model_name:
-        raise model_not_found(model[:256])
-
-
-def _common(body: Any, limits: Limits, max_tokens_key: str) -> dict:
-    """The fields both endpoints share, as keyword arguments of GenerationSpec."""
-    _object_for_model(body, limits)
-    n = _int(body, "n", 1, 1, limits.max_n)
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("'stream_options' must be an object", param="stream_options")
-    include_usage = _bool(options or {}, "include_usage", False)
-    max_tokens = _int(body, max_tokens_key, None, 1, limits.max_model_len)
-    stop_ids = body.get("stop_token_ids")
-    params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_k=_int(body, "top_k", 0),
-        top_p=_number(body, "top_p", 1.0),
-        min_p=_number(body, "min_p", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        logit_bias=_logit_bias(body),
-        seed=_int(body, "seed", None),
-        # A stand-in until the prompt length is known (resolve_max_tokens); bounds it meanwhile.
-        max_tokens=max_tokens if max_tokens is not None else limits.max_model_len,
-        min_tokens=_int(body, "min_tokens", 0),
-        stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", limits.vocab_size,
-                                                              MAX_STOP_TOKEN_IDS),
-        ignore_eos=_bool(body, "ignore_eos", False),
-    )
-    return dict(model=limits.model_name, n=n, stream=stream, include_usage=include_usage and stream,
-                stop=_stop(body), params=params, max_tokens=max_tokens, logprobs=None,
-                skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                cache_salt=_str(body, "cache_salt", "", MAX_CACHE_SALT_CHARS))
-
-
-def _finish(kwargs: dict, limits: Limits) -> GenerationSpec:
-    spec = GenerationSpec(**kwargs)
-    spec.params.logprobs = spec.logprobs
-    try:
-        spec.params.validate(limits.vocab_size)
-    except SamplingParamsError as e:
-        raise from_sampling_error(e) from None
-    return spec
+    MODEL.read(body, limits)
 
 
 # ---------------------------------------------------------------------------------------------
-# /v1/completions
+# Fields of these bodies
 
-def _prompt(body: dict, limits: Limits) -> str | list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise invalid("only one prompt per request is supported: send one request per prompt", param="prompt")
-        p = p[0]
-    if isinstance(p, str):
-        if len(p) > MAX_PROMPT_CHARS:
-            raise invalid(f"'prompt' may hold at most {MAX_PROMPT_CHARS} characters", param="prompt")
-        return p
-    if isinstance(p, list) and p:
-        return _token_ids(p, "prompt", limits.vocab_size, limits.max_model_len)
-    raise invalid("'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+class Model(Field):
+    __slots__ = ()
 
+    def convert(self, v: Any, limits: Limits) -> str:
+        if not isinstance(v, str):
+            raise self.fail("'model' must be a string")
+        if v != limits.model_name:
+            raise model_not_found(v[:256])
+        return v
 
-def parse_completion(body: Any, limits: Limits) -> GenerationSpec:
-    kwargs = _common(body, limits, "max_tokens")
-    kwargs["prompt"] = _prompt(body, limits)
-    kwargs["logprobs"] = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if _bool(body, "echo", False):
-        raise invalid("'echo' is not supported", param="echo")
-    if body.get("suffix"):
-        raise invalid("'suffix' is not supported", param="suffix")
-    best_of = _int(body, "best_of", None, 1, limits.max_n)
-    if best_of is not None and best_of != kwargs["n"]:
-        raise invalid("'best_of' other than 'n' is not supported", param="best_of")
-    return _finish(kwargs, limits)
+    def value_schema(self, limits: Limits) -> dict:
+        return {"type": "string", "enum": [limits.model_name]}
 
 
-# ---------------------------------------------------------------------------------------------
-# /v1/chat/completions
+class Stop(Field):
+    __slots__ = ()
+
+    def convert(self, v: Any, limits: Limits) -> tuple[str, ...]:
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise self.fail("'stop' must be a string or a list of strings")
+        if len(items) > MAX_STOP_STRINGS:
+            raise self.fail(f"'stop' may hold at most {MAX_STOP_STRINGS} strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in items):
+            raise self.fail(f"each stop string may hold at most {MAX_STOP_STRING_CHARS} characters")
+        return tuple(dict.fromkeys(s for s in items if s))
+
+    def value_schema(self, limits: Limits) -> dict:
+        one = {"type": "string", "maxLength": MAX_STOP_STRING_CHARS}
+        return {"anyOf": [one, {"type": "array", "items": one, "maxItems": MAX_STOP_STRINGS}]}
+
+
+class LogitBias(Field):
+    __slots__ = ()
+
+    def convert(self, v: Any, limits: Limits) -> dict[int, float]:
+        if not isinstance(v, dict):
+            raise self.fail("'logit_bias' must be an object mapping token ids to biases")
+        if len(v) > MAX_LOGIT_BIAS:  # before converting anything
+            raise self.fail(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries")
+        out: dict[int, float] = {}
+        for key, bias in v.items():
+            try:
+                token_id = int(key)  # JSON object keys are strings: "50256"
+            except (TypeError, ValueError):
+                raise self.fail(f"'logit_bias' key {key[:32]!r} is not a token id") from None
+            value = finite_number(bias)
+            if value is None:
+                raise self.fail(f"'logit_bias' value for {key[:32]!r} must be a number")
+            out[token_id] = value
+        return out
+
+    def value_schema(self, limits: Limits) -> dict:
+        return {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                "additionalProperties": number_schema(LOGIT_BIAS_RANGE)}
+
+
+class StreamOptions(Field):
+    """{"include_usage": bool}: read as that boolean."""
+
+    __slots__ = ()
+
+    def convert(self, v: Any, limits: Limits) -> bool:
+        if not isinstance(v, dict):
+            raise self.fail("'stream_options' must be an object")
+        return INCLUDE_USAGE.read(v, limits)
+
+    def value_schema(self, limits: Limits) -> dict:
+        return object_schema([INCLUDE_USAGE], limits)
+
+
+class Prompt(Field):
+    """A string or token ids, alone or as a one-element list (one prompt per request)."""
+
+    __slots__ = ()
+
+    def convert(self, p: Any, limits: Limits) -> str | list[int]:
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise self.fail("only one prompt per request is supported: send one request per prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if len(p) > MAX_PROMPT_CHARS:
+                raise self.fail(f"'prompt' may hold at most {MAX_PROMPT_CHARS} characters")
+            return p
+        if isinstance(p, list) and p:
+            return token_ids(p, "prompt", limits.vocab_size, limits.max_model_len)
+        raise self.fail("'prompt' must be a non-empty string or a non-empty list of token ids")
+
+    def value_schema(self, limits: Limits) -> dict:
+        text = {"type": "string", "maxLength": MAX_PROMPT_CHARS}
+        ids = token_ids_schema(limits, limits.max_model_len, 1)
+        return {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                          {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]}
+
+
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+
+
+class Messages(Field):
+    """Chat messages, normalised for the chat template: content as one string (text parts joined
+    by newlines), "developer" as "system", only the keys templates read."""
+
+    __slots__ = ()
+
+    def convert(self, messages: Any, limits: Limits) -> list[dict]:
+        if not isinstance(messages, list) or not messages:
+            raise self.fail("'messages' must be a non-empty list")
+        if len(messages) > MAX_MESSAGES:
+            raise self.fail(f"'messages' may hold at most {MAX_MESSAGES} messages")
+        out: list[dict] = []
+        total = 0
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise invalid(f"'{where}' must be an object", param=where)
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
+            content, chars = _content(m.get("content"), f"{where}.content")
+            if content is None and not (role == "assistant" and m.get("tool_calls")):
+                raise invalid(f"'{where}.content' is required", param=f"{where}.content")
+            total += chars
+            if total > MAX_CHAT_CHARS:
+                raise self.fail(f"'messages' may hold at most {MAX_CHAT_CHARS} characters in all")
+            # Templates rarely know "developer": it is OpenAI's new name for the system role.
+            msg: dict = {"role": "system" if role == "developer" else role, "content": content}
+            for key in ("name", "tool_call_id"):
+                if isinstance(m.get(key), str):
+                    msg[key] = m[key]
+            if isinstance(m.get("tool_calls"), list):
+                msg["tool_calls"] = m["tool_calls"]  # bounded by the body size; rendered by the template
+            out.append(msg)
+        return out
+
+    def value_schema(self, limits: Limits) -> dict:
+        message = {"type": "object", "required": ["role"], "properties": {
+            "role": {"enum": list(CHAT_ROLES)},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}],
+                        "description": "Required, except in an assistant message with tool_calls."},
+            "name": {"type": "string"},
+            "tool_call_id": {"type": "string"},
+            "tool_calls": {"type": "array", "items": {"type": "object"}}}}
+        return {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES,
+                "description": f"At most {MAX_CHAT_CHARS} characters of text in all."}
+
 
 def _content(content: Any, where: str) -> tuple[str | None, int]:
     """A message's content as one string (text parts joined by newlines), and its length."""
@@ -254,92 +295,151 @@ def _content(content: Any, where: str) -> tuple[str | None, int]:
     return text, len(text)
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list", param="messages")
-    if len(messages) > MAX_MESSAGES:
-        raise invalid(f"'messages' may hold at most {MAX_MESSAGES} messages", param="messages")
-    out: list[dict] = []
-    total = 0
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(f"'{where}' must be an object", param=where)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
-        content, chars = _content(m.get("content"), f"{where}.content")
-        if content is None and not (role == "assistant" and m.get("tool_calls")):
-            raise invalid(f"'{where}.content' is required", param=f"{where}.content")
-        total += chars
-        if total > MAX_CHAT_CHARS:
-            raise invalid(f"'messages' may hold at most {MAX_CHAT_CHARS} characters in all", param="messages")
-        # Templates rarely know "developer": it is OpenAI's new name for the system role.
-        msg: dict = {"role": "system" if role == "developer" else role, "content": content}
-        for key in ("name", "tool_call_id"):
-            if isinstance(m.get(key), str):
-                msg[key] = m[key]
-        if isinstance(m.get("tool_calls"), list):
-            msg["tool_calls"] = m["tool_calls"]  # bounded by the body size; rendered by the template
-        out.append(msg)
-    return out
+class Tools(Field):
+    """Tool definitions, for /tokenize (the chat template renders them)."""
+
+    __slots__ = ()
+
+    def convert(self, tools: Any, limits: Limits) -> list[dict] | None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise self.fail("'tools' must be a list of objects")
+        if len(tools) > MAX_TOOLS:
+            raise self.fail(f"'tools' may hold at most {MAX_TOOLS} entries")
+        return tools or None
+
+    def value_schema(self, limits: Limits) -> dict:
+        return {"type": "array", "items": {"type": "object"}, "maxItems": MAX_TOOLS}
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise invalid("'tools' must be a list of objects", param="tools")
-    if len(tools) > MAX_TOOLS:
-        raise invalid(f"'tools' may hold at most {MAX_TOOLS} entries", param="tools")
-    return tools or None
+def _sampling(name: str, default: float, doc: str) -> Number:
+    return Number(name, default, RANGES[name], doc)
 
 
-def parse_chat(body: Any, limits: Limits) -> GenerationSpec:
-    key = "max_completion_tokens" if isinstance(body, dict) and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    kwargs = _common(body, limits, key)
-    kwargs["messages"] = _messages(body)
-    kwargs["tools"] = _tools(body)
-    kwargs["add_generation_prompt"] = _bool(body, "add_generation_prompt", True)
-    want = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want:
-        raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    kwargs["logprobs"] = (top or 0) if want else None
-    return _finish(kwargs, limits)
+MODEL = Model("model", doc="The served model's id (default: the served model).")
+INCLUDE_USAGE = Boolean("include_usage", False, "Send a last chunk with the usage of the whole request.")
+N = Integer("n", 1, 1, lambda limits: limits.max_n, "Choices to generate.")
+STREAM = Boolean("stream", False, "Answer with server-sent events.")
+STREAM_OPTIONS = StreamOptions("stream_options", False)
+STOP = Stop("stop", (), "Strings that end a choice (not included in its text).")
+MAX_TOKENS = Integer("max_tokens", None, 1, lambda limits: limits.max_model_len,
+                     "Most tokens to generate (default: the rest of the context window).")
+MAX_COMPLETION_TOKENS = Integer("max_completion_tokens", None, 1, lambda limits: limits.max_model_len,
+                                "OpenAI's newer name for max_tokens (wins when both are given).")
+SKIP_SPECIAL_TOKENS = Boolean("skip_special_tokens", True)
+CACHE_SALT = String("cache_salt", "", MAX_CACHE_SALT_CHARS, "Folded into the prefix-cache keys.")
+RESPONSE_FORMAT = Refused("response_format", {"type": "text"}, "structured output is not built")
+
+SAMPLING: tuple[Field, ...] = (
+    _sampling("temperature", 1.0, "0 is greedy."),
+    Integer("top_k", 0, -1, lambda limits: limits.vocab_size, "0 or -1: off."),
+    _sampling("top_p", 1.0, ""),
+    _sampling("min_p", 0.0, ""),
+    _sampling("repetition_penalty", 1.0, ""),
+    _sampling("presence_penalty", 0.0, ""),
+    _sampling("frequency_penalty", 0.0, ""),
+    LogitBias("logit_bias", {}, "Token id (as a string) to a bias added to its logit."),
+    Integer("seed", None, MIN_SEED, MAX_SEED, "Sampling seed (choice i uses seed + i)."),
+    Integer("min_tokens", 0, 0, None, "Tokens to generate before a stop token may end a choice."),
+    TokenIds("stop_token_ids", MAX_STOP_TOKEN_IDS, doc="Tokens that end a choice, besides the model's eos."),
+    Boolean("ignore_eos", False, "Keep generating past the model's eos token."),
+)
+COMMON: tuple[Field, ...] = (MODEL, N, STREAM, STREAM_OPTIONS, STOP, *SAMPLING, SKIP_SPECIAL_TOKENS, CACHE_SALT,
+                             RESPONSE_FORMAT)
+
+PROMPT = Prompt("prompt", required=True, doc="Text or token ids; one prompt per request.")
+COMPLETION_FIELDS: tuple[Field, ...] = (
+    *COMMON, PROMPT, MAX_TOKENS,
+    Integer("logprobs", None, 0, MAX_TOP_LOGPROBS, "Log-probabilities of the chosen and this many other tokens."),
+    Refused("echo", False, "echoing the prompt is not built"),
+    Refused("suffix", "", "insertion is not built"),
+    Integer("best_of", None, 1, lambda limits: limits.max_n, "Only equal to n is supported."),
+)
+
+MESSAGES = Messages("messages", required=True)
+ADD_GENERATION_PROMPT = Boolean("add_generation_prompt", True, "End the rendered chat with the assistant's turn.")
+CHAT_FIELDS: tuple[Field, ...] = (
+    *COMMON, MESSAGES, MAX_TOKENS, MAX_COMPLETION_TOKENS,
+    Boolean("logprobs", False, "Return the log-probabilities of the chosen tokens."),
+    Integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS, "Alternatives per token (needs logprobs: true)."),
+    ADD_GENERATION_PROMPT,
+    Refused("tools", [], "tool calls are not built"),
+    Refused("tool_choice", "none", "tool calls are not built"),
+    Refused("functions", [], "function calls are not built"),
+    Refused("function_call", "none", "function calls are not built"),
+)
+
+TOKENIZE_PROMPT_FIELDS: tuple[Field, ...] = (MODEL, PROMPT)
+TOKENIZE_CHAT_FIELDS: tuple[Field, ...] = (MODEL, MESSAGES, Tools("tools"), ADD_GENERATION_PROMPT)
+DETOKENIZE_FIELDS: tuple[Field, ...] = (MODEL, TokenIds("tokens", lambda limits: limits.max_model_len,
+                                                        required=True))
+
+
+def request_schemas(limits: Limits) -> dict[str, dict]:
+    """The JSON Schema of every request body, by name (components/schemas of the OpenAPI document)."""
+    return {
+        "CompletionRequest": object_schema(COMPLETION_FIELDS, limits, "An OpenAI completions request."),
+        "ChatCompletionRequest": object_schema(CHAT_FIELDS, limits, "An OpenAI chat completions request."),
+        "TokenizeRequest": {"anyOf": [object_schema(TOKENIZE_PROMPT_FIELDS, limits),
+                                      object_schema(TOKENIZE_CHAT_FIELDS, limits)],
+                            "description": "A prompt, or chat messages rendered by the chat template."},
+        "DetokenizeRequest": object_schema(DETOKENIZE_FIELDS, limits),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
-# /tokenize and /detokenize (vLLM's tokenizer endpoints)
+# Bodies → specs
 
-@dataclass(slots=True)
-class TokenizeSpec:
-    """What Gateway.tokenize reads: a prompt, or chat messages rendered by the chat template."""
+def _spec(v: dict[str, Any], limits: Limits, max_tokens: int | None, logprobs: int | None,
+          **prompt: Any) -> GenerationSpec:
+    params = SamplingParams(
+        temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
+        repetition_penalty=v["repetition_penalty"], presence_penalty=v["presence_penalty"],
+        frequency_penalty=v["frequency_penalty"], logit_bias=v["logit_bias"], seed=v["seed"],
+        # A stand-in until the prompt length is known (resolve_max_tokens); bounds it meanwhile.
+        max_tokens=max_tokens if max_tokens is not None else limits.max_model_len,
+        min_tokens=v["min_tokens"], stop_token_ids=v["stop_token_ids"] or [], ignore_eos=v["ignore_eos"],
+        logprobs=logprobs)
+    try:
+        params.validate(limits.vocab_size)
+    except SamplingParamsError as e:
+        raise from_sampling_error(e) from None
+    return GenerationSpec(model=limits.model_name, n=v["n"], stream=v["stream"],
+                          include_usage=v["stream_options"] and v["stream"], stop=v["stop"], params=params,
+                          max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=v["skip_special_tokens"],
+                          cache_salt=v["cache_salt"], **prompt)
 
-    prompt: str | list[int] | None = None
-    messages: list[dict] | None = None
-    tools: list[dict] | None = None
-    add_generation_prompt: bool = True
 
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
+def parse_completion(body: Any, limits: Limits) -> GenerationSpec:
+    _object_for_model(body, limits)
+    v = read_fields(body, COMPLETION_FIELDS, limits)
+    if v["best_of"] is not None and v["best_of"] != v["n"]:
+        raise invalid("'best_of' other than 'n' is not supported", param="best_of")
+    return _spec(v, limits, v["max_tokens"], v["logprobs"], prompt=v["prompt"])
+
+
+def parse_chat(body: Any, limits: Limits) -> GenerationSpec:
+    _object_for_model(body, limits)
+    v = read_fields(body, CHAT_FIELDS, limits)
+    max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
+    if v["top_logprobs"] is not None and not v["logprobs"]:
+        raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
+    return _spec(v, limits, max_tokens, logprobs, messages=v["messages"],
+                 add_generation_prompt=v["add_generation_prompt"])
 
 
 def parse_tokenize(body: Any, limits: Limits) -> TokenizeSpec:
     _object_for_model(body, limits)
     if "messages" in body:
-        return TokenizeSpec(messages=_messages(body), tools=_tools(body),
-                            add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    return TokenizeSpec(prompt=_prompt(body, limits))
+        v = read_fields(body, TOKENIZE_CHAT_FIELDS, limits)
+        return TokenizeSpec(messages=v["messages"], tools=v["tools"],
+                            add_generation_prompt=v["add_generation_prompt"])
+    return TokenizeSpec(prompt=PROMPT.read(body, limits))
 
 
 def parse_detokenize(body: Any, limits: Limits) -> list[int]:
     _object_for_model(body, limits)
-    return _token_ids(body.get("tokens"), "tokens", limits.vocab_size, limits.max_model_len)
+    return read_fields(body, DETOKENIZE_FIELDS, limits)["tokens"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,79 +1,118 @@
-"""Answering one generation request: an SSE stream or one JSON body, built from the same events."""
+"""The one request path behind every transport: body → spec → prompt tokens → routing → choices →
+an answer (one JSON body, or chunks into the transport's sink). HTTP (app.py) and the NATS API
+(nats_api.py) only read their requests into a Call and write what comes back."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 import time
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
-from aiohttp import web
 
-from services.gateway.choice import ChoiceState, ChoiceUpdate
-from services.gateway.errors import ApiError, invalid, stream_error_event
+from services.gateway.chat import ChatFormat
+from services.gateway.completions import CompletionFormat
+from services.gateway.errors import ApiError, invalid
 from services.gateway.generation import Generation
 from services.gateway.pump import Pump
-from services.gateway.schemas import GenerationSpec
-from services.gateway.streaming import ChunkFrame, SseWriter, dumps, event
+from services.gateway.response_format import ResponseFormat
+from services.gateway.schemas import (GenerationSpec, Limits, decode_body, is_unicode, parse_chat, parse_completion,
+                                      resolve_max_tokens)
+from services.gateway.streaming import ChunkFrame, ChunkSink, dumps
 from services.gateway.token_router import StreamFailed
 from shared.logging import get_logger
 
 if TYPE_CHECKING:
-    from services.gateway.app import Gateway
-    from services.gateway.logprobs import TokenTexts
+    from services.gateway.gateway import Gateway
 
-GATEWAY = web.AppKey("gateway", object)  # the Gateway of an app (typed loosely: no import cycle)
 MAX_SESSION_ID_CHARS = 256
 
 log = get_logger("gateway.serving")
 
 
-class ResponseFormat:
-    """What differs between the endpoints: the shapes of choices, chunks and bodies."""
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A generation endpoint: how its body is read and how its answer is shaped."""
 
-    object = ""
-    chunk_object = ""
-    id_prefix = ""
-
-    def __init__(self, texts: TokenTexts, want_logprobs: bool):
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        self.frame: ChunkFrame | None = None
-        self.heads: list[bytes] = []  # per choice: the per-token chunk up to the text's JSON string
-
-    def begin(self, frame: ChunkFrame, choices: list[ChoiceState]) -> bytes:
-        """Start a stream (a format object serves one request): keep its frame, build the per-choice
-        byte templates of the per-token chunk, and return the events sent before any token."""
-        raise NotImplementedError
-
-    def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
-        """The SSE event for one update of a stream, or None when there is nothing to send yet."""
-        raise NotImplementedError
-
-    def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
-        raise NotImplementedError
-
-    def final_choice(self, choice: ChoiceState) -> dict:
-        raise NotImplementedError
+    name: str
+    parse: Callable[[Any, Limits], GenerationSpec]
+    format: type[ResponseFormat]
 
 
-async def read_json(request: web.Request):
-    """The body as JSON; 413 (from aiohttp, converted by the error middleware) past the size limit."""
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise invalid("the request body is not valid JSON") from None
+CHAT = Endpoint("chat.completions", parse_chat, ChatFormat)
+COMPLETIONS = Endpoint("completions", parse_completion, CompletionFormat)
 
 
-def session_id(request: web.Request) -> str | None:
-    value = request.headers.get("x-session-affinity")
+@dataclass(slots=True)
+class Call:
+    """One generation request as a transport received it; headers as given (checked here)."""
+
+    body: bytes  # the JSON body, within the transport's size limit
+    session: str | None = None  # x-session-affinity
+    timeout: str | None = None  # x-timeout: the caller's deadline in seconds
+    request_id: str | None = None  # x-request-id: the caller's own id, for the logs
+    arrival: float = field(default_factory=time.monotonic)
+
+
+async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
+                   open_stream: Callable[[], ChunkSink]) -> bytes | ChunkSink:
+    """Serve one generation request: the JSON body of the answer, or (when the request streams)
+    the sink that `open_stream` made, once the stream has ended. Errors before the answer begins
+    raise ApiError; cancelling the task aborts the request on its workers."""
+    spec = endpoint.parse(decode_body(call.body), gw.limits)
+    session = session_id(call.session)
+    timeout = request_timeout(call.timeout, gw.cfg.request_timeout)
+    prompt_ids = await gw.tokenize(spec)
+    resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
+    fmt = endpoint.format(gw.texts, spec.logprobs is not None)
+    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    context = {"request_id": response_id}
+    if call.request_id:
+        context["client_request_id"] = call.request_id
+    with structlog.contextvars.bound_contextvars(**context):
+        gen = Generation(gw, response_id, spec, prompt_ids, session, call.arrival, timeout)
+        gw.metrics.requests_in_flight.inc()
+        try:
+            await gen.start()
+            try:
+                if spec.stream:
+                    sink = open_stream()
+                    await _stream(gw, gen, fmt, sink)
+                    return sink
+                return await _collect(gw, gen, fmt)
+            except asyncio.CancelledError:  # the caller went away (HTTP disconnect, NATS cancel)
+                gen.abort("client disconnected")
+                log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
+                raise
+            finally:
+                gen.close()
+        finally:
+            gw.metrics.requests_in_flight.dec()
+
+
+def session_id(value: str | None) -> str | None:
     if value is not None and len(value) > MAX_SESSION_ID_CHARS:
         raise invalid(f"x-session-affinity may hold at most {MAX_SESSION_ID_CHARS} characters",
                       param="x-session-affinity")
+    if value is not None and not is_unicode(value):
+        raise invalid("x-session-affinity is not valid UTF-8", param="x-session-affinity")
     return value or None
+
+
+def request_timeout(value: str | None, server_timeout: float) -> float:
+    """The request's deadline in seconds: the caller's own (x-timeout), capped by the server's."""
+    if value is None:
+        return server_timeout
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise invalid("x-timeout must be a positive number of seconds", param="x-timeout")
+    return min(seconds, server_timeout)
 
 
 def usage(gen: Generation) -> dict:
@@ -82,29 +121,6 @@ def usage(gen: Generation) -> dict:
     cached = min(prompt, max(c.cached_tokens for c in gen.choices))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-async def generate(gw: Gateway, request: web.Request, spec: GenerationSpec, prompt_ids: list[int],
-                   fmt: ResponseFormat, arrival: float) -> web.StreamResponse:
-    """Route the request, then answer it; the request id is in every log line meanwhile."""
-    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    with structlog.contextvars.bound_contextvars(request_id=response_id):
-        gen = Generation(gw, response_id, spec, prompt_ids, session_id(request), arrival)
-        gw.metrics.requests_in_flight.inc()
-        try:
-            await gen.start()
-            try:
-                if spec.stream:
-                    return await _stream(gw, request, gen, fmt)
-                return await _collect(gw, gen, fmt)
-            except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
-                gen.abort("client disconnected")
-                log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
-                raise
-            finally:
-                gen.close()
-        finally:
-            gw.metrics.requests_in_flight.dec()
 
 
 def _record_success(gw: Gateway, gen: Generation) -> None:
@@ -122,45 +138,47 @@ def _record_success(gw: Gateway, gen: Generation) -> None:
 
 def _record_failure(gw: Gateway, gen: Generation, failure: StreamFailed, in_stream: bool) -> None:
     gen.abort(failure.message)
-    if in_stream:  # an error answer that is not a stream is counted by the error middleware
+    if in_stream:  # an error answer that is not a stream is counted by the transport
         gw.metrics.request_errors.labels(status=str(failure.status)).inc()
     log.warning("request_failed", status=failure.status, error=failure.message)
 
 
-async def _stream(gw: Gateway, request: web.Request, gen: Generation, fmt: ResponseFormat) -> web.StreamResponse:
-    writer = SseWriter()
-    await writer.start(request)
+async def _stream(gw: Gateway, gen: Generation, fmt: ResponseFormat, sink: ChunkSink) -> None:
+    await sink.open()
     frame = ChunkFrame(gen.response_id, fmt.chunk_object, int(time.time()), gen.spec.model)
     opening = fmt.begin(frame, gen.choices)
-    if opening and not writer.send(opening):
+    if opening and not sink.send(opening):
         gen.abort("client disconnected")
-        return writer.response
-    pump = Pump(gw, gen, fmt, writer)
+        return
+    pump = Pump(gw, gen, fmt, sink)
     await pump.run(gen.stream.inbox)
-    if writer.closed:
+    if sink.closed:
         gen.abort("client disconnected")
         log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
-        return writer.response
+        return
     failure = pump.failure
     if failure is not None:
         _record_failure(gw, gen, failure, in_stream=True)
-        await writer.finish(pump.tail + event(stream_error_event(failure.status, failure.message, failure.type)))
-        return writer.response
+        await sink.fail(pump.tail, failure)
+        return
     _record_success(gw, gen)
-    tail = pump.tail + frame.usage_chunk(usage(gen)) if gen.spec.include_usage else pump.tail
-    await writer.finish(tail)
-    return writer.response
+    await sink.finish(pump.tail, frame.usage_chunk(usage(gen)) if gen.spec.include_usage else b"")
 
 
-async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> web.Response:
+async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> bytes:
     pump = Pump(gw, gen, fmt)
     await pump.run(gen.stream.inbox)
     failure = pump.failure
     if failure is not None:
         _record_failure(gw, gen, failure, in_stream=False)
-        raise ApiError(failure.status, failure.message, type=failure.type,
-                       retry_after=1.0 if failure.status == 503 else None)
+        raise failure_error(failure)
     _record_success(gw, gen)
     body = {"id": gen.response_id, "object": fmt.object, "created": int(time.time()), "model": gen.spec.model,
             "choices": [fmt.final_choice(c) for c in gen.choices], "usage": usage(gen)}
-    return web.Response(body=dumps(body), content_type="application/json")
+    return dumps(body)
+
+
+def failure_error(failure: StreamFailed) -> ApiError:
+    """The error answer of a request that failed after it was routed."""
+    return ApiError(failure.status, failure.message, type=failure.type,
+                    retry_after=1.0 if failure.status == 503 else None)

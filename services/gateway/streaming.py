@@ -1,13 +1,13 @@
-"""Server-sent events for streamed completions: framing, the JSON encoder, the response writer."""
+"""Streamed answers in any transport: SSE-framed chunk events, the JSON encoder, the sink they go to."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from json.encoder import encode_basestring  # the C version when available
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from aiohttp import web
+if TYPE_CHECKING:
+    from services.gateway.token_router import StreamFailed
 
 try:  # orjson is several times faster on the per-token path; the standard library is the fallback
     import orjson
@@ -21,11 +21,6 @@ except ImportError:  # pragma: no cover - depends on the environment
         return _encode(obj).encode()
 
 DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",  # proxies such as nginx must not buffer a stream
-}
 
 
 def event(obj: Any) -> bytes:
@@ -62,49 +57,20 @@ class ChunkFrame:
         return self.head + b'],"usage":' + dumps(usage) + b"}\n\n"
 
 
-class SseWriter:
-    """The streaming response; `closed` turns True once a write fails (the client went away).
+class ChunkSink(Protocol):
+    """Where a streamed answer goes. Events come SSE-framed (`data: <json>\\n\\n`, possibly several
+    per call): HTTP writes them as they are; other transports unframe them."""
 
-    Chunks are written synchronously, straight to the request's transport, with the HTTP/1.1
-    chunk framing that aiohttp announced in the headers: aiohttp's own write() is a coroutine,
-    and the per-token path runs inside the inbox's hand-over, where nothing may wait. A slow
-    reader's bytes wait in the transport's buffer instead (before, aiohttp's write waited for it
-    to drain while the deltas waited in the request's queue: the same bound, the request's output).
-    The end of the body (write_eof) still goes through aiohttp, which keeps its keep-alive logic."""
+    closed: bool  # True once the caller is known to be gone
 
-    __slots__ = ("response", "closed", "transport", "chunked")
+    async def open(self) -> None:
+        """The request was accepted: the answer begins (HTTP: status and headers)."""
 
-    def __init__(self) -> None:
-        self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        self.closed = False
-        self.transport: asyncio.Transport | None = None
-        self.chunked = False
+    def send(self, events: bytes) -> bool:
+        """Hand over events now, without waiting; False once the caller is gone."""
 
-    async def start(self, request: web.Request) -> None:
-        await self.response.prepare(request)  # sends the headers at once (StreamResponse does not buffer them)
-        self.transport = request.transport
-        # aiohttp chunks a body of unknown length for HTTP/1.1 and sends it bare (then closes) for 1.0.
-        self.chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+    async def finish(self, events: bytes, last: bytes = b"") -> None:
+        """The last events, then `last` (the usage chunk, or b""), then the end of the stream."""
 
-    def send(self, data: bytes) -> bool:
-        """Write now; False when the client is gone (the caller then aborts the request)."""
-        if not data:
-            return not self.closed  # an empty HTTP chunk would end the body
-        transport = self.transport
-        if self.closed or transport is None or transport.is_closing():
-            self.closed = True
-            return False
-        try:
-            transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
-        except (ConnectionError, RuntimeError):
-            self.closed = True
-            return False
-        return True
-
-    async def finish(self, data: bytes = b"") -> None:
-        """The last chunks, [DONE] and the end of the body."""
-        if self.send(data + DONE):
-            try:
-                await self.response.write_eof()
-            except (ConnectionError, RuntimeError):  # aiohttp: reset, or "Cannot write to closing transport"
-                self.closed = True
+    async def fail(self, events: bytes, failure: StreamFailed) -> None:
+        """The last events, then the error that ends the stream."""

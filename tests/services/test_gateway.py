@@ -18,10 +18,11 @@ import aiohttp
 import openai
 import pytest
 
-from services.gateway.app import Gateway, bound_port, build_app, start_server
-from services.gateway.serving import GATEWAY
+from services.gateway.app import bound_port, build_app, start_server
+from services.gateway.gateway import Gateway
 from services.launcher import free_port
 from services.worker.engine.make_model import write_model
+from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig
 from shared.messages import (AbortRequest, GenerateRequest, RouteReply, TokenBatch, TokenDelta,
                              WorkerHeartbeat)
@@ -181,11 +182,13 @@ async def make_stack(nats_config, nats_conn, model_dir, tokenizer):
         peer = await Peer(nats_config, tokenizer).start(beating)
         gcfg = GatewayConfig(model_name="tiny", model_dir=str(model_dir), api_keys=(KEY, "sk-other"),
                              max_body_bytes=MAX_BODY, **cfg)
-        app = build_app(gcfg, nats_conn, tokenizer)
-        runner, _ = await start_server(app, "127.0.0.1", 0)
+        mc = ModelConfig.from_dir(model_dir)
+        gw = Gateway(gcfg, tokenizer, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size,
+                     subject_prefix=nats_config.subject_prefix)
+        runner, _ = await start_server(build_app(gw, nats_conn), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{bound_port(runner)}"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=20)
-        stack = Stack(url, client, peer, app[GATEWAY], tokenizer, aiohttp.ClientSession())
+        stack = Stack(url, client, peer, gw, tokenizer, aiohttp.ClientSession())
         made.append((stack, runner))
         if beating:
             await wait_for(lambda: stack.gw.health.ready())

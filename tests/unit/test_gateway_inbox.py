@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.app import Gateway
+from services.gateway.gateway import Gateway
 from services.gateway.completions import CompletionFormat
 from services.gateway.generation import Generation
 from services.gateway.pump import Pump

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from services.gateway.errors import ApiError
-from services.gateway.schemas import (MAX_CHAT_CHARS, MAX_MESSAGES, Limits, parse_chat, parse_completion,
-                                      resolve_max_tokens)
+from services.gateway.schemas import (MAX_CHAT_CHARS, MAX_MESSAGES, Limits, decode_body, parse_chat,
+                                      parse_completion, parse_tokenize, request_schemas, resolve_max_tokens)
 from shared.sampling_params import SamplingParams
 
 LIMITS = Limits(model_name="tiny", max_model_len=128, vocab_size=1000, max_n=16)
@@ -172,7 +175,7 @@ def test_chat_messages_roles_and_content_parts():
                                                              "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
-    spec = parse_chat({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}, LIMITS)
+    spec = parse_chat({"messages": messages, "tools": [], "tool_choice": "none"}, LIMITS)  # tools asked for nothing
     assert spec.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "Really brief."},
@@ -180,7 +183,6 @@ def test_chat_messages_roles_and_content_parts():
         {"role": "assistant", "content": None, "tool_calls": messages[3]["tool_calls"]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
-    assert spec.tools == [{"type": "function", "function": {"name": "f"}}]
 
 
 @pytest.mark.parametrize("messages, param", [
@@ -250,3 +252,122 @@ def test_null_means_default():
 
 def test_integral_floats_are_integers():
     assert parse_completion(completion(max_tokens=5.0, n=2.0), LIMITS).max_tokens == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Features that are not built yet: a 400 that says so, not silence
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("response_format", {"type": "xml"}),
+    ("response_format", "text"),
+    ("tools", [TOOL]),
+    ("tools", ["f"]),
+    ("tool_choice", 12),
+    ("tool_choice", "auto"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+])
+def test_chat_refuses_features_not_built(field, value):
+    e = error_of(parse_chat, chat(**{field: value}))
+    assert (e.status, e.param, e.type, e.code) == (400, field, "invalid_request_error", "unsupported_parameter")
+    assert f"'{field}' is not supported yet" in e.message
+
+
+def test_completion_refuses_structured_output():
+    e = error_of(parse_completion, completion(response_format={"type": "json_object"}))
+    assert (e.status, e.param, e.code) == (400, "response_format", "unsupported_parameter")
+    assert e.message == ("'response_format' is not supported yet (structured output is not built): "
+                         'send {"type": "text"} or leave it out')
+
+
+def test_values_that_ask_for_nothing_are_accepted():
+    spec = parse_chat(chat(response_format={"type": "text"}, tools=[], tool_choice="none", functions=[],
+                           function_call="none", parallel_tool_calls=False), LIMITS)
+    assert spec.messages == USER
+    parse_completion(completion(response_format=None, echo=False, suffix=""), LIMITS)
+
+
+def test_tokenize_still_renders_tools():
+    spec = parse_tokenize({"messages": USER, "tools": [TOOL]}, LIMITS)
+    assert spec.tools == [TOOL] and spec.messages == USER
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies that are not JSON or not Unicode
+
+def test_lone_surrogates_are_a_400_naming_the_field():
+    raw = rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800 \\ud800 \ud800"}]}'
+    with pytest.raises(ApiError) as info:
+        decode_body(raw)
+    assert (info.value.status, info.value.param) == (400, "messages[0].content")
+    assert "invalid Unicode" in info.value.message
+    for raw, param in ((rb'{"prompt": "\udfff"}', "prompt"), (rb'{"\ud800": 1}', None), (rb'"\ud800"', None),
+                       (rb'{"stop": ["a", "\uDBFF"]}', "stop[1]")):
+        with pytest.raises(ApiError) as info:
+            decode_body(raw)
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_valid_escapes_and_utf8_pass():
+    text = "emoji \U0001F600 and \\ud800 as text"
+    raw = json.dumps({"prompt": text}).encode()  # ensure_ascii: the emoji as a surrogate pair
+    assert rb"\ud83d\ude00" in raw
+    assert decode_body(raw) == {"prompt": text}
+    assert decode_body('{"prompt": "ünï"}'.encode()) == {"prompt": "ünï"}
+    for bad, message in ((b"{", "not valid JSON"), (b"[" * 100_000, "not valid JSON"),
+                         (b"\xff\xfe{", "not valid UTF-8"),
+                         (b'{"prompt": "\xed\xa0\x80"}', "not valid UTF-8")):  # a surrogate encoded in UTF-8
+        with pytest.raises(ApiError) as info:
+            decode_body(bad)
+        assert (info.value.status, info.value.message) == (400, f"the request body is {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The published schemas say what the parsers accept
+
+SCHEMAS = request_schemas(LIMITS)
+# Bounds a JSON Schema cannot state: a token id as an object key, and min_tokens against max_tokens.
+NOT_IN_SCHEMA = {("logit_bias", "1000"), ("logit_bias", "abc")}
+
+
+def schema_errors(name: str, body) -> list:
+    return list(jsonschema.Draft202012Validator(SCHEMAS[name]).iter_errors(body))
+
+
+@pytest.mark.parametrize("field, value, param", BOUNDS)
+def test_schema_refuses_what_the_parser_refuses(field, value, param):
+    if field == "logit_bias" and isinstance(value, dict) and len(value) == 1 and \
+            (field, next(iter(value))) in NOT_IN_SCHEMA:
+        pytest.skip("not expressible in JSON Schema")
+    assert schema_errors("CompletionRequest", completion(**{field: value}))
+    assert schema_errors("ChatCompletionRequest", chat(**{field: value}))
+
+
+@pytest.mark.parametrize("body", [
+    completion(), completion(prompt=[1, 2], n=2, stop=["a"], logit_bias={"5": -3}, stream=True,
+                             stream_options={"include_usage": True}, seed=-5, max_tokens=None, logprobs=3),
+    completion(prompt=["one"]), completion(prompt=[[1, 2]]), completion(temperature=0, top_k=-1, user="u"),
+])
+def test_schema_accepts_what_the_completion_parser_accepts(body):
+    parse_completion(body, LIMITS)
+    assert schema_errors("CompletionRequest", body) == []
+
+
+def test_schema_of_chat_and_refused_fields():
+    ok = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+              logprobs=True, top_logprobs=2, max_completion_tokens=5, response_format={"type": "text"}, tools=[])
+    parse_chat(ok, LIMITS)
+    assert schema_errors("ChatCompletionRequest", ok) == []
+    for field, value in (("response_format", {"type": "json_object"}), ("tools", [TOOL]), ("tool_choice", "auto")):
+        assert schema_errors("ChatCompletionRequest", chat(**{field: value})), field
+    assert schema_errors("ChatCompletionRequest", {"model": "tiny"})  # messages are required
+    assert schema_errors("CompletionRequest", {"model": "other", "prompt": "x"})  # only the served model
+    assert schema_errors("DetokenizeRequest", {"tokens": [1, 1000]}) and not schema_errors("DetokenizeRequest",
+                                                                                          {"tokens": [1, 999]})

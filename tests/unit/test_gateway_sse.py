@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from services.gateway.app import Gateway, bound_port
+from services.gateway.app import bound_port
 from services.gateway.chat import ChatFormat
+from services.gateway.gateway import Gateway
 from services.gateway.generation import Generation
 from services.gateway.pump import Pump
 from services.gateway.schemas import parse_chat
-from services.gateway.streaming import DONE, ChunkFrame, SseWriter
+from services.gateway.sse import SseWriter
+from services.gateway.streaming import DONE, ChunkFrame
+from services.gateway.token_router import StreamFailed
 from services.worker.engine import make_model as mm
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig
@@ -66,8 +69,8 @@ async def serve(handler) -> tuple[web.AppRunner, int]:
 
 async def test_each_send_is_one_http_chunk_and_empty_sends_write_nothing():
     async def handler(request):
-        w = SseWriter()
-        await w.start(request)
+        w = SseWriter(request)
+        await w.open()
         assert w.chunked
         assert w.send(b"data: 1\n\n")
         assert w.send(b"")  # would be the terminating chunk: nothing is written
@@ -89,8 +92,8 @@ async def test_each_send_is_one_http_chunk_and_empty_sends_write_nothing():
 
 async def test_http10_gets_a_bare_body_ended_by_close():
     async def handler(request):
-        w = SseWriter()
-        await w.start(request)
+        w = SseWriter(request)
+        await w.open()
         assert not w.chunked
         w.send(b"data: 1\n\n")
         await w.finish()
@@ -111,8 +114,8 @@ async def test_send_reports_a_client_that_went_away():
     result: list[bool] = []
 
     async def handler(request):
-        w = SseWriter()
-        await w.start(request)
+        w = SseWriter(request)
+        await w.open()
         await gone.wait()
         for _ in range(200):  # the first writes after a close may still be accepted by the kernel
             if not w.send(b"data: x\n\n"):
@@ -154,8 +157,8 @@ async def test_pump_writes_the_choices_of_one_burst_in_one_chunk(model_dir):
     fmt = ChatFormat(gw.texts, False)
 
     async def handler(request):  # what serving._stream does, without the routing
-        w = SseWriter()
-        await w.start(request)
+        w = SseWriter(request)
+        await w.open()
         assert w.send(fmt.begin(ChunkFrame(gen.response_id, "chat.completion.chunk", 123, "tiny"), gen.choices))
         pump = Pump(gw, gen, fmt, w)
         await pump.run(gen.stream.inbox)

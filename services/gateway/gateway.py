@@ -1,0 +1,148 @@
+"""The gateway's state, whatever the transport: tokenizer, inbox router, worker table, metrics, keys,
+NATS connection. HTTP (app.py) and the NATS API (nats_api.py) both serve requests through it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Coroutine
+
+from services.gateway.auth import ApiKeys
+from services.gateway.errors import invalid
+from services.gateway.logprobs import TokenTexts
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.schemas import GenerationSpec, Limits, TokenizeSpec
+from services.gateway.token_router import StreamFailed, TokenRouter
+from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
+from shared.chat_template import ChatTemplateError
+from shared.config import GatewayConfig
+from shared.logging import get_logger
+from shared.messages import AbortRequest, TokenBatch, WorkerHeartbeat
+from shared.nats_client import NatsConnection
+from shared.subjects import DEFAULT_PREFIX, Subjects
+from shared.tokenizer import Tokenizer
+
+WATCH_INTERVAL = 0.25  # how often in-flight requests are checked against worker heartbeats
+
+log = get_logger("gateway")
+
+
+class Gateway:
+    """Everything one gateway process owns: the tokenizer, the inbox router, the worker table,
+    the metrics, the API keys and (once connected) the NATS connection."""
+
+    def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer, *, max_model_len: int, vocab_size: int,
+                 subject_prefix: str = DEFAULT_PREFIX, heartbeat_ttl: float = HEARTBEAT_TTL):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.limits = Limits(cfg.model_name, max_model_len, vocab_size, cfg.max_n)
+        self.keys = ApiKeys(cfg.api_keys)
+        self.subjects = Subjects(subject_prefix)
+        self.inbox = self.subjects.gateway_inbox(cfg.gateway_id)
+        self.router = TokenRouter()
+        self.health = WorkerHealth(ttl=heartbeat_ttl)
+        self.metrics = GatewayMetrics(self.health)
+        self.texts = TokenTexts(tokenizer)
+        self.created = int(time.time())
+        self.conn: NatsConnection | None = None  # set once the inbox and heartbeats are subscribed
+        self.draining = False
+        # Tokenization and chat templates run here, never on the event loop.
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-tokenize")
+        self._tasks: set[asyncio.Task] = set()
+        self._subscriptions: list[Any] = []
+        self._started = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.spawn(self._watch_workers())
+
+    async def attach(self, conn: NatsConnection) -> None:
+        """Subscribe to this gateway's inbox and to heartbeats, then accept generation requests."""
+        self._subscriptions.append(await conn.subscribe(self.inbox, TokenBatch, self.router.on_batch,
+                                                        pending_msgs_limit=1 << 20))
+        self._subscriptions.append(await conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat,
+                                                        self.health.on_heartbeat))
+        self.conn = conn
+        log.info("gateway_attached", inbox=self.inbox)
+
+    async def close(self) -> None:
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """A background task that is kept referenced until it ends, and cancelled on close."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def publish_abort(self, worker_id: str, msg: AbortRequest) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            await conn.publish(self.subjects.worker_abort(worker_id), msg)
+        except Exception as e:  # the worker's own TTL-based cleanup is the fallback
+            log.warning("abort_publish_failed", worker_id=worker_id, error=repr(e))
+
+    async def _watch_workers(self) -> None:
+        """Fail the requests of workers that went silent: their tokens are not coming."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            # One set lookup per request in the common case (every worker fresh): this sweep runs
+            # over every request in flight, four times a second.
+            fresh = self.health.heard_within_ttl()
+            for stream in self.router.streams():
+                if stream.failed:
+                    continue
+                for worker in stream.workers.values():
+                    if worker not in fresh and self.health.is_silent(worker, stream.started):
+                        log.warning("worker_silent", worker_id=worker)
+                        self.router.fail(stream, StreamFailed(
+                            503, f"worker {worker} stopped responding; the request was not completed"))
+                        break
+
+    # -- answers every transport gives ------------------------------------------------------------
+
+    def models(self) -> dict:
+        """The body of GET /v1/models."""
+        card = {"id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "inferno",
+                "root": self.limits.model_name, "max_model_len": self.limits.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    # -- tokenization ---------------------------------------------------------------------------
+
+    async def tokenize(self, spec: GenerationSpec | TokenizeSpec) -> list[int]:
+        if isinstance(spec.prompt, list):
+            return spec.prompt
+        loop = asyncio.get_running_loop()
+        tok = self.tokenizer
+        tools = spec.tools if isinstance(spec, TokenizeSpec) else None
+
+        # encode_batch, not encode: only the batch call releases the GIL while the Rust code runs,
+        # so a long prompt never stalls the event loop (a 1 MB prompt takes a second or two).
+        def chat() -> list[int]:
+            text = tok.apply_chat_template(spec.messages, spec.add_generation_prompt, tools)
+            return tok.encode_batch([text], add_special_tokens=False)[0]  # the template wrote bos
+
+        def plain() -> list[int]:
+            return tok.encode_batch([spec.prompt])[0]
+
+        try:
+            ids = await loop.run_in_executor(self.executor, chat if spec.messages is not None else plain)
+        except ChatTemplateError as e:
+            raise invalid(str(e), param="messages") from None
+        if not ids:
+            raise invalid("the prompt is empty after tokenization", param="messages" if spec.is_chat else "prompt")
+        return ids
