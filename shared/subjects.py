@@ -9,8 +9,20 @@
 | {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
 | {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
 
+The public NATS API (JSON bodies and headers, not MessagePack: its contract is shared/nats_api.py):
+
+| subject                         | body                      | from → to              | pattern         |
+|---------------------------------|---------------------------|------------------------|-----------------|
+| {p}.api.v1.chat.completions     | OpenAI chat request       | client → one gateway   | request/replies |
+| {p}.api.v1.completions          | OpenAI completion request | client → one gateway   | request/replies |
+| {p}.api.v1.models               | (empty)                   | client → one gateway   | request/reply   |
+| {p}.api.v1.cancel               | JSON list of request ids  | client → every gateway | publish         |
+| {p}.api.v1.keepalive            | JSON list of request ids  | client → every gateway | publish         |
+
 The generate request/reply is answered with a RouteReply by one scheduler replica: they all
-subscribe in the queue group SCHEDULER_QUEUE.
+subscribe in the queue group SCHEDULER_QUEUE. The API requests are taken by one gateway replica
+(queue group GATEWAY_QUEUE); cancel and keep-alive messages reach every gateway, and the one that
+holds the request acts on them.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "inferno"
 SCHEDULER_QUEUE = "schedulers"  # queue group: each GenerateRequest reaches one scheduler replica
+GATEWAY_QUEUE = "gateways"  # queue group: each API request reaches one gateway replica
+API_VERSION = "v1"
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -65,6 +79,11 @@ def gateway_inbox(prefix: str, gateway_id: str) -> str:
     return f"{check_prefix(prefix)}.gateway.{check_id('gateway_id', gateway_id)}.tokens"
 
 
+def api(prefix: str, name: str) -> str:
+    """A subject of the public NATS API: "chat.completions", "completions", "models", "cancel", "keepalive"."""
+    return f"{check_prefix(prefix)}.api.{API_VERSION}.{name}"
+
+
 @dataclass(frozen=True, slots=True)
 class Subjects:
     """The subjects under one prefix, for code that passes a single object around."""
@@ -94,3 +113,23 @@ class Subjects:
 
     def gateway_inbox(self, gateway_id: str) -> str:
         return gateway_inbox(self.prefix, gateway_id)
+
+    @property
+    def api_chat_completions(self) -> str:
+        return api(self.prefix, "chat.completions")
+
+    @property
+    def api_completions(self) -> str:
+        return api(self.prefix, "completions")
+
+    @property
+    def api_models(self) -> str:
+        return api(self.prefix, "models")
+
+    @property
+    def api_cancel(self) -> str:
+        return api(self.prefix, "cancel")
+
+    @property
+    def api_keepalive(self) -> str:
+        return api(self.prefix, "keepalive")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from services.gateway.app import build_app, start_server
 from services.gateway.gateway import Gateway
+from services.gateway.nats_api import NatsApi
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig, env_default, parse_csv
 from shared.logging import get_logger, setup_logging
@@ -29,7 +30,7 @@ log = get_logger("gateway.main")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="inferno gateway",
-                                description="OpenAI-compatible HTTP gateway of Inferno.")
+                                description="OpenAI-compatible gateway of Inferno: HTTP, and the same API over NATS.")
     p.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"),
                    help="NATS server(s), comma-separated (env INFERNO_NATS_URL)")
     p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
@@ -63,9 +64,10 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
 
 
-async def _connect_forever(gw: Gateway, nats_cfg: NatsConfig) -> None:
+async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig) -> None:
     conn = await connect_nats(nats_cfg, f"gateway-{gw.cfg.gateway_id}")  # waits for the server forever
     await gw.attach(conn)
+    await nats_api.start(conn)
 
 
 async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
@@ -73,12 +75,13 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     gw = Gateway(cfg, tokenizer, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
                  subject_prefix=nats_cfg.subject_prefix)
     app = build_app(gw)
+    nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
     runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
     tune_gc()
     log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
              auth=bool(cfg.api_keys))
-    connecting = gw.spawn(_connect_forever(gw, nats_cfg))
+    connecting = gw.spawn(_connect_forever(gw, nats_api, nats_cfg))
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -88,6 +91,7 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
 
     log.info("gateway_draining", in_flight=gw.router.in_flight)
     gw.draining = True
+    await nats_api.stop_accepting()  # the other replicas take new NATS requests
     await site.stop()  # no new connections
     deadline = time.monotonic() + drain_timeout
     while gw.router.in_flight and time.monotonic() < deadline:
@@ -98,6 +102,7 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     with contextlib.suppress(asyncio.CancelledError):
         await connecting
     conn = gw.conn
+    await nats_api.close()
     await runner.cleanup()
     if conn is not None:
         await conn.drain()

@@ -20,6 +20,7 @@ import pytest
 
 from services.gateway.app import bound_port, build_app, start_server
 from services.gateway.gateway import Gateway
+from services.gateway.nats_api import NatsApi
 from services.launcher import free_port
 from services.worker.engine.make_model import write_model
 from services.worker.engine.model_config import ModelConfig
@@ -157,6 +158,7 @@ class Stack:
     gw: Gateway
     tokenizer: Tokenizer
     http: aiohttp.ClientSession
+    nats_api: NatsApi
 
     def text(self, n: int) -> str:
         return self.tokenizer.decode(self.peer.script[:n])
@@ -186,9 +188,11 @@ async def make_stack(nats_config, nats_conn, model_dir, tokenizer):
         gw = Gateway(gcfg, tokenizer, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size,
                      subject_prefix=nats_config.subject_prefix)
         runner, _ = await start_server(build_app(gw, nats_conn), "127.0.0.1", 0)
+        nats_api = NatsApi(gw)
+        await nats_api.start(nats_conn)
         url = f"http://127.0.0.1:{bound_port(runner)}"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=20)
-        stack = Stack(url, client, peer, gw, tokenizer, aiohttp.ClientSession())
+        stack = Stack(url, client, peer, gw, tokenizer, aiohttp.ClientSession(), nats_api)
         made.append((stack, runner))
         if beating:
             await wait_for(lambda: stack.gw.health.ready())
@@ -198,6 +202,7 @@ async def make_stack(nats_config, nats_conn, model_dir, tokenizer):
     for stack, runner in made:
         await stack.client.close()
         await stack.http.close()
+        await stack.nats_api.close()
         await runner.cleanup()
         await stack.peer.close()
 
