@@ -1,0 +1,1 @@
+"""Inferno, an open LLM serving system; `inferno.client` is the Python client of its NATS API."""
