@@ -1,0 +1,147 @@
+"""The NATS API through the whole stack (gateway → scheduler → worker), with inferno.client and with
+plain nats-py: the same greedy tokens as over HTTP, and cancellation that frees the worker's KV."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import nats
+import openai
+import pytest
+
+import inferno.client
+from tests.e2e.conftest import MODEL_NAME, metrics
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+MESSAGES = [{"role": "user", "content": "Tell me about NATS"}]
+
+
+@pytest.fixture
+async def client(stack):
+    c = await inferno.client.connect(stack.nats_url)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+async def http(stack):
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    await c.close()
+
+
+async def wait_idle(stack, timeout: float = 5.0) -> dict:
+    """Until the workers report no running request and no KV block in use (their heartbeats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await asyncio.to_thread(metrics, stack)
+        if (m["inferno:num_requests_running"], m["inferno:kv_cache_usage_perc"]) == (0, 0) or \
+                time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.1)
+
+
+async def wait_running(stack, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await asyncio.to_thread(metrics, stack)).get("inferno:num_requests_running", 0) < 1:
+        assert time.monotonic() < deadline, "the request never ran"
+        await asyncio.sleep(0.1)
+
+
+async def test_models(client):
+    assert [m.id for m in await client.models.list()] == [MODEL_NAME]
+
+
+async def test_greedy_chat_is_identical_over_http_and_nats(client, http):
+    over_http = await http.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    over_nats = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert over_nats.choices[0].message.content == over_http.choices[0].message.content
+    assert over_nats.choices[0].finish_reason == over_http.choices[0].finish_reason == "length"
+    u, v = over_nats.usage, over_http.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (v.prompt_tokens, v.completion_tokens,
+                                                                      v.total_tokens)
+    assert u.prompt_tokens_details.cached_tokens > 0  # the same prompt again: the worker's prefix cache
+    stream = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        over_http.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+async def test_greedy_completion_tokens_identical_with_logprobs(client, http):
+    kwargs = dict(model=MODEL_NAME, prompt="The quick brown fox", logprobs=2, **GREEDY)
+    over_http = await http.completions.create(**kwargs)
+    over_nats = await client.completions.create(**kwargs)
+    assert over_nats.choices[0].text == over_http.choices[0].text
+    assert over_nats.choices[0].logprobs.tokens == over_http.choices[0].logprobs.tokens  # the same tokens
+    assert over_nats.choices[0].logprobs.token_logprobs == pytest.approx(over_http.choices[0].logprobs.token_logprobs)
+
+
+async def test_plain_nats_request_without_the_client(stack, http):
+    """What any language does: one request with a reply subject, the JSON body, the headers."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        msg = await nc.request("inferno.api.v1.completions", json.dumps(body).encode(),
+                               headers={"x-request-id": "plain-1"}, timeout=30)
+        assert (msg.headers["x-status"], msg.headers["x-request-id"]) == ("200", "plain-1")
+        answer = json.loads(msg.data)
+        expected = await http.completions.create(model=MODEL_NAME, prompt="Once upon a time", **{**GREEDY,
+                                                                                              "max_tokens": 8})
+        assert answer["choices"][0]["text"] == expected.choices[0].text
+        assert answer["usage"]["completion_tokens"] == 8
+    finally:
+        await nc.close()
+
+
+async def test_cancel_subject_frees_the_request(stack):
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL_NAME, "prompt": "a long story", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        await nc.publish("inferno.api.v1.completions", json.dumps(body).encode(), reply=inbox,
+                         headers={"x-request-id": "e2e-cancel"})
+        first = await sub.next_msg(timeout=30)
+        assert "x-status" not in (first.headers or {})  # a chunk: the request runs on the worker
+        await wait_running(stack)
+        await nc.publish("inferno.api.v1.cancel", b'["e2e-cancel"]')
+        while "x-status" not in ((msg := await sub.next_msg(timeout=10)).headers or {}):
+            pass
+        assert msg.headers["x-status"] == "499"
+        m = await wait_idle(stack)
+        assert (m["inferno:num_requests_running"], m["inferno:kv_cache_usage_perc"]) == (0, 0)
+        assert m["inferno:gateway_requests_in_flight"] == 0
+    finally:
+        await nc.close()
+
+
+async def test_closed_client_stream_frees_the_request(stack, client):
+    stream = await client.completions.create(model=MODEL_NAME, prompt="another long story", max_tokens=1500,
+                                             stream=True, extra_body={"ignore_eos": True})
+    await stream.__anext__()
+    await wait_running(stack)
+    await stream.close()
+    m = await wait_idle(stack)
+    assert (m["inferno:num_requests_running"], m["inferno:kv_cache_usage_perc"]) == (0, 0)
+
+
+async def test_refused_features_and_bad_unicode_are_400_over_both(stack, client, http):
+    with pytest.raises(openai.BadRequestError) as info:
+        await http.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                           response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                                  "schema": {}}})
+    assert info.value.body["param"] == "response_format" and "not supported yet" in info.value.body["message"]
+    with pytest.raises(inferno.client.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tool_choice="auto")
+    assert info.value.param == "tool_choice"
+    raw = rb'{"model": "%s", "messages": [{"role": "user", "content": "\ud800"}]}' % MODEL_NAME.encode()
+    async with __import__("aiohttp").ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", data=raw,
+                          headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "messages[0].content"
+    assert (await client.completions.create(model=MODEL_NAME, prompt="still up", max_tokens=2)).choices
