@@ -58,15 +58,21 @@ class Batcher:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the last is preempted first
+        self._reserved: dict[str, Request] = {}  # blocks held for KV arriving from another worker
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected if it could never run even alone."""
+        self._check_fits(request)
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager
         rid = request.request_id
-        if rid in self._requests:
+        if rid in self._requests or rid in self._reserved:
             raise RequestRejected(f"request {rid!r}: a request with this id is already queued")
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
@@ -83,8 +89,40 @@ class Batcher:
                 f"request {rid!r}: {num_prompt} prompt tokens + up to "
                 f"{max_len - num_prompt} output tokens need {blocks_needed} KV blocks of "
                 f"{bm.block_size} tokens, but the KV cache holds only {bm.num_total_blocks} blocks")
-        self._requests[rid] = request
-        self._waiting.append(request)
+
+    # ------------------------------------------------------------------ KV from elsewhere
+
+    def reserve(self, request: Request) -> int | None:
+        """Blocks for a request whose prompt KV another worker computed (all_token_ids: the prompt
+        and the first output token). Returns how many leading blocks this worker already caches
+        (those need not be sent), or None when it does not fit now. RequestRejected if never."""
+        self._check_fits(request)
+        if len(self._running) + len(self._reserved) >= self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        computed, num_cached = bm.get_computed_blocks(request)
+        if not bm.allocate_slots(request, request.num_prompt_tokens - num_cached, computed, num_cached):
+            return None
+        request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
+        self._reserved[request.request_id] = request
+        return len(computed)
+
+    def start_imported(self, request_id: str) -> Request:
+        """The reserved request's prompt KV is in its blocks: it decodes from the next step on."""
+        request = self._reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        self._requests[request_id] = request
+        self.block_manager.cache_full_blocks(request)
+        return request
+
+    def cancel_reserved(self, request_id: str) -> Request | None:
+        request = self._reserved.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+        return request
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request as aborted and free its blocks now; None if it is not queued."""
@@ -149,7 +187,7 @@ class Batcher:
             total = len(request.all_token_ids) + request.num_pending_tokens
             if request.num_pending_tokens and (
                     request.num_output_tokens + request.num_pending_tokens >= request.sampling_params.max_tokens
-                    or total >= max_model_len):
+                    or total >= max_model_len or request.handoff):
                 index += 1  # the token in flight is its last: nothing more to compute
                 continue
             if start + 1 == total and start < len(request.block_ids) * block_size:
@@ -251,6 +289,8 @@ class Batcher:
                         request.status = RequestStatus.FINISHED_STOPPED
                     elif num_output >= params.max_tokens or len(tokens) >= max_model_len:
                         request.status = RequestStatus.FINISHED_LENGTH
+                    elif request.handoff:
+                        request.status = RequestStatus.HANDED_OFF
             if status is running and after // block_size != before // block_size:
                 self.block_manager.cache_full_blocks(request)  # a block filled up: make it findable
             if request.status is not status:  # it finished just now

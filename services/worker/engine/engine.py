@@ -19,6 +19,7 @@ from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.kv_pages import empty_pages, gather_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
@@ -45,13 +46,39 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    handoff: Handoff | None = None  # the request stops here; its KV goes to a decode worker
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-_REASONS = {status: status.value for status in FINISHED}
+@dataclass(slots=True)
+class Handoff:
+    """A prefill worker's request after its first token: its prompt's KV as pages, ready to send
+    once `ready()` returns (a GPU copy may still be running when the step returns)."""
+
+    pages: torch.Tensor  # [n, L, 2, block_size, H, D], one page per block of the prompt
+    seed: int
+    num_cached_tokens: int
+    event: object = None  # a CUDA event recorded after the copy
+
+    def ready(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+@dataclass(slots=True)
+class ImportReservation:
+    """Blocks held for a request whose prompt KV another worker sends: the first `skip_blocks`
+    pages are cached here already; `buffer` receives the others."""
+
+    request: Request
+    skip_blocks: int
+    buffer: torch.Tensor
+
+
+_REASONS = {status: status.value for status in FINISHED if status is not RequestStatus.HANDED_OFF}
 
 
 @dataclass(slots=True)
@@ -116,6 +143,7 @@ class LLMEngine:
         self.steps = 0
         self._rng = random.Random(config.seed)
         self._inflight: LaunchedStep | None = None
+        self._imports: dict[str, ImportReservation] = {}
 
     def _blocks_from_memory(self) -> int:
         if not self.config.is_cuda:
@@ -125,23 +153,60 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"") -> Request:
-        """Raises SamplingParamsError or RequestRejected (both ValueError) for bad input."""
+                    eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"", handoff: bool = False) -> Request:
+        """Raises SamplingParamsError or RequestRejected (both ValueError) for bad input. With
+        `handoff` the request stops after its first token and its output carries its KV pages."""
+        request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
+        request.handoff = handoff
+        self.batcher.add_request(request)
+        return request
+
+    def _new_request(self, request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=None) -> Request:
         params.validate(self.model_config.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary ({self.model_config.vocab_size})")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
-                          arrival_time=time.monotonic(), cache_salt=cache_salt,
-                          seed=seed & ((1 << 63) - 1))
-        self.batcher.add_request(request)
-        return request
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
+                       arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
 
     def abort(self, request_id: str) -> bool:
+        if self.cancel_import(request_id):
+            return True
         return self.batcher.abort(request_id) is not None
+
+    # -- KV from another worker (the decode side of a hand-off) ---------------------------------
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                       eos_token_ids: tuple[int, ...], cache_salt: bytes, seed: int,
+                       num_cached_tokens: int = 0) -> ImportReservation | None:
+        """Hold blocks for a request another worker prefilled; None when it does not fit now
+        (ValueError when it never could). The pages go into `.buffer`, then complete_import()."""
+        request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        request.all_token_ids.append(first_token)
+        request.num_cached_tokens = num_cached_tokens
+        skip = self.batcher.reserve(request)
+        if skip is None:
+            return None
+        buffer = empty_pages(self.kv_cache, len(request.block_ids) - skip)
+        reservation = self._imports[request_id] = ImportReservation(request, skip, buffer)
+        return reservation
+
+    def complete_import(self, request_id: str) -> Request:
+        """The buffer holds the pages: write them into the reserved blocks and start decoding."""
+        res = self._imports.pop(request_id)
+        scatter_pages(self.kv_cache, res.request.block_ids[res.skip_blocks:], res.buffer)
+        return self.batcher.start_imported(request_id)
+
+    def cancel_import(self, request_id: str) -> bool:
+        if self._imports.pop(request_id, None) is None:
+            return False
+        self.batcher.cancel_reserved(request_id)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished() or self._inflight is not None
@@ -189,15 +254,30 @@ class LLMEngine:
         sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
                     if s.request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)]
         sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
+        # A hand-off's blocks are freed by the update; their content stays until the next schedule.
+        handoff_blocks = {r.request_id: list(r.block_ids) for _, r in sampling if r.handoff}
         self.batcher.update_from_output(plan, sampled)
-        return [self._output(r, row, result) for row, r in sampling]
+        outputs = [self._output(r, row, result) for row, r in sampling]
+        if handoff_blocks:
+            for out, (_, r) in zip(outputs, sampling):
+                if r.status is RequestStatus.HANDED_OFF:
+                    out.handoff = self._export(r, handoff_blocks[r.request_id])
+        return outputs
+
+    def _export(self, r: Request, block_ids: list[int]) -> Handoff:
+        pages = gather_pages(self.kv_cache, block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)])
+        event = None
+        if pages.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return Handoff(pages, r.seed, r.num_cached_tokens, event)
 
     def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
         tokens = r.all_token_ids
         out = RequestOutput(r.request_id, [tokens[-1]], r.num_prompt_tokens, r.num_cached_tokens,
                             r.num_output_tokens)
         status = r.status
-        if status in FINISHED:
+        if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
             out.finish_reason = _REASONS[status]
             if status is RequestStatus.FINISHED_STOPPED:
                 out.stop_token_id = tokens[-1]

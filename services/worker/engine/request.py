@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # Done here after its first token: a decode worker continues it (prefill/decode disaggregation).
+    HANDED_OFF = "handoff"
 
     @property
     def finished(self) -> bool:
@@ -23,7 +25,7 @@ class RequestStatus(enum.Enum):
 
 
 FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                      RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+                      RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.HANDED_OFF})
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +63,7 @@ class Request:
     # scheduled before the step in flight has returned its token.
     needs_token_history: bool = False
     stop_ids: frozenset[int] = frozenset()  # the ids that stop it (stop_token_ids, and eos unless ignored)
+    handoff: bool = False  # a prefill worker's request: stops after its first token, its KV moves on
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

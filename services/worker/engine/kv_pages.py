@@ -1,0 +1,41 @@
+"""A request's KV as pages: one page is one block's K and V of every layer, [L, 2, block_size, kv_heads,
+head_dim], so a run of pages is one contiguous buffer that moves in one transfer (prefill → decode
+hand-off, the kvstore) and any suffix of it (the blocks a receiver lacks) stays contiguous."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
+from services.worker.engine.model_config import ModelConfig
+
+
+def page_layout(model_id: str, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str:
+    """What a page's bytes mean; two workers exchange pages only when their layouts are equal."""
+    name = str(dtype).removeprefix("torch.")
+    return (f"m={model_id}|dt={name}|bs={block_size}|L={cfg.num_hidden_layers}"
+            f"|H={cfg.num_key_value_heads}|D={cfg.head_dim}")
+
+
+def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return kv_bytes_per_block(cfg, block_size, dtype)
+
+
+def gather_pages(kv: KVCache, block_ids: list[int]) -> torch.Tensor:
+    """A new contiguous [n, L, 2, block_size, H, D] tensor holding these blocks, on the pool's device."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
+    return kv.pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def empty_pages(kv: KVCache, n: int) -> torch.Tensor:
+    """A receive buffer for n pages, on the pool's device (UCX writes GPU memory directly)."""
+    _, _, _, bs, h, d = kv.pool.shape
+    return torch.empty((n, kv.pool.shape[0], 2, bs, h, d), dtype=kv.pool.dtype, device=kv.pool.device)
+
+
+def scatter_pages(kv: KVCache, block_ids: list[int], pages: torch.Tensor) -> None:
+    """Write pages [n, L, 2, bs, H, D] into these blocks of the pool."""
+    if pages.shape[0] != len(block_ids) or pages.shape[1:] != (kv.pool.shape[0], 2, *kv.pool.shape[3:]):
+        raise ValueError(f"pages of shape {tuple(pages.shape)} do not fit {len(block_ids)} blocks of this pool")
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
+    kv.pool.index_copy_(2, idx, pages.to(kv.pool.device).permute(1, 2, 0, 3, 4, 5))

@@ -1,0 +1,130 @@
+"""The engine's two hand-off verbs: a prefill engine stops after the first token and exports the
+prompt's KV as pages; a decode engine reserves blocks, imports the pages and goes on. The tokens
+must be those of one aggregated engine, and transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.sampling_params import SamplingParams
+from tests.models.conftest import eos_ids, hf_greedy, make_engine, random_prompt
+from tests.models.test_transformers_parity import greedy
+
+ARCH = "LlamaForCausalLM"
+LENGTHS = [1, 5, 16, 17, 33, 64, 70]  # one token, partial blocks, exact blocks, several blocks
+
+
+def prefill(engine, rid, prompt, params, eos):
+    engine.add_request(rid, prompt, params, eos, handoff=True)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                return out
+
+
+def hand_off(p_engine, d_engine, rid, prompt, params, eos):
+    """Run the prompt on p_engine, move its KV to d_engine; returns (first output, reservation)."""
+    first = prefill(p_engine, rid, prompt, params, eos)
+    assert first.finish_reason is None and first.handoff is not None
+    first.handoff.ready()
+    res = d_engine.reserve_import(rid, prompt, first.new_token_ids[0], params, eos, b"", first.handoff.seed,
+                                  first.handoff.num_cached_tokens)
+    assert res is not None
+    res.buffer.copy_(first.handoff.pages[res.skip_blocks:])
+    d_engine.complete_import(rid)
+    return first, res
+
+
+def run_all(engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_handed_off_requests_decode_as_one_engine(overlap, model_dirs, hf_models):
+    d = model_dirs[ARCH]
+    eos = eos_ids(d)
+    p_engine = make_engine(d, overlap=overlap, long_prefill_token_threshold=7, max_num_batched_tokens=20)
+    d_engine = make_engine(d, overlap=overlap)
+    vocab = p_engine.model_config.vocab_size
+    prompts = [random_prompt(n, vocab, seed=200 + n) for n in LENGTHS]
+    firsts = {}
+    for i, prompt in enumerate(prompts):
+        first, _ = hand_off(p_engine, d_engine, f"r{i}", prompt, greedy(), eos)
+        firsts[f"r{i}"] = first.new_token_ids
+    rest = run_all(d_engine)
+    aggregated = make_engine(d).generate(prompts, greedy(), eos)
+    for i, prompt in enumerate(prompts):
+        tokens = firsts[f"r{i}"] + rest[f"r{i}"]
+        assert tokens == aggregated[i], i
+        assert tokens == hf_greedy(hf_models(ARCH), prompt, 32, eos), i
+    for e in (p_engine, d_engine):
+        assert e.block_manager.num_free_blocks == e.block_manager.num_total_blocks
+
+
+def test_pages_the_decode_side_caches_are_not_sent(model_dirs):
+    d = model_dirs[ARCH]
+    p_engine, d_engine = make_engine(d), make_engine(d)
+    vocab = p_engine.model_config.vocab_size
+    shared = random_prompt(40, vocab, seed=7)  # two full blocks and a bit
+    hand_off(p_engine, d_engine, "a", shared + [11, 12], greedy(), ())
+    run_all(d_engine)
+    _, res = hand_off(p_engine, d_engine, "b", shared + [13, 14, 15], greedy(), ())
+    assert res.skip_blocks == 2 and res.buffer.shape[0] == 1
+    [expected] = make_engine(d).generate([shared + [13, 14, 15]], greedy())
+    assert run_all(d_engine)["b"] == expected[1:]
+
+
+def test_seeded_sampling_and_logprobs_survive_the_hand_off(model_dirs):
+    d = model_dirs[ARCH]
+    p_engine, d_engine = make_engine(d), make_engine(d)
+    prompt = random_prompt(21, p_engine.model_config.vocab_size, seed=9)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True, logprobs=2)
+    first, _ = hand_off(p_engine, d_engine, "s", prompt, params, ())
+    tokens, logprobs = list(first.new_token_ids), list(first.logprobs)
+    while d_engine.has_unfinished():
+        for o in d_engine.step():
+            tokens += o.new_token_ids
+            logprobs += o.logprobs
+    agg = make_engine(d)
+    agg.add_request("s", prompt, params, ())
+    want_tokens, want_logprobs = [], []
+    while agg.has_unfinished():
+        for o in agg.step():
+            want_tokens += o.new_token_ids
+            want_logprobs += o.logprobs
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-5
+
+
+def test_short_requests_end_on_the_prefill_side(model_dirs):
+    d = model_dirs[ARCH]
+    engine = make_engine(d)
+    out = prefill(engine, "one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), ())
+    assert out.finish_reason == "length" and out.handoff is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_reservations_refused_cancelled_and_aborted(model_dirs):
+    d = model_dirs[ARCH]
+    engine = make_engine(d, num_blocks=6)
+    total = engine.block_manager.num_total_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    big = engine.reserve_import("big", list(range(5, 85)), 3, params, (), b"", 1)  # 80 tokens: 5 blocks
+    assert big is not None and engine.block_manager.num_free_blocks == 1
+    assert engine.reserve_import("more", list(range(5, 45)), 3, params, (), b"", 1) is None  # no room now
+    with pytest.raises(ValueError):  # never fits: more blocks than the pool has
+        engine.reserve_import("huge", list(range(5, 200)), 3, params, (), b"", 1)
+    assert engine.abort("big")  # an abort before the pages arrived frees the reservation
+    assert engine.block_manager.num_free_blocks == total
+    res = engine.reserve_import("c", list(range(5, 25)), 3, params, (), b"", 1)
+    assert engine.cancel_import("c") and not engine.cancel_import("c")
+    assert engine.block_manager.num_free_blocks == total and not engine.has_unfinished()
+    assert res.buffer.shape[0] == 2
+    with pytest.raises(ValueError):
+        engine.reserve_import("bad", [5, 6], 10**9, params, (), b"", 1)
+    torch.testing.assert_close(torch.tensor(engine.block_manager.num_free_blocks), torch.tensor(total))
