@@ -47,7 +47,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4222
-    workers: int = 1
+    workers: int = 1  # mixed workers
+    prefill_workers: int = 0
+    decode_workers: int = 0
     device: str = "cpu"
     api_keys: tuple[str, ...] = ()
     run_dir: Path = Path(".inferno")
@@ -100,13 +102,14 @@ class Stack:
         return self._spawn(f"scheduler-{index}", [sys.executable, "-m", "services.scheduler", *self._common(),
                                                   *self.cfg.scheduler_args], critical=index == 0)
 
-    def start_worker(self, index: int) -> Child:
-        argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", f"worker-{index}",
+    def start_worker(self, index: int, role: str = "mixed") -> Child:
+        name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
+        argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
                 "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
                 "--device", self.cfg.device, *self.cfg.worker_args]
         if self.cfg.emit_only:
             argv.append("--emit-only")
-        return self._spawn(f"worker-{index}", argv, critical=False)
+        return self._spawn(name, argv, critical=False)
 
     def start_gateway(self) -> Child:
         argv = [sys.executable, "-m", "services.gateway", *self._common(), "--host", self.cfg.host,
@@ -122,6 +125,10 @@ class Stack:
         self.start_scheduler()
         for i in range(self.cfg.workers):
             self.start_worker(i)
+        for i in range(self.cfg.prefill_workers):
+            self.start_worker(i, "prefill")
+        for i in range(self.cfg.decode_workers):
+            self.start_worker(i, "decode")
         self.start_gateway()
         self.write_pids()
         return self
@@ -180,10 +187,14 @@ class Stack:
                 self.reported.add(c.name)
 
 
+def is_worker(name: str) -> bool:
+    return name.startswith(("worker", "prefill", "decode"))
+
+
 def stop_rank(name: str) -> int:
     if name == "gateway":
         return 0
-    if name.startswith("worker"):
+    if is_worker(name):
         return 1
     return 3 if name == "nats" else 2
 
@@ -243,7 +254,14 @@ def parse_args(argv):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="mixed workers, prefill and decode in one (default 1, or 0 with prefill/decode workers)")
+    ap.add_argument("--prefill-workers", type=int, default=0,
+                    help="prefill workers: they run prompts and hand the KV to a decode worker (UCXX)")
+    ap.add_argument("--decode-workers", type=int, default=0,
+                    help="decode workers (they also prefill prompts too short to be worth a hand-off)")
+    ap.add_argument("--disagg-min-prefill-tokens", type=int, default=None,
+                    help="the scheduler's threshold for a remote prefill (default: its own, 256)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU: set CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     ap.add_argument("--run-dir", type=Path, default=Path(".inferno"), help="logs, pids.json, JetStream store")
@@ -262,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     api_keys = tuple(args.api_key) or tuple(k for k in os.environ.get("INFERNO_API_KEYS", "").split(",") if k)
     cfg = StackConfig(
         model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
-        host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers,
+        host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        scheduler_args=(("--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens))
+                        if args.disagg_min_prefill_tokens is not None else ()),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
         worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format)
     stack = Stack(cfg)
@@ -284,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(c.critical for c in dead):
                 print("inferno: a critical service died; stopping the stack", file=sys.stderr)
                 return 1
-            if all(c.proc.poll() is not None for c in stack.children if c.name.startswith("worker")):
+            if all(c.proc.poll() is not None for c in stack.children if is_worker(c.name)):
                 print("inferno: no worker is left; stopping the stack", file=sys.stderr)
                 return 1
             time.sleep(0.5)

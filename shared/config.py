@@ -131,11 +131,15 @@ class RouterConfig:
     forward_timeout: float = 2.0  # a worker must acknowledge a forwarded request within this
     affinity_bucket: str = "inferno_affinity"  # JetStream KV bucket: session key → worker id
     affinity_ttl: float = 3600.0
+    # Prefill/decode disaggregation is conditional: a prompt with fewer uncached tokens than this
+    # is prefilled by its decode worker itself (a remote prefill would cost more than it saves).
+    disagg_min_prefill_tokens: int = 256
     scheduler_id: str = field(default_factory=lambda: _new_id("sched"))
 
     def __post_init__(self) -> None:
         _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl", "forward_timeout")
-        _ints(self, "max_waiting")
+        _ints(self, "max_waiting", "disagg_min_prefill_tokens")
+        _non_negative(self, "disagg_min_prefill_tokens")
         _non_negative(self, "retry_after")
         if not 0.0 < self.overload_kv_usage <= 1.0:
             _fail(self, "overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")
@@ -161,9 +165,13 @@ class WorkerServiceConfig:
     drain_timeout: float = 30.0
     emit_only: bool = False  # model-free token emitter, only to measure serving overhead
     emit_step_seconds: float = 0.0  # the emitter's step time (0: as fast as it can)
+    # Where a decode worker's UCXX listener takes KV pages: an address prefill workers can reach.
+    transfer_host: str = "127.0.0.1"
+    handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
+        _positive(self, "handoff_timeout")
         if self.role not in WORKER_ROLES:
             _fail(self, "role", f"must be one of {WORKER_ROLES}, got {self.role!r}")
         if not self.emit_only and not self.model_dir:

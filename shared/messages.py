@@ -72,6 +72,8 @@ class GenerateRequest(Message):
     arrival_time: float = 0.0  # wall-clock seconds at the gateway
     gateway_id: str = ""
     worker_id: str = ""  # set by the scheduler when forwarding; "" from the gateway
+    # Set by the scheduler when worker_id is a prefill worker: it hands the request to this one.
+    decode_worker_id: str = ""
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -81,8 +83,8 @@ class GenerateRequest(Message):
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids) // 4
 
-    def forwarded_to(self, worker_id: str) -> GenerateRequest:
-        return dataclasses.replace(self, worker_id=worker_id)
+    def forwarded_to(self, worker_id: str, decode_worker_id: str = "") -> GenerateRequest:
+        return dataclasses.replace(self, worker_id=worker_id, decode_worker_id=decode_worker_id)
 
     def _check(self) -> None:
         _require(0 < len(self.request_id) <= MAX_ID_CHARS, "request_id must be 1..256 characters")
@@ -355,6 +357,8 @@ class WorkerHeartbeat(Message):
     prefix_cache_hits: int = 0  # tokens, cumulative
     prefix_cache_queries: int = 0  # tokens, cumulative
     max_model_len: int = 0
+    kv_handoffs: int = 0  # cumulative: requests handed on (prefill role) or taken over (decode role)
+    kv_handoff_bytes: int = 0  # cumulative page bytes of those hand-offs
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

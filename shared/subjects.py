@@ -5,9 +5,22 @@
 | {p}.generate                    | GenerateRequest | gateway → scheduler           | request/reply |
 | {p}.worker.{worker_id}.generate | GenerateRequest | scheduler → worker            | publish       |
 | {p}.worker.{worker_id}.abort    | AbortRequest    | gateway → worker              | publish       |
+| {p}.worker.{worker_id}.handoff  | KvHandoffOffer  | prefill worker → decode worker | request/reply |
 | {p}.heartbeat                   | WorkerHeartbeat | worker → schedulers, gateways | publish       |
 | {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
 | {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
+
+The kvstore's control (MessagePack, shared/kvstore_messages.py; one kvstore per prefix; the page
+data itself moves over UCXX, shared/kv_transfer.py):
+
+| subject             | request → reply                   | from → to        | pattern       |
+|---------------------|-----------------------------------|------------------|---------------|
+| {p}.kvstore.lookup  | KvLookupRequest → KvLookupReply   | worker → kvstore | request/reply |
+| {p}.kvstore.put     | KvPutRequest → KvPutReply         | worker → kvstore | request/reply |
+| {p}.kvstore.commit  | KvCommitRequest → KvCommitReply   | worker → kvstore | request/reply |
+| {p}.kvstore.get     | KvGetRequest → KvGetReply         | worker → kvstore | request/reply |
+| {p}.kvstore.release | KvReleaseRequest → KvReleaseReply | worker → kvstore | request/reply |
+| {p}.kvstore.stats   | KvStatsRequest → KvStatsReply     | anyone → kvstore | request/reply |
 
 The public NATS API (JSON bodies and headers, not MessagePack: its contract is shared/nats_api.py):
 
@@ -67,6 +80,10 @@ def worker_abort(prefix: str, worker_id: str) -> str:
     return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.abort"
 
 
+def worker_handoff(prefix: str, worker_id: str) -> str:
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.handoff"
+
+
 def heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.heartbeat"
 
@@ -82,6 +99,16 @@ def gateway_inbox(prefix: str, gateway_id: str) -> str:
 def api(prefix: str, name: str) -> str:
     """A subject of the public NATS API: "chat.completions", "completions", "models", "cancel", "keepalive"."""
     return f"{check_prefix(prefix)}.api.{API_VERSION}.{name}"
+
+
+KVSTORE_VERBS = ("lookup", "put", "commit", "get", "release", "stats")
+
+
+def kvstore(prefix: str, verb: str) -> str:
+    """A subject of the kvstore's control: one of KVSTORE_VERBS."""
+    if verb not in KVSTORE_VERBS:
+        raise ValueError(f"kvstore verb {verb!r} must be one of {KVSTORE_VERBS}")
+    return f"{check_prefix(prefix)}.kvstore.{verb}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,3 +160,6 @@ class Subjects:
     @property
     def api_keepalive(self) -> str:
         return api(self.prefix, "keepalive")
+
+    def kvstore(self, verb: str) -> str:
+        return kvstore(self.prefix, verb)

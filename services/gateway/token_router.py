@@ -107,11 +107,17 @@ class TokenRouter:
     def on_batch(self, batch: TokenBatch) -> None:
         streams = self._streams
         ready = self._ready
+        wid = batch.worker_id
         for item in batch.items:
-            stream = streams.get(item.request_id)
+            rid = item.request_id
+            stream = streams.get(rid)
             if stream is None:
                 self.unknown_deltas += 1
-            elif stream.inbox.add(item):
+                continue
+            if stream.workers.get(rid, wid) != wid:
+                # Handed from a prefill to a decode worker: aborts and liveness follow the request.
+                stream.workers[rid] = wid
+            if stream.inbox.add(item):
                 ready.append(stream.inbox)
         if ready and not self._delivery_scheduled:
             self._delivery_scheduled = True

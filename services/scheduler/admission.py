@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from services.scheduler.registry import WorkerState
 from shared.messages import RouteReply
 
-SERVING_ROLE = "mixed"  # the only role that serves a whole request until prefill/decode pairs are chosen
+# Roles that serve a request to its end: a decode worker also prefills the prompts too short to be
+# worth a remote prefill. Prefill workers are chosen beside one of these (services/scheduler/disagg.py).
+SERVING_ROLES = ("mixed", "decode")
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,8 +30,8 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
           retry_after: float) -> list[WorkerState] | Rejection:
     """The workers that may take this request now, or why none may.
 
-    503 when no worker is live or none of the model is serving (not ready, draining, or no mixed
-    role); 404 when no live worker serves the model at all; 400 when the prompt does not fit any
+    503 when no worker is live or none of the model is serving (not ready, draining, or only
+    prefill workers); 404 when no live worker serves the model at all; 400 when the prompt does not fit any
     serving worker's context; 429 when every one that fits has max_waiting requests queued.
     """
     live = list(live)
@@ -38,7 +40,7 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
     of_model = [w for w in live if w.model == model]
     if not of_model:
         return Rejection(404, "model_not_found", f"The model `{model}` does not exist.")
-    serving = [w for w in of_model if w.role == SERVING_ROLE and w.accepts_work]
+    serving = [w for w in of_model if w.role in SERVING_ROLES and w.accepts_work]
     if not serving:
         return Rejection(503, "service_unavailable", "no worker is available", retry_after)
     # Both sides count a prompt that leaves no room for one new token as too long.

@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="JetStream KV bucket of session → worker")
     ap.add_argument("--affinity-ttl", type=float, default=d["affinity_ttl"].default,
                     help="seconds a session mapping lives after its last write")
+    ap.add_argument("--disagg-min-prefill-tokens", type=int, default=d["disagg_min_prefill_tokens"].default,
+                    help="with prefill workers present, prompts with fewer uncached tokens are prefilled by "
+                         "their decode worker")
     ap.add_argument("--scheduler-id", default=None)
     ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
     ap.add_argument("--log-level", default=env_default("INFERNO_LOG_LEVEL", "INFO"))
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("scheduler", json=args.log_format == "json", level=args.log_level)
     kwargs = dict(heartbeat_ttl=args.heartbeat_ttl, max_waiting=args.max_waiting,
                   overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
-                  affinity_ttl=args.affinity_ttl)
+                  affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens)
     if args.scheduler_id:
         kwargs["scheduler_id"] = args.scheduler_id
     try:

@@ -13,6 +13,7 @@ from nats.aio.subscription import Subscription
 from services.scheduler.admission import Rejection
 from services.scheduler.affinity import SessionAffinity
 from services.scheduler.registry import Registry, WorkerState
+from services.scheduler.disagg import choose_prefill
 from services.scheduler.router import Choice, Router
 from shared.config import RouterConfig
 from shared.errors import ServiceError, ServiceUnavailable
@@ -35,6 +36,7 @@ class SchedulerStats:
     routed: int = 0
     sticky: int = 0  # of routed: sent to the session's worker
     cached_tokens: int = 0  # of routed: prompt tokens found cached on the chosen worker
+    disaggregated: int = 0  # of routed: prefilled by a prefill worker, then handed to a decode worker
     prompt_tokens: int = 0
     rejected: dict[int, int] = field(default_factory=dict)  # HTTP status → count
     errors: int = 0  # handler failures answered with 500
@@ -138,14 +140,20 @@ class Scheduler:
                     self.stats.rejected[result.status] = self.stats.rejected.get(result.status, 0) + 1
                     return result.to_reply()
                 worker = result.worker
+                prefill = choose_prefill(self.registry.live(self.clock()), result, req,
+                                         self.cfg.disagg_min_prefill_tokens)
+                target, forwarded = worker, req.forwarded_to(worker.worker_id)
+                if prefill is not None:  # the prefill worker takes it and hands it to `worker`
+                    prefill.worker.note_routed(req.num_prompt_tokens)
+                    target, forwarded = prefill.worker, req.forwarded_to(prefill.worker.worker_id, worker.worker_id)
                 try:
-                    ack = await self.conn.request(worker.heartbeat.generate_subject, req.forwarded_to(worker.worker_id),
+                    ack = await self.conn.request(target.heartbeat.generate_subject, forwarded,
                                                   RouteReply, timeout=self.cfg.forward_timeout)
                 except ServiceUnavailable:
                     ack = None
                 if ack is not None and ack.ok:
                     break
-                self.registry.suspend(worker.worker_id)
+                self.registry.suspend(target.worker_id)
             else:
                 return RouteReply.rejected(503, "service_unavailable", "no worker took the request", self.cfg.retry_after)
         except ServiceError as e:  # e.g. the NATS connection went down between decision and forward
@@ -160,7 +168,8 @@ class Scheduler:
         s.sticky += result.sticky
         s.cached_tokens += result.cached_tokens
         s.prompt_tokens += req.num_prompt_tokens
-        return RouteReply.accepted(worker.worker_id)
+        s.disaggregated += prefill is not None
+        return RouteReply.accepted(target.worker_id)
 
     async def route(self, req: GenerateRequest) -> Choice | Rejection:
         """Admission, then the session's worker if it can take the request, else the least-cost one."""

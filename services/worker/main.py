@@ -33,6 +33,10 @@ def parse_args(argv):
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--overlap", action="store_true", default=env_default("INFERNO_OVERLAP", False),
                     help="plan and launch step N+1 before reading step N's tokens")
+    ap.add_argument("--kv-transfer-host", default=env_default("INFERNO_KV_TRANSFER_HOST", "127.0.0.1"),
+                    help="decode role: the address prefill workers reach this worker's UCXX listener at")
+    ap.add_argument("--handoff-timeout", type=float, default=10.0,
+                    help="seconds a prefill → decode hand-off may take before the request fails")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
-                  emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds)
+                  emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
+                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

@@ -8,10 +8,13 @@ from collections import defaultdict
 
 import structlog
 
+from services.worker.handoff import HandoffReceiver, HandoffSender
 from services.worker.step_loop import AbortCommand, AddCommand, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
+from shared.handoff_messages import KvHandoffOffer
+from shared.kv_transfer import TransferClient
 from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
                              WorkerHeartbeat)
 from shared.wire import encode
@@ -36,7 +39,12 @@ class WorkerService:
         self.block_size = block_size
         self.generate_subject = subjects.worker_generate(prefix, cfg.worker_id)
         self.abort_subject = subjects.worker_abort(prefix, cfg.worker_id)
-        self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events)
+        self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
+        self.handoff_subject = subjects.worker_handoff(prefix, cfg.worker_id)
+        self.sender: HandoffSender | None = None  # prefill role
+        self.receiver: HandoffReceiver | None = None  # decode role
+        self.transfer_server = None
+        self._transfer_client: TransferClient | None = None
         self.draining = False
         self.seq = 0
         self.kv_seq = 0
@@ -50,15 +58,41 @@ class WorkerService:
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._start_handoff()
         self.loop_thread.start()
         await self.conn.subscribe(self.generate_subject, GenerateRequest, self._on_generate)
         await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
+        if self.receiver is not None:
+            await self.conn.subscribe(self.handoff_subject, KvHandoffOffer, self.receiver.on_offer, concurrency=64)
         self._tasks.append(asyncio.create_task(self._heartbeats()))
         log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
+
+    def _start_handoff(self) -> None:
+        """The prefill role pushes KV pages, the decode role listens for them (UCXX)."""
+        role = self.cfg.role
+        if role == "mixed" or not hasattr(self.loop_thread.engine, "kv_cache"):
+            return
+        from services.worker.engine.kv_pages import page_bytes, page_layout
+        from shared.kv_transfer import TransferClient, TransferServer
+
+        engine = self.loop_thread.engine
+        layout = page_layout(self.cfg.model_name, engine.model_config, self.block_size, engine.dtype)
+        size = page_bytes(engine.model_config, self.block_size, engine.dtype)
+        if role == "prefill":
+            self._transfer_client = TransferClient()
+            self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
+                                        self._transfer_client, self.cfg.handoff_timeout)
+        else:
+            self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout)
+            self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
+                                                  host=self.cfg.transfer_host).start()
+            self.receiver.address = self.transfer_server.address
 
     async def drain(self, timeout: float) -> None:
         """Stop taking work, let in-flight requests finish, abort what is left at the deadline."""
         self.draining = True
+        if self.receiver is not None:
+            self.receiver.accepting = False
         await self._publish_heartbeat()
         deadline = time.monotonic() + timeout
         while self.loop_thread.engine.has_unfinished() and time.monotonic() < deadline:
@@ -77,24 +111,41 @@ class WorkerService:
         self.loop_thread.stop()
         for task in self._tasks:
             task.cancel()
+        if self.transfer_server is not None:
+            await self.transfer_server.close()
+        if self._transfer_client is not None:
+            await self._transfer_client.close()
 
     # -- NATS handlers (event loop) ---------------------------------------------------------------
     def _on_generate(self, msg: GenerateRequest) -> RouteReply:
         """Acknowledge at once (the scheduler waits for it); the step thread does the rest."""
         if self.draining:
             return RouteReply.rejected(503, "service_unavailable", "the worker is draining", 1.0)
+        handoff = bool(msg.decode_worker_id) and self.sender is not None
+        if handoff:
+            self.sender.remember(msg)
         self.loop_thread.submit(AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(),
-                                           msg.reply_to, msg.cache_salt.encode()))
+                                           msg.reply_to, msg.cache_salt.encode(), handoff))
         return RouteReply.accepted(self.cfg.worker_id)
 
     async def _on_abort(self, msg: AbortRequest) -> None:
-        self.loop_thread.submit(AbortCommand(list(msg.request_ids)))
+        rids = list(msg.request_ids)
+        self.loop_thread.submit(AbortCommand(rids))
+        if self.receiver is not None:
+            self.receiver.abort(rids)
+        if self.sender is not None:
+            await self.sender.forward_aborts(rids)
 
     # -- outputs (called on the step thread) ------------------------------------------------------
     def _on_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
         """`finished`: some request ended this step, freeing load the scheduler should know of."""
         # Packed on the event loop: it runs while the step thread waits on the GPU (GIL released).
         self._loop.call_soon_threadsafe(self._publish_outputs, outputs, routes, finished)
+
+    def _on_handoff(self, output) -> None:
+        """A prefill finished: its first token is in this step's outputs; hand the rest on."""
+        if self.sender is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.sender.send(output)))
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
@@ -166,4 +217,11 @@ class WorkerService:
             kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, block_size=self.block_size,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
-            max_model_len=self.max_model_len))
+            max_model_len=self.max_model_len, **self._handoff_counts()))
+
+    def _handoff_counts(self) -> dict:
+        if self.sender is not None:
+            return {"kv_handoffs": self.sender.stats["handoffs"], "kv_handoff_bytes": self.sender.stats["bytes"]}
+        if self.receiver is not None:
+            return {"kv_handoffs": self.receiver.stats["imports"], "kv_handoff_bytes": self.receiver.stats["bytes"]}
+        return {}

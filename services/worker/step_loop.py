@@ -29,6 +29,30 @@ class AddCommand:
     params: SamplingParams
     reply_to: str
     cache_salt: bytes = b""
+    handoff: bool = False  # a prefill worker's request: stop after the first token, hand the KV on
+
+
+@dataclass(slots=True)
+class ReserveCommand:
+    """Hold blocks for a request another worker prefilled; `reply` gets the ImportReservation,
+    None (no room now) or an error message, on the step thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    cache_salt: bytes
+    seed: int
+    num_cached_tokens: int
+    reply: Callable[[object], None]
+
+
+@dataclass(slots=True)
+class ImportCommand:
+    """The reserved request's pages have arrived: write them in and decode on, sending to reply_to."""
+
+    request_id: str
+    reply_to: str
 
 
 @dataclass(slots=True)
@@ -47,11 +71,13 @@ class Rejected:
 
 class StepLoop(threading.Thread):
     def __init__(self, engine, on_outputs: Callable[[list, dict[str, str], bool], None], eos_token_ids=(),
-                 on_kv_events: Callable[[list, list], None] | None = None):
+                 on_kv_events: Callable[[list, list], None] | None = None,
+                 on_handoff: Callable[[object], None] | None = None):
         super().__init__(name="step-loop", daemon=True)
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_kv_events = on_kv_events
+        self.on_handoff = on_handoff
         self.block_manager = getattr(engine, "block_manager", None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -84,10 +110,13 @@ class StepLoop(threading.Thread):
                 continue
             routes = {o.request_id: self.reply_to.get(o.request_id, "") for o in outputs}
             finished = False
+            handoffs = []
             for o in outputs:
-                if o.finished:
+                if o.finished or o.handoff is not None:
                     finished = True
                     self.reply_to.pop(o.request_id, None)
+                    if o.handoff is not None:
+                        handoffs.append(o)
             # A finish frees load the scheduler should see at once (the service sends it).
             self._refresh_stats(force=finished and time.monotonic() - self._stats_at >= FINISH_STATS_GAP)
             # KV events first: the service sends them ahead of the tokens that end a request.
@@ -97,6 +126,10 @@ class StepLoop(threading.Thread):
                     self.on_kv_events(stored, removed)
             if outputs:
                 self.on_outputs(outputs, routes, finished)
+            # After the outputs: the first token reaches the gateway before the KV moves on.
+            for o in handoffs:
+                if self.on_handoff is not None:
+                    self.on_handoff(o)
         self.stats = self.engine.stats()
 
     def _drain(self, block: bool) -> list[Rejected]:
@@ -109,10 +142,24 @@ class StepLoop(threading.Thread):
             if isinstance(command, AddCommand):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            self.eos_token_ids, command.cache_salt)
+                                            self.eos_token_ids, command.cache_salt, handoff=command.handoff)
                     self.reply_to[command.request_id] = command.reply_to
                 except ValueError as e:
                     rejected.append(Rejected(command.request_id, command.reply_to, str(e)))
+            elif isinstance(command, ReserveCommand):
+                c = command
+                try:
+                    result = self.engine.reserve_import(c.request_id, c.prompt_token_ids, c.first_token, c.params,
+                                                        self.eos_token_ids, c.cache_salt, c.seed, c.num_cached_tokens)
+                except ValueError as e:
+                    result = str(e)
+                c.reply(result)
+            elif isinstance(command, ImportCommand):
+                try:
+                    self.engine.complete_import(command.request_id)
+                    self.reply_to[command.request_id] = command.reply_to
+                except KeyError:  # cancelled (aborted or expired) before its pages arrived
+                    pass
             elif isinstance(command, AbortCommand):
                 for rid in command.request_ids:
                     self.engine.abort(rid)

@@ -19,15 +19,17 @@ def tiny_model(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("e2e-model") / "tiny", preset="tiny", seed=0, dtype="float32")
 
 
-def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), scheduler_args=()) -> Stack:
+def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), scheduler_args=(),
+                prefill_workers=0, decode_workers=0) -> Stack:
     cfg = StackConfig(model_dir=model_dir, model_name=MODEL_NAME, port=free_port(), nats_port=free_port(),
-                      workers=workers, api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json",
+                      workers=workers, prefill_workers=prefill_workers, decode_workers=decode_workers,
+                      api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json",
                       worker_args=("--num-blocks", "256", "--heartbeat-interval", "0.5", *worker_args),
                       gateway_args=("--max-body-bytes", "65536"), scheduler_args=tuple(scheduler_args))
     stack = Stack(cfg).start()
     try:
         stack.wait_ready(timeout=120)
-        wait_workers(stack, workers)
+        wait_workers(stack, workers + prefill_workers + decode_workers)
     except Exception:
         stack.stop()
         raise

@@ -1,0 +1,36 @@
+"""Disaggregated routing: the prefill worker that goes with a chosen decode worker, if any should.
+
+A request's decode side is chosen as always (session, prefix overlap, load). A remote prefill then
+pays only when the decode worker is a `decode` one and the prompt's uncached part is long enough
+to be worth moving KV for (Dynamo's conditional disaggregation); otherwise the decode worker
+prefills it itself. Among prefill workers of the model the cheapest wins: uncached prompt tokens
+on it plus its queued prefill, ties to fewer waiting requests, then the smaller id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.scheduler.registry import WorkerState
+from services.scheduler.router import Choice, cached_tokens, request_cost
+from shared.messages import GenerateRequest
+
+PREFILL_ROLE = "prefill"
+
+
+def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateRequest,
+                   min_prefill_tokens: int) -> Choice | None:
+    """The prefill worker for this request, or None when its decode worker should prefill it."""
+    if decode.worker.role != "decode":
+        return None
+    if req.num_prompt_tokens - decode.cached_tokens < max(min_prefill_tokens, 1):
+        return None
+    pool = [w for w in live if w.role == PREFILL_ROLE and w.model == req.model and w.accepts_work
+            and (not w.heartbeat.max_model_len or req.num_prompt_tokens < w.heartbeat.max_model_len)]
+    if not pool:
+        return None
+    cached = cached_tokens(pool, req)
+    n = req.num_prompt_tokens
+    keys = [(request_cost(n, c, w.load_tokens), w.num_waiting, w.worker_id) for w, c in zip(pool, cached)]
+    best = min(range(len(pool)), key=keys.__getitem__)
+    return Choice(pool[best], cached[best], keys[best][0])

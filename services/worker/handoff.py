@@ -1,0 +1,178 @@
+"""The prefill → decode hand-off, both ends. Control on NATS (offer → reply), pages over UCXX.
+
+Prefill side: the first token has streamed to the gateway already (TTFT never waits for the
+transfer); the request's prompt KV, exported as pages, is offered to the decode worker the
+scheduler chose; that worker reserves blocks (skipping the pages it caches already) and answers
+with its UCXX address; the pages are pushed in one message. A refusal or a failed transfer ends
+the request with a clean error. Decode side: the reservation, the receive buffer the pages land
+in, the import into the step loop, and an expiry for offers whose pages never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+
+from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
+from shared import subjects
+from shared.errors import ServiceError
+from shared.handoff_messages import KvHandoffOffer, KvHandoffReply
+from shared.kv_transfer import TransferClient, TransferError, nbytes_of
+from shared.messages import AbortRequest, GenerateRequest, TokenBatch, TokenDelta
+
+log = structlog.get_logger("worker.handoff")
+
+FORWARD_ABORTS_FOR = 600.0  # seconds a prefill worker forwards a handed-off request's aborts
+
+
+class HandoffSender:
+    """The prefill worker's side: owns the requests it must hand on, and their transfers."""
+
+    def __init__(self, conn, prefix: str, worker_id: str, layout: str, page_bytes: int,
+                 transfer: TransferClient, timeout: float = 10.0):
+        self.conn, self.prefix, self.worker_id = conn, prefix, worker_id
+        self.layout, self.page_bytes, self.timeout = layout, page_bytes, timeout
+        self.transfer = transfer
+        self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
+        self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    def remember(self, msg: GenerateRequest) -> None:
+        self.pending[msg.request_id] = msg
+
+    def decode_worker_of(self, request_id: str) -> str | None:
+        entry = self.handed.get(request_id)
+        return entry[0] if entry else None
+
+    async def forward_aborts(self, request_ids: list[str]) -> None:
+        """An abort that reaches the prefill worker after the hand-off belongs to the decode worker."""
+        now = time.monotonic()
+        for rid, (_, at) in list(self.handed.items()):
+            if now - at > FORWARD_ABORTS_FOR:
+                del self.handed[rid]
+        by_worker: dict[str, list[str]] = {}
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+            if (wid := self.decode_worker_of(rid)) is not None:
+                by_worker.setdefault(wid, []).append(rid)
+        for wid, rids in by_worker.items():
+            await self.conn.publish(subjects.worker_abort(self.prefix, wid), AbortRequest(request_ids=rids))
+
+    async def send(self, output) -> None:
+        """Hand one request on; never raises (a failure ends the request with an error)."""
+        msg = self.pending.pop(output.request_id, None)
+        if msg is None:
+            return  # aborted meanwhile
+        t0 = time.perf_counter()
+        handoff = output.handoff
+        try:
+            await asyncio.to_thread(handoff.ready)
+            offer = KvHandoffOffer(request=msg, first_token=output.new_token_ids[0], seed=handoff.seed,
+                                   num_cached_tokens=handoff.num_cached_tokens, layout=self.layout,
+                                   page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
+                                   prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex)
+            reply = await self.conn.request(subjects.worker_handoff(self.prefix, msg.decode_worker_id), offer,
+                                            KvHandoffReply, timeout=self.timeout)
+            if not reply.accepted:
+                raise HandoffRefused(reply.reason)
+            pages = handoff.pages[reply.skip_pages:]
+            await self.transfer.call(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
+                                     pages if pages.shape[0] else None, timeout=self.timeout)
+        except (ServiceError, TransferError, HandoffRefused, asyncio.TimeoutError) as e:
+            self.stats["failed"] += 1
+            log.warning("handoff_failed", request_id=msg.request_id, decode_worker=msg.decode_worker_id, error=str(e))
+            await self.conn.publish(msg.reply_to, TokenBatch.of(self.worker_id, [TokenDelta(
+                request_id=msg.request_id, finish_reason="error",
+                error=f"the decode worker could not take the request: {e}")]))
+            return
+        self.handed[msg.request_id] = (msg.decode_worker_id, time.monotonic())
+        self.stats["handoffs"] += 1
+        self.stats["bytes"] += nbytes_of(pages)
+        self.stats["seconds"] += time.perf_counter() - t0
+
+
+class HandoffRefused(RuntimeError):
+    pass
+
+
+class HandoffReceiver:
+    """The decode worker's side: reservations by transfer id, and the UCXX handler their pages hit."""
+
+    def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0):
+        self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
+        self.address, self.ttl = address, ttl
+        self.accepting = True
+        self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
+        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0}
+
+    async def on_offer(self, offer: KvHandoffOffer) -> KvHandoffReply:
+        refusal = self._check(offer)
+        if refusal:
+            self.stats["refused"] += 1
+            return KvHandoffReply(accepted=False, reason=refusal)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        req = offer.request
+        self.step_loop.submit(ReserveCommand(
+            req.request_id, req.prompt_token_ids, offer.first_token, req.sampling.to_params(),
+            req.cache_salt.encode(), offer.seed, offer.num_cached_tokens,
+            lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+        result = await done
+        if result is None or isinstance(result, str):
+            self.stats["refused"] += 1
+            return KvHandoffReply(accepted=False, reason=result or "no free KV blocks on the decode worker")
+        if result.skip_blocks + result.buffer.shape[0] != offer.num_pages:
+            self.step_loop.submit(AbortCommand([req.request_id]))
+            return KvHandoffReply(accepted=False, reason="page count disagrees with the prompt length")
+        expiry = loop.call_later(self.ttl, self._expire, offer.transfer_id)
+        self.waiting[offer.transfer_id] = (offer, result, expiry)
+        return KvHandoffReply(accepted=True, skip_pages=result.skip_blocks, address=self.address)
+
+    def _check(self, offer: KvHandoffOffer) -> str:
+        if not self.accepting:
+            return "the decode worker is draining"
+        if offer.layout != self.layout or offer.page_bytes != self.page_bytes:
+            return f"KV layout {offer.layout!r} differs from this worker's {self.layout!r}"
+        return ""
+
+    def _expire(self, transfer_id: str) -> None:
+        entry = self.waiting.pop(transfer_id, None)
+        if entry is not None:
+            self.stats["expired"] += 1
+            self.step_loop.submit(AbortCommand([entry[0].request.request_id]))
+
+    def allocate(self, header: dict):
+        """Where a pushed frame's pages land: the reservation's buffer (on the GPU when there is one)."""
+        entry = self.waiting.get(header.get("transfer_id"))
+        if entry is None or nbytes_of(entry[1].buffer) != header["nbytes"]:
+            return None  # unknown or expired: kv_transfer drains the bytes and refuses them
+        return entry[1].buffer
+
+    async def on_frame(self, header: dict, payload) -> tuple[dict, None]:
+        if header.get("op") != "kv_handoff":
+            return {"error": f"unknown op {header.get('op')!r}"}, None
+        entry = self.waiting.pop(header.get("transfer_id"), None)
+        if entry is None:
+            return {"error": "no reservation for this transfer (expired or aborted)"}, None
+        offer, reservation, expiry = entry
+        expiry.cancel()
+        self.stats["imports"] += 1
+        self.stats["bytes"] += header["nbytes"]
+        self.step_loop.submit(ImportCommand(offer.request.request_id, offer.request.reply_to))
+        return {"ok": True}, None
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts of requests still waiting for their pages drop the reservation at once."""
+        wanted = set(request_ids)
+        for tid, (offer, _, expiry) in list(self.waiting.items()):
+            if offer.request.request_id in wanted:
+                expiry.cancel()
+                del self.waiting[tid]
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)

@@ -1,0 +1,51 @@
+"""The prefill → decode hand-off's control messages on NATS (the pages themselves move over UCXX)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import MessageError
+from shared.messages import GenerateRequest
+from shared.wire import Message, register
+
+MAX_PAGES = 1 << 20
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class KvHandoffOffer(Message):
+    """prefill worker → decode worker (request/reply on worker_handoff): take this request, whose
+    prompt is prefilled and first token sampled; its KV is `num_pages` pages of `page_bytes`."""
+
+    TYPE = "kv_handoff_offer"
+    VERSION = 1
+
+    request: GenerateRequest
+    first_token: int
+    seed: int  # the resolved sampling seed, so seeded draws go on as on one worker
+    num_cached_tokens: int  # prompt tokens the prefill worker found cached (usage reports them)
+    layout: str  # kv_pages.page_layout: pages are exchanged only between equal layouts
+    page_bytes: int
+    num_pages: int
+    prefill_worker_id: str
+    transfer_id: str
+
+    def _check(self) -> None:
+        if not (0 <= self.first_token and 0 < self.num_pages <= MAX_PAGES and self.page_bytes > 0
+                and self.transfer_id and self.layout):
+            raise MessageError("kv_handoff_offer: first_token, num_pages, page_bytes, transfer_id, layout")
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class KvHandoffReply(Message):
+    """decode worker → prefill worker: accepted (send pages[skip_pages:] to `address` over UCXX
+    with the offer's transfer_id), or refused with a reason (no room, another layout, draining)."""
+
+    TYPE = "kv_handoff_reply"
+    VERSION = 1
+
+    accepted: bool
+    skip_pages: int = 0
+    address: str = ""
+    reason: str = ""

@@ -1,0 +1,131 @@
+"""Prefill/decode disaggregation through the whole stack: the scheduler pairs a prefill and a decode
+worker, the prefill worker streams the first token and pushes the prompt's KV over UCXX (loopback),
+the decode worker goes on. Answers must equal an aggregated worker's, and every worker's KV blocks
+must come back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared import subjects
+from shared.messages import WorkerHeartbeat
+from shared.wire import decode
+from tests.e2e.conftest import MODEL_NAME, start_stack
+
+pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 3,
+           "A longer prompt that spans several KV blocks of sixteen tokens each, with a partial last block "
+           "at the end of it all, so the hand-off moves whole pages and one partly filled page. " * 2]
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("agg"), tiny_model)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_stack(tiny_model, tmp_path_factory):
+    # Every prompt is prefilled remotely (threshold 1), so each request is handed off.
+    s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1, decode_workers=2,
+                    scheduler_args=("--disagg-min-prefill-tokens", "1"))
+    yield s
+    s.stop()
+
+
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def completion(stack, prompt, **kw):
+    r = client(stack).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                         logprobs=1, **kw)
+    return r
+
+
+def heartbeats(stack, seconds: float = 1.5) -> dict[str, WorkerHeartbeat]:
+    """The latest heartbeat of every worker, read off NATS as the scheduler does."""
+    import nats
+
+    async def collect():
+        nc = await nats.connect(stack.nats_url)
+        latest: dict[str, WorkerHeartbeat] = {}
+
+        async def on(msg):
+            hb = decode(WorkerHeartbeat, msg.data)
+            latest[hb.worker_id] = hb
+
+        await nc.subscribe(subjects.heartbeat(), cb=on)
+        await asyncio.sleep(seconds)
+        await nc.close()
+        return latest
+
+    return asyncio.run(collect())
+
+
+def wait_blocks_free(stack, timeout: float = 10.0) -> dict[str, WorkerHeartbeat]:
+    deadline = time.monotonic() + timeout
+    while True:
+        hbs = heartbeats(stack)
+        if hbs and all(hb.num_free_blocks == hb.num_total_blocks and hb.num_running == 0 for hb in hbs.values()):
+            return hbs
+        if time.monotonic() > deadline:
+            raise AssertionError({w: (hb.num_free_blocks, hb.num_total_blocks, hb.num_running)
+                                  for w, hb in hbs.items()})
+
+
+def test_completions_equal_the_aggregated_worker(pd_stack, aggregated):
+    for prompt in PROMPTS:
+        ours, ref = completion(pd_stack, prompt), completion(aggregated, prompt)
+        assert ours.choices[0].text == ref.choices[0].text
+        assert ours.usage.prompt_tokens == ref.usage.prompt_tokens
+        assert ours.usage.completion_tokens == ref.usage.completion_tokens == 24
+        a, b = ours.choices[0].logprobs.token_logprobs, ref.choices[0].logprobs.token_logprobs
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    hbs = wait_blocks_free(pd_stack)
+    assert hbs["prefill-0"].kv_handoffs >= len(PROMPTS)
+    assert hbs["decode-0"].kv_handoffs + hbs["decode-1"].kv_handoffs >= len(PROMPTS)
+    assert hbs["prefill-0"].kv_handoff_bytes > 0
+
+
+def test_streamed_chat_with_n_equals_the_aggregated_worker(pd_stack, aggregated):
+    def run(stack):
+        stream = client(stack).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=20, temperature=0,
+            n=2, stream=True, stream_options={"include_usage": True})
+        texts = {0: "", 1: ""}
+        usage = None
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+            usage = chunk.usage or usage
+        return texts, usage
+
+    (ours, usage), (ref, ref_usage) = run(pd_stack), run(aggregated)
+    assert ours == ref and ours[0] == ours[1]
+    assert usage.completion_tokens == ref_usage.completion_tokens == 40
+    wait_blocks_free(pd_stack)
+
+
+def test_seeded_sampling_equals_the_aggregated_worker(pd_stack, aggregated):
+    kw = dict(temperature=0.9, top_p=0.95, seed=7)
+    ours = client(pd_stack).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, **kw)
+    ref = client(aggregated).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, **kw)
+    assert ours.choices[0].text == ref.choices[0].text
+
+
+def test_a_client_that_leaves_mid_stream_frees_both_sides(pd_stack):
+    stream = client(pd_stack).completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=1500,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    wait_blocks_free(pd_stack, timeout=15)
