@@ -117,6 +117,8 @@ class TokenRouter:
             if stream.workers.get(rid, wid) != wid:
                 # Handed from a prefill to a decode worker: aborts and liveness follow the request.
                 stream.workers[rid] = wid
+                if not item.token_ids and item.finish_reason is None:
+                    continue  # the prefill worker's notice of the hand-off: nothing to show
             if stream.inbox.add(item):
                 ready.append(stream.inbox)
         if ready and not self._delivery_scheduled:

@@ -89,6 +89,9 @@ class HandoffSender:
                 error=f"the decode worker could not take the request: {e}")]))
             return
         self.handed[msg.request_id] = (msg.decode_worker_id, time.monotonic())
+        # Tell the gateway the request lives on the decode worker now (before that worker's first
+        # tokens), so it notices if that worker dies and sends aborts there.
+        await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
         self.stats["handoffs"] += 1
         self.stats["bytes"] += nbytes_of(pages)
         self.stats["seconds"] += time.perf_counter() - t0

@@ -129,3 +129,85 @@ def test_a_client_that_leaves_mid_stream_frees_both_sides(pd_stack):
             break
     stream.close()
     wait_blocks_free(pd_stack, timeout=15)
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def stream_until_killed(stack, victim: str, prompt: str, kill_after_chunks: int):
+    """Streams a long completion and SIGKILLs `victim` after some chunks; returns (outcome, seconds
+    from the kill to the end of the stream)."""
+    import openai
+
+    c = client(stack)
+    killed_at = None
+    try:
+        for i, _ in enumerate(c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1500, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})):
+            if i == kill_after_chunks:
+                stack.child(victim).proc.kill()
+                killed_at = time.monotonic()
+        outcome = "ok"
+    except (openai.APIError, openai.APIConnectionError) as e:
+        outcome = f"error: {type(e).__name__}"
+    return outcome, time.monotonic() - (killed_at or time.monotonic())
+
+
+@pytest.fixture
+def fault_stack(tiny_model, tmp_path):
+    s = start_stack(tmp_path, tiny_model, workers=0, prefill_workers=2, decode_workers=2,
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "1.5"),
+                    worker_args=("--handoff-timeout", "3"))
+    yield s
+    s.stop()
+
+
+def test_killed_decode_worker_ends_its_request_cleanly_and_the_rest_serve(fault_stack):
+    outcome, seconds = None, None
+    # The decode worker holding the stream is the one with a running request once tokens flow.
+    import openai
+
+    c = client(fault_stack)
+    stream = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=1500, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    try:
+        for i, _ in enumerate(stream):
+            if i == 10:
+                busy = [w for w, hb in heartbeats(fault_stack, 0.8).items() if w.startswith("decode") and hb.num_running]
+                assert len(busy) == 1, busy
+                fault_stack.child(busy[0]).proc.kill()
+                killed_at = time.monotonic()
+        outcome = "ok"
+    except (openai.APIError, openai.APIConnectionError) as e:
+        outcome = f"error: {type(e).__name__}"
+    seconds = time.monotonic() - killed_at
+    assert outcome.startswith("error") and seconds < 5, (outcome, seconds)
+    # The other decode worker takes the next requests; nothing is left held anywhere.
+    assert completion(fault_stack, PROMPTS[2]).usage.completion_tokens == 24
+    hbs = wait_blocks_free(fault_stack, timeout=15)
+    assert busy[0] not in hbs or time.monotonic() - hbs[busy[0]].timestamp > 1
+
+
+def test_killed_prefill_workers_end_or_hand_off_within_5_s(fault_stack):
+    """Both prefill workers die right after the first token: the request was either handed off (it
+    completes) or it fails cleanly; later requests are prefilled by the decode workers themselves."""
+    import openai
+
+    c = client(fault_stack)
+    killed_at = None
+    try:
+        for i, _ in enumerate(c.completions.create(model=MODEL_NAME, prompt=PROMPTS[2] * 3, max_tokens=300,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True})):
+            if i == 0:
+                for name in ("prefill-0", "prefill-1"):
+                    fault_stack.child(name).proc.kill()
+                killed_at = time.monotonic()
+        outcome = "ok"
+    except (openai.APIError, openai.APIConnectionError) as e:
+        outcome = f"error: {type(e).__name__}"
+    assert outcome == "ok" or time.monotonic() - killed_at < 5, outcome
+    time.sleep(2)  # the scheduler drops the silent prefill workers (TTL 1.5 s)
+    for prompt in PROMPTS:
+        assert completion(fault_stack, prompt).usage.completion_tokens == 24
+    hbs = wait_blocks_free(fault_stack, timeout=15)
+    assert not any(w.startswith("prefill") for w in hbs)
