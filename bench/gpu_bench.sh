@@ -5,6 +5,8 @@
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
 # Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4, smol)
 # smol: the real demo model (SMOL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf), check + W1 + W2 shapes.
+# pd: 1 prefill + 1 decode against 2 mixed workers, W3 and a long-prompt mix, the hand-off timeline
+#     (needs the UCX wheels: ../shared/tools/gpu-wheels.sh without WITH_UCX=0).
 # WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -83,6 +85,27 @@ if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB)
       --pids-file /tmp/inferno-run-w4/pids.json --out "$OUT/w4_$mode.json" 2>&1 | tail -16
   done
   kill -INT $UP; wait $UP
+fi
+if has pd; then  # 1 prefill + 1 decode against 2 mixed workers (spread over the visible GPUs): W3, long prompts
+  for mode in ${PD_MODES:-pd mixed}; do
+    if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens 256"; else W="--workers 2"; fi
+    python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8003 $W \
+      --run-dir /tmp/inferno-run-$mode --log-format json \
+      --worker-arg "${PD_WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192} --log-level DEBUG" \
+      > "$OUT/up_$mode.log" 2>&1 &
+    UP=$!
+    for i in $(seq 1 480); do curl -sf localhost:8003/ready >/dev/null && break; sleep 0.5; done
+    sleep 4  # both workers registered
+    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_REQUESTS:-300} --vocab-size 128000 \
+      --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
+    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_LONG_REQUESTS:-100} \
+      --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --sweep-rates ${PD_LONG_RATES:-5,10} \
+      --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_long_$mode.json" 2>&1 | tail -12
+    kill -INT $UP; wait $UP
+    grep -h handoff_done /tmp/inferno-run-$mode/prefill-*.log > "$OUT/handoffs_$mode.jsonl" 2>/dev/null
+    grep -h -i "error\|Traceback" /tmp/inferno-run-$mode/*.log | head -20
+  done
+  [ -s "$OUT/handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/handoffs_pd.jsonl" | tee "$OUT/handoff_summary.json"
 fi
 if has smol; then  # the real demo model: SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_0 → bf16), launch-bound
   SMOL=${SMOL:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}

@@ -61,6 +61,22 @@ def main() -> int:
             ss = w4["sessions"]
             rows.append((f"W4 sessions, {mode}", f"hit ratio {100 * ss['hit_ratio']:.1f} %, TTFT p50 first "
                          f"{ss['ttft_first']['p50']:.0f} ms / later {ss['ttft_later']['p50']:.0f} ms", ""))
+    for mode in ("mixed", "pd"):
+        for kind in ("w3", "long"):
+            if (w := load(folder, f"pd_{kind}_{mode}.json")):
+                for r in w.get("runs", []):
+                    sm = r["summary"]
+                    rows.append((f"{'2 mixed' if mode == 'mixed' else '1P+1D'} {kind} @ {r['config']['request_rate']} req/s",
+                                 f"ITL p50/p90/p99 {sm['itl']['p50']:.1f}/{sm['itl']['p90']:.1f}/{sm['itl']['p99']:.1f} ms, "
+                                 f"TTFT p50/p99 {sm['ttft']['p50']:.0f}/{sm['ttft']['p99']:.0f} ms, "
+                                 f"out {sm['output_throughput']:.0f} tok/s", ""))
+    if (h := load(folder, "handoff_summary.json")):
+        for key, label in (("all", "hand-off, all"), ("prompt_ge_2800", "hand-off, prompts ≥ 2,800 tokens")):
+            x = h.get(key) or {}
+            if x.get("count"):
+                rows.append((label, f"n={x['count']} total p50/p99 {x['total_ms_p50']:.2f}/{x['total_ms_p99']:.2f} ms "
+                             f"(push {x['push_ms_p50']:.2f}, offer {x['offer_ms_p50']:.2f}, export {x['export_ms_p50']:.2f}), "
+                             f"{x['mib_p50']:.0f} MiB at {x['push_gbps_p50']:.1f} GB/s", "≤ 3 / 10 ms"))
     if (c := load(folder, "smol_check.json")):
         rows.append(("SmolLM2 GGUF on the GPU", f"ready {c['engine_ready_s']:.2f} s (weights {c['load_weights_s']:.2f} s), "
                      f"{c['answers'][0]!r}", ""))

@@ -19,6 +19,18 @@ from pathlib import Path
 RANDOM_DEMO_MODEL = Path("models/demo")
 
 
+def visible_gpus() -> int:
+    """GPUs a child process will see: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return max(1, len([d for d in env.split(",") if d.strip()]))
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 1
+    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,6 +89,7 @@ class Stack:
         self.nats_url = f"nats://127.0.0.1:{cfg.nats_port}"
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
+        self._workers_started = 0
 
     # -- process management ---------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], critical: bool) -> Child:
@@ -89,6 +102,15 @@ class Stack:
         child = Child(name, proc, critical)
         self.children.append(child)
         return child
+
+    def _next_device(self) -> str:
+        """`cuda` spreads the workers over the visible GPUs, one each in turn; anything else as given."""
+        if self.cfg.device != "cuda":
+            return self.cfg.device
+        n = visible_gpus()
+        device = f"cuda:{self._workers_started % n}" if n > 1 else "cuda"
+        self._workers_started += 1
+        return device
 
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
@@ -106,7 +128,7 @@ class Stack:
         name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
                 "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
-                "--device", self.cfg.device, *self.cfg.worker_args]
+                "--device", self._next_device(), *self.cfg.worker_args]
         if self.cfg.emit_only:
             argv.append("--emit-only")
         return self._spawn(name, argv, critical=False)
@@ -262,7 +284,9 @@ def parse_args(argv):
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
     ap.add_argument("--disagg-min-prefill-tokens", type=int, default=None,
                     help="the scheduler's threshold for a remote prefill (default: its own, 256)")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one worker per GPU: set CUDA_VISIBLE_DEVICES)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda: the workers spread over the visible GPUs, one each in turn (prefill "
+                         "workers first, then decode); cuda:N puts them all on GPU N")
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     ap.add_argument("--run-dir", type=Path, default=Path(".inferno"), help="logs, pids.json, JetStream store")
     ap.add_argument("--log-format", choices=["console", "json"], default="console")

@@ -70,6 +70,7 @@ class HandoffSender:
         handoff = output.handoff
         try:
             await asyncio.to_thread(handoff.ready)
+            t_ready = time.perf_counter()
             offer = KvHandoffOffer(request=msg, first_token=output.new_token_ids[0], seed=handoff.seed,
                                    num_cached_tokens=handoff.num_cached_tokens, layout=self.layout,
                                    page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
@@ -78,6 +79,7 @@ class HandoffSender:
                                             KvHandoffReply, timeout=self.timeout)
             if not reply.accepted:
                 raise HandoffRefused(reply.reason)
+            t_offer = time.perf_counter()
             pages = handoff.pages[reply.skip_pages:]
             await self.transfer.call(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
                                      pages if pages.shape[0] else None, timeout=self.timeout)
@@ -92,9 +94,14 @@ class HandoffSender:
         # Tell the gateway the request lives on the decode worker now (before that worker's first
         # tokens), so it notices if that worker dies and sends aborts there.
         await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
+        t_end = time.perf_counter()
         self.stats["handoffs"] += 1
         self.stats["bytes"] += nbytes_of(pages)
-        self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["seconds"] += t_end - t0
+        # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
+        log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
+                  skipped=reply.skip_pages, export_s=t_ready - t0, offer_s=t_offer - t_ready,
+                  push_s=t_end - t_offer, total_s=t_end - t0)
 
 
 class HandoffRefused(RuntimeError):

@@ -1,0 +1,46 @@
+"""Summarizes the prefill workers' `handoff_done` debug lines (JSON logs): hand-off time per request
+(p50/p99) and its phases, bytes and GB/s, overall and for prompts of ≥ 2,800 tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+def summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {"count": 0}
+    total = [r["total_s"] * 1e3 for r in rows]
+    push = [r["push_s"] * 1e3 for r in rows]
+    gbps = [r["bytes"] / r["push_s"] / 1e9 for r in rows if r["push_s"] > 0 and r["bytes"]]
+    return {"count": len(rows), "total_ms_p50": pct(total, 0.5), "total_ms_p99": pct(total, 0.99),
+            "export_ms_p50": pct([r["export_s"] * 1e3 for r in rows], 0.5),
+            "offer_ms_p50": pct([r["offer_s"] * 1e3 for r in rows], 0.5),
+            "push_ms_p50": pct(push, 0.5), "push_ms_p99": pct(push, 0.99),
+            "mib_p50": pct([r["bytes"] / 2**20 for r in rows], 0.5), "push_gbps_p50": pct(gbps, 0.5)}
+
+
+def main() -> int:
+    rows = []
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if event.get("event") == "handoff_done":
+                    rows.append(event)
+    block = 16
+    long_rows = [r for r in rows if (r["pages"] + r["skipped"]) * block >= 2800]
+    print(json.dumps({"all": summary(rows), "prompt_ge_2800": summary(long_rows)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
