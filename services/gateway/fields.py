@@ -196,8 +196,13 @@ class TokenIds(Field):
 
 
 def token_ids(value: Any, param: str, vocab_size: int, max_len: int, min_len: int = 0) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int for t in value) or len(value) < min_len:
+    """The token ids of a JSON list (integral floats such as 5.0 count as integers, as JSON Schema says)."""
+    if not isinstance(value, list) or len(value) < min_len:
         raise invalid(f"'{param}' must be a {'non-empty ' if min_len else ''}list of token ids", param=param)
+    if not all(type(t) is int for t in value):
+        if not all(type(t) is int or (type(t) is float and t.is_integer()) for t in value):
+            raise invalid(f"'{param}' must be a {'non-empty ' if min_len else ''}list of token ids", param=param)
+        value = [int(t) for t in value]
     if len(value) > max_len:
         raise invalid(f"'{param}' may hold at most {max_len} token ids", param=param)
     if any(not 0 <= t < vocab_size for t in value):

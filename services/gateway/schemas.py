@@ -274,7 +274,10 @@ class Messages(Field):
                         "description": "Required, except in an assistant message with tool_calls."},
             "name": {"type": "string"},
             "tool_call_id": {"type": "string"},
-            "tool_calls": {"type": "array", "items": {"type": "object"}}}}
+            "tool_calls": {"type": "array", "items": {"type": "object"}}},
+            "anyOf": [{"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+                      {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                                  "tool_calls": {"minItems": 1}}}]}
         return {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES,
                 "description": f"At most {MAX_CHAT_CHARS} characters of text in all."}
 

@@ -493,6 +493,18 @@ async def test_request_timeout(make_stack):
     assert await wait_for(lambda: stack.peer.aborted(rid), timeout=1.0)
 
 
+async def test_request_timeout_from_the_header(stack):
+    stack.peer.step_delay = 0.2
+    with pytest.raises(openai.APIStatusError) as info:
+        await stack.client.completions.create(model="tiny", prompt="x", max_tokens=100,
+                                              extra_headers={"x-timeout": "0.5"})
+    assert info.value.status_code == 504 and "did not finish within 0.5 s" in info.value.body["message"]
+    for value in ("0", "-1", "nan", "soon"):
+        async with stack.http.post(stack.url + "/v1/completions", data=b'{"prompt": "x"}',
+                                   headers={"Authorization": f"Bearer {KEY}", "x-timeout": value}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "x-timeout"
+
+
 # ---------------------------------------------------------------------------------------------
 # Readiness and metrics
 
