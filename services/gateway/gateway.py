@@ -52,14 +52,11 @@ class Gateway:
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-tokenize")
         self._tasks: set[asyncio.Task] = set()
         self._subscriptions: list[Any] = []
-        self._started = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self.spawn(self._watch_workers())
+        self.spawn(self._watch_workers())
 
     async def attach(self, conn: NatsConnection) -> None:
         """Subscribe to this gateway's inbox and to heartbeats, then accept generation requests."""

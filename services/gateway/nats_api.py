@@ -215,7 +215,7 @@ class NatsApi:
             gw.metrics.request_errors.labels(status=str(e.status)).inc()
             await reply.error(e)
         except asyncio.CancelledError:  # a cancel message, a vanished caller, or the gateway closing
-            gw.metrics.request_errors.labels(status=str(CANCELLED)).inc()
+            # Not counted as an error, as an HTTP client's disconnect is not.
             await reply.error(ApiError(CANCELLED, "the request was cancelled", type="cancelled", code="cancelled"))
         except Exception:
             log.exception("nats_request_failed", request_id=reply.request_id)

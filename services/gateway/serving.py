@@ -37,13 +37,12 @@ log = get_logger("gateway.serving")
 class Endpoint:
     """A generation endpoint: how its body is read and how its answer is shaped."""
 
-    name: str
     parse: Callable[[Any, Limits], GenerationSpec]
     format: type[ResponseFormat]
 
 
-CHAT = Endpoint("chat.completions", parse_chat, ChatFormat)
-COMPLETIONS = Endpoint("completions", parse_completion, CompletionFormat)
+CHAT = Endpoint(parse_chat, ChatFormat)
+COMPLETIONS = Endpoint(parse_completion, CompletionFormat)
 
 
 @dataclass(slots=True)

@@ -90,6 +90,24 @@ async def test_each_send_is_one_http_chunk_and_empty_sends_write_nothing():
         await runner.cleanup()
 
 
+async def test_fail_ends_the_stream_with_an_error_event_then_done():
+    async def handler(request):
+        w = SseWriter(request)
+        await w.open()
+        await w.fail(b"data: 1\n\n", StreamFailed(503, "worker w-1 stopped responding"))
+        return w.response
+
+    runner, port = await serve(handler)
+    try:
+        r = await RawResponse.get(port, "/s")
+        assert await r.chunk() == (b'data: 1\n\ndata: {"error":{"message":"worker w-1 stopped responding",'
+                                   b'"type":"service_unavailable","param":null,"code":503}}\n\n' + DONE)
+        assert await r.chunk() == b""
+        r.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_http10_gets_a_bare_body_ended_by_close():
     async def handler(request):
         w = SseWriter(request)
