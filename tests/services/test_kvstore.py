@@ -76,10 +76,12 @@ async def kvstore(nats_config, nats_conn):
     try:
         yield start
     finally:
+        leases = [store.index.num_leases for store, _, _ in made]
         for store, conn, transfer in made:
             await transfer.close()
             await store.stop()
             await conn.close()
+        assert leases == [0] * len(made), "a test left leases behind"
 
 
 async def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
@@ -183,6 +185,7 @@ async def test_capacity_evicts_in_lru_order(kvstore):
     assert (await kv.stats()).no_space == 1
     count, got = await c.get(NS, [hashes[0]])
     assert got.tobytes() == pages(1, seed=0).tobytes()
+    assert (await kv.stats()).leases == 0
 
 
 async def test_another_model_salt_or_layout_never_matches(kvstore):
