@@ -6,6 +6,7 @@
 | {p}.worker.{worker_id}.generate | GenerateRequest | scheduler → worker            | publish       |
 | {p}.worker.{worker_id}.abort    | AbortRequest    | gateway → worker              | publish       |
 | {p}.worker.{worker_id}.handoff  | KvHandoffOffer  | prefill worker → decode worker | request/reply |
+| {p}.worker.{worker_id}.prepare  | GenerateRequest | scheduler → decode worker     | publish       |
 | {p}.heartbeat                   | WorkerHeartbeat | worker → schedulers, gateways | publish       |
 | {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
 | {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
@@ -84,6 +85,11 @@ def worker_handoff(prefix: str, worker_id: str) -> str:
     return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.handoff"
 
 
+def worker_handoff_prepare(prefix: str, worker_id: str) -> str:
+    """A decode worker paired with a prefill worker reserves the request's blocks on this."""
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.prepare"
+
+
 def heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.heartbeat"
 
@@ -137,6 +143,9 @@ class Subjects:
 
     def worker_abort(self, worker_id: str) -> str:
         return worker_abort(self.prefix, worker_id)
+
+    def worker_handoff_prepare(self, worker_id: str) -> str:
+        return worker_handoff_prepare(self.prefix, worker_id)
 
     def gateway_inbox(self, gateway_id: str) -> str:
         return gateway_inbox(self.prefix, gateway_id)

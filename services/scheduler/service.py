@@ -146,6 +146,8 @@ class Scheduler:
                 if prefill is not None:  # the prefill worker takes it and hands it to `worker`
                     prefill.worker.note_routed(req.num_prompt_tokens)
                     target, forwarded = prefill.worker, req.forwarded_to(prefill.worker.worker_id, worker.worker_id)
+                    # The decode worker reserves the blocks while the prompt is prefilled.
+                    await self.conn.publish(self.subjects.worker_handoff_prepare(worker.worker_id), forwarded)
                 try:
                     ack = await self.conn.request(target.heartbeat.generate_subject, forwarded,
                                                   RouteReply, timeout=self.cfg.forward_timeout)

@@ -61,6 +61,17 @@ class HandoffSender:
         for wid, rids in by_worker.items():
             await self.conn.publish(subjects.worker_abort(self.prefix, wid), AbortRequest(request_ids=rids))
 
+    async def finished_here(self, request_ids: list[str]) -> None:
+        """Requests that ended with their first token (EOS, max_tokens 1, an error): the decode
+        worker reserved blocks for them when the scheduler paired us; release those now."""
+        by_worker: dict[str, list[str]] = {}
+        for rid in request_ids:
+            msg = self.pending.pop(rid, None)
+            if msg is not None:
+                by_worker.setdefault(msg.decode_worker_id, []).append(rid)
+        for wid, rids in by_worker.items():
+            await self.conn.publish(subjects.worker_abort(self.prefix, wid), AbortRequest(request_ids=rids))
+
     async def send(self, output) -> None:
         """Hand one request on; never raises (a failure ends the request with an error)."""
         msg = self.pending.pop(output.request_id, None)
@@ -109,35 +120,68 @@ class HandoffRefused(RuntimeError):
 
 
 class HandoffReceiver:
-    """The decode worker's side: reservations by transfer id, and the UCXX handler their pages hit."""
+    """The decode worker's side: reservations by request (made when the scheduler announces the
+    pairing, so an offer finds its blocks ready) and by transfer, and the UCXX handler pages hit."""
 
     def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
         self.address, self.ttl = address, ttl
         self.accepting = True
+        self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
-        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0}
+        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0}
+
+    def on_prepare(self, msg: GenerateRequest) -> None:
+        """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
+        while the prompt is prefilled elsewhere."""
+        if not self.accepting or msg.request_id in self.prepared:
+            return
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(self.ttl, self._expire_prepared, msg.request_id)
+        self.prepared[msg.request_id] = (self._reserve(msg), expiry)
+        self.stats["prepared"] += 1
+
+    def _reserve(self, req: GenerateRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self.step_loop.submit(ReserveCommand(
+            req.request_id, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt.encode(),
+            time.monotonic() + self.ttl, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+        return done
+
+    def _expire_prepared(self, request_id: str) -> None:
+        """No offer came (the prompt ended on the prefill side, or that worker died)."""
+        if self.prepared.pop(request_id, None) is not None:
+            self.stats["expired"] += 1
+            self.step_loop.submit(AbortCommand([request_id]))
 
     async def on_offer(self, offer: KvHandoffOffer) -> KvHandoffReply:
         refusal = self._check(offer)
+        req = offer.request
+        entry = self.prepared.pop(req.request_id, None)
         if refusal:
+            if entry is not None:
+                entry[1].cancel()
+                self.step_loop.submit(AbortCommand([req.request_id]))
             self.stats["refused"] += 1
             return KvHandoffReply(accepted=False, reason=refusal)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        req = offer.request
-        self.step_loop.submit(ReserveCommand(
-            req.request_id, req.prompt_token_ids, offer.first_token, req.sampling.to_params(),
-            req.cache_salt.encode(), offer.seed, offer.num_cached_tokens,
-            lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
-        result = await done
+        if entry is not None:
+            entry[1].cancel()
+            done = entry[0]
+        else:
+            done = self._reserve(req)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(done), self.ttl)
+        except asyncio.TimeoutError:
+            result = None
         if result is None or isinstance(result, str):
+            self.step_loop.submit(AbortCommand([req.request_id]))
             self.stats["refused"] += 1
-            return KvHandoffReply(accepted=False, reason=result or "no free KV blocks on the decode worker")
+            return KvHandoffReply(accepted=False, reason=result or "no free KV blocks on the decode worker in time")
         if result.skip_blocks + result.buffer.shape[0] != offer.num_pages:
             self.step_loop.submit(AbortCommand([req.request_id]))
             return KvHandoffReply(accepted=False, reason="page count disagrees with the prompt length")
-        expiry = loop.call_later(self.ttl, self._expire, offer.transfer_id)
+        expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, offer.transfer_id)
         self.waiting[offer.transfer_id] = (offer, result, expiry)
         return KvHandoffReply(accepted=True, skip_pages=result.skip_blocks, address=self.address)
 
@@ -171,12 +215,17 @@ class HandoffReceiver:
         expiry.cancel()
         self.stats["imports"] += 1
         self.stats["bytes"] += header["nbytes"]
-        self.step_loop.submit(ImportCommand(offer.request.request_id, offer.request.reply_to))
+        req = offer.request
+        self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
+                                            offer.num_cached_tokens))
         return {"ok": True}, None
 
     def abort(self, request_ids: list[str]) -> None:
-        """Aborts of requests still waiting for their pages drop the reservation at once."""
+        """Aborts of requests still waiting for their pages drop the reservation at once (the step
+        loop's AbortCommand frees the blocks)."""
         wanted = set(request_ids)
+        for rid in wanted & self.prepared.keys():
+            self.prepared.pop(rid)[1].cancel()
         for tid, (offer, _, expiry) in list(self.waiting.items()):
             if offer.request.request_id in wanted:
                 expiry.cancel()

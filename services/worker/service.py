@@ -64,6 +64,8 @@ class WorkerService:
         await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
         if self.receiver is not None:
             await self.conn.subscribe(self.handoff_subject, KvHandoffOffer, self.receiver.on_offer, concurrency=64)
+            await self.conn.subscribe(subjects.worker_handoff_prepare(self.prefix, self.cfg.worker_id),
+                                      GenerateRequest, self.receiver.on_prepare)
         self._tasks.append(asyncio.create_task(self._heartbeats()))
         log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
 
@@ -153,6 +155,10 @@ class WorkerService:
     def _publish_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
         if finished:
             self._load_changed()
+            if self.sender is not None and self.sender.pending:
+                done = [o.request_id for o in outputs if o.finished]
+                if done:
+                    asyncio.ensure_future(self.sender.finished_here(done))
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
             asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
 

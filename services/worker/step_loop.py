@@ -34,16 +34,15 @@ class AddCommand:
 
 @dataclass(slots=True)
 class ReserveCommand:
-    """Hold blocks for a request another worker prefilled; `reply` gets the ImportReservation,
-    None (no room now) or an error message, on the step thread."""
+    """Hold blocks for a request another worker prefills; `reply` gets the ImportReservation, None
+    (no room before `deadline`, a time.monotonic()) or an error message, on the step thread. A
+    request that does not fit yet waits for blocks to free, retried after every step."""
 
     request_id: str
     prompt_token_ids: list[int]
-    first_token: int
     params: SamplingParams
     cache_salt: bytes
-    seed: int
-    num_cached_tokens: int
+    deadline: float
     reply: Callable[[object], None]
 
 
@@ -53,6 +52,9 @@ class ImportCommand:
 
     request_id: str
     reply_to: str
+    first_token: int
+    seed: int
+    num_cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class StepLoop(threading.Thread):
         self.stats = engine.stats()
         self._stats_at = 0.0
         self._stop = threading.Event()
+        self._waiting_reserves: list[ReserveCommand] = []
 
     def submit(self, command) -> None:
         self.commands.put(command)
@@ -98,9 +101,12 @@ class StepLoop(threading.Thread):
             idle = not self.engine.has_unfinished()
             if idle:
                 self._refresh_stats(force=True)
-            rejected = self._drain(block=idle)
+            # Reservations waiting for blocks are retried every few ms while nothing runs.
+            rejected = self._drain(block=idle, timeout=0.005 if self._waiting_reserves else 0.5)
             if rejected:
                 self.on_outputs(rejected, {}, False)
+            if self._waiting_reserves:
+                self._retry_reserves()
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -132,10 +138,10 @@ class StepLoop(threading.Thread):
                     self.on_handoff(o)
         self.stats = self.engine.stats()
 
-    def _drain(self, block: bool) -> list[Rejected]:
+    def _drain(self, block: bool, timeout: float = 0.5) -> list[Rejected]:
         rejected: list[Rejected] = []
         try:
-            command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+            command = self.commands.get(timeout=timeout) if block else self.commands.get_nowait()
         except queue.Empty:
             return rejected
         while command is not None:
@@ -147,29 +153,57 @@ class StepLoop(threading.Thread):
                 except ValueError as e:
                     rejected.append(Rejected(command.request_id, command.reply_to, str(e)))
             elif isinstance(command, ReserveCommand):
+                self._reserve(command)
+            elif isinstance(command, ImportCommand):
                 c = command
                 try:
-                    result = self.engine.reserve_import(c.request_id, c.prompt_token_ids, c.first_token, c.params,
-                                                        self.eos_token_ids, c.cache_salt, c.seed, c.num_cached_tokens)
-                except ValueError as e:
-                    result = str(e)
-                c.reply(result)
-            elif isinstance(command, ImportCommand):
-                try:
-                    self.engine.complete_import(command.request_id)
-                    self.reply_to[command.request_id] = command.reply_to
+                    self.engine.complete_import(c.request_id, c.first_token, c.seed, c.num_cached_tokens)
+                    self.reply_to[c.request_id] = c.reply_to
                 except KeyError:  # cancelled (aborted or expired) before its pages arrived
                     pass
+                except ValueError as e:
+                    rejected.append(Rejected(c.request_id, c.reply_to, str(e)))
             elif isinstance(command, AbortCommand):
                 for rid in command.request_ids:
                     self.engine.abort(rid)
                     self.reply_to.pop(rid, None)
+                    self._waiting_reserves = [c for c in self._waiting_reserves if c.request_id != rid]
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 command = None
         self._refresh_stats(force=True)
         return rejected
+
+    def _reserve(self, c: ReserveCommand) -> bool:
+        """Try one reservation; True when it was answered (held, refused, or out of time)."""
+        try:
+            result = self.engine.reserve_import(c.request_id, c.prompt_token_ids, c.params, self.eos_token_ids,
+                                                c.cache_salt)
+        except ValueError as e:
+            result = str(e)
+        if result is None and time.monotonic() < c.deadline:
+            if c not in self._waiting_reserves:
+                self._waiting_reserves.append(c)
+            return False
+        c.reply(result)
+        return True
+
+    def _retry_reserves(self) -> None:
+        """Admission by free KV: waiting reservations, oldest first, as blocks come free."""
+        waiting, self._waiting_reserves = self._waiting_reserves, []
+        for i, c in enumerate(waiting):
+            if not self._reserve(c) and time.monotonic() < c.deadline:
+                # FIFO: the ones behind a request that does not fit keep waiting too.
+                self._waiting_reserves = [c] + [x for x in waiting[i + 1:] if not self._expire(x)]
+                return
+
+    @staticmethod
+    def _expire(c: ReserveCommand) -> bool:
+        if time.monotonic() >= c.deadline:
+            c.reply(None)
+            return True
+        return False
 
     def _refresh_stats(self, force: bool = False) -> None:
         """The load snapshot heartbeats read; a few times a second is plenty, and each costs

@@ -131,6 +131,27 @@ def test_a_client_that_leaves_mid_stream_frees_both_sides(pd_stack):
     wait_blocks_free(pd_stack, timeout=15)
 
 
+def test_a_request_that_ends_with_its_first_token_releases_the_decode_reservation(pd_stack):
+    r = client(pd_stack).completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    wait_blocks_free(pd_stack)  # the decode worker reserved blocks when the scheduler paired it
+
+
+def test_decode_workers_queue_hand_offs_until_blocks_free(pd_stack):
+    """More prompts at once than the decode workers' pools hold: offers wait for blocks (admission
+    by free KV) instead of failing."""
+    import concurrent.futures
+
+    def one(i):
+        return client(pd_stack).completions.create(
+            model=MODEL_NAME, prompt=f"request {i}: " + PROMPTS[1], max_tokens=400, temperature=0,
+            extra_body={"ignore_eos": True}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        assert list(pool.map(one, range(20))) == [400] * 20  # 20 × 32 blocks > 2 × 256
+    wait_blocks_free(pd_stack)
+
+
 # ---------------------------------------------------------------------------- faults
 
 

@@ -28,11 +28,10 @@ def hand_off(p_engine, d_engine, rid, prompt, params, eos):
     first = prefill(p_engine, rid, prompt, params, eos)
     assert first.finish_reason is None and first.handoff is not None
     first.handoff.ready()
-    res = d_engine.reserve_import(rid, prompt, first.new_token_ids[0], params, eos, b"", first.handoff.seed,
-                                  first.handoff.num_cached_tokens)
+    res = d_engine.reserve_import(rid, prompt, params, eos)
     assert res is not None
     res.buffer.copy_(first.handoff.pages[res.skip_blocks:])
-    d_engine.complete_import(rid)
+    d_engine.complete_import(rid, first.new_token_ids[0], first.handoff.seed, first.handoff.num_cached_tokens)
     return first, res
 
 
@@ -114,17 +113,18 @@ def test_reservations_refused_cancelled_and_aborted(model_dirs):
     engine = make_engine(d, num_blocks=6)
     total = engine.block_manager.num_total_blocks
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    big = engine.reserve_import("big", list(range(5, 85)), 3, params, (), b"", 1)  # 80 tokens: 5 blocks
+    big = engine.reserve_import("big", list(range(5, 85)), params)  # 80 tokens: 5 blocks
     assert big is not None and engine.block_manager.num_free_blocks == 1
-    assert engine.reserve_import("more", list(range(5, 45)), 3, params, (), b"", 1) is None  # no room now
+    assert engine.reserve_import("more", list(range(5, 45)), params) is None  # no room now
     with pytest.raises(ValueError):  # never fits: more blocks than the pool has
-        engine.reserve_import("huge", list(range(5, 200)), 3, params, (), b"", 1)
+        engine.reserve_import("huge", list(range(5, 200)), params)
     assert engine.abort("big")  # an abort before the pages arrived frees the reservation
     assert engine.block_manager.num_free_blocks == total
-    res = engine.reserve_import("c", list(range(5, 25)), 3, params, (), b"", 1)
+    res = engine.reserve_import("c", list(range(5, 25)), params)
     assert engine.cancel_import("c") and not engine.cancel_import("c")
     assert engine.block_manager.num_free_blocks == total and not engine.has_unfinished()
     assert res.buffer.shape[0] == 2
-    with pytest.raises(ValueError):
-        engine.reserve_import("bad", [5, 6], 10**9, params, (), b"", 1)
+    engine.reserve_import("bad", [5, 6], params)
+    with pytest.raises(ValueError):  # a first token outside the vocabulary drops the reservation
+        engine.complete_import("bad", 10**9, 1)
     torch.testing.assert_close(torch.tensor(engine.block_manager.num_free_blocks), torch.tensor(total))

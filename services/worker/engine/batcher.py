@@ -93,9 +93,9 @@ class Batcher:
     # ------------------------------------------------------------------ KV from elsewhere
 
     def reserve(self, request: Request) -> int | None:
-        """Blocks for a request whose prompt KV another worker computed (all_token_ids: the prompt
-        and the first output token). Returns how many leading blocks this worker already caches
-        (those need not be sent), or None when it does not fit now. RequestRejected if never."""
+        """Blocks for the prompt of a request whose KV another worker computes. Returns how many
+        leading blocks this worker already caches (those need not be sent), or None when it does
+        not fit now. RequestRejected if it never could."""
         self._check_fits(request)
         if len(self._running) + len(self._reserved) >= self.config.max_num_seqs:
             return None

@@ -179,16 +179,12 @@ class LLMEngine:
         return self.batcher.abort(request_id) is not None
 
     # -- KV from another worker (the decode side of a hand-off) ---------------------------------
-    def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                       eos_token_ids: tuple[int, ...], cache_salt: bytes, seed: int,
-                       num_cached_tokens: int = 0) -> ImportReservation | None:
-        """Hold blocks for a request another worker prefilled; None when it does not fit now
-        (ValueError when it never could). The pages go into `.buffer`, then complete_import()."""
-        request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        request.all_token_ids.append(first_token)
-        request.num_cached_tokens = num_cached_tokens
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"") -> ImportReservation | None:
+        """Hold blocks for a request whose prompt another worker prefills (possibly still running
+        there); None when it does not fit now (ValueError when it never could). Its pages go into
+        `.buffer`, then complete_import() with the first token."""
+        request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=0)
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
@@ -196,10 +192,18 @@ class LLMEngine:
         reservation = self._imports[request_id] = ImportReservation(request, skip, buffer)
         return reservation
 
-    def complete_import(self, request_id: str) -> Request:
-        """The buffer holds the pages: write them into the reserved blocks and start decoding."""
+    def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0) -> Request:
+        """The buffer holds the pages: write them into the reserved blocks, append the first token
+        the prefill worker sampled (with its resolved seed, so seeded draws go on) and decode on."""
         res = self._imports.pop(request_id)
-        scatter_pages(self.kv_cache, res.request.block_ids[res.skip_blocks:], res.buffer)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            self.batcher.cancel_reserved(request_id)
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        r = res.request
+        r.all_token_ids.append(first_token)
+        r.seed = seed & ((1 << 63) - 1)
+        r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
+        scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
         return self.batcher.start_imported(request_id)
 
     def cancel_import(self, request_id: str) -> bool:
