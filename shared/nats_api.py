@@ -22,7 +22,8 @@ ended well), or an OpenAI-shaped error {"error": {...}} (a failure, before or af
 Retry-After comes with 429 and 503.
 
 {p}.api.v1.cancel and {p}.api.v1.keepalive take a JSON list of request ids (with Authorization
-when the gateway has keys). A cancelled request ends with x-status 499.
+when the gateway has keys). A cancelled request ends with x-status 499; a cancel that arrives
+before its request is kept for a few seconds, and the request is refused when it comes.
 """
 
 from __future__ import annotations

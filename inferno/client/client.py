@@ -95,10 +95,11 @@ class AsyncInferno:
         try:
             payload = b"" if body is None else json.dumps(body).encode()
             await self.nc.publish(subject, payload, reply=inbox, headers=headers)
-        except BaseException as e:
+        except nats.errors.Error as e:
             call.end()
-            if isinstance(e, nats.errors.Error):
-                raise APIConnectionError(f"NATS: {e!r}", request_id=request_id) from e
+            raise APIConnectionError(f"NATS: {e!r}", request_id=request_id) from e
+        except BaseException:  # cancelled: the request may have left already
+            call.abandon()
             raise
         return call
 

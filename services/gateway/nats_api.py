@@ -28,6 +28,8 @@ from shared.subjects import GATEWAY_QUEUE
 
 SWEEP_INTERVAL = 0.1  # how often kept-alive requests are checked (a vanished caller: noticed within 0.9 s)
 PENDING_MSGS_LIMIT = 1 << 16
+EARLY_CANCEL_SECONDS = 5.0  # a cancel may overtake its request (other subscription): it is kept this long
+MAX_EARLY_CANCELS = 4096
 
 log = get_logger("gateway.nats_api")
 
@@ -128,6 +130,7 @@ class NatsApi:
         self.calls: dict[str, InFlight] = {}
         self.nc: Client | None = None
         self.refused_control = 0  # cancel / keep-alive messages without a valid key or body
+        self._early_cancels: dict[str, float] = {}  # cancelled ids not (yet) seen as requests → when
         self._requests: list[Any] = []
         self._control: list[Any] = []
         self._watch: asyncio.Task | None = None
@@ -187,6 +190,9 @@ class NatsApi:
             self.gw.metrics.request_errors.labels(status="400").inc()
             self.gw.spawn(reply.error(err))
             return
+        if self._early_cancels.pop(request_id, None) is not None:
+            self.gw.spawn(reply.error(cancelled()))
+            return
         task = self.gw.spawn(self._serve(endpoint, msg.data, headers, reply, arrival))
         call = self.calls[request_id] = InFlight(task, KEEPALIVE in headers, arrival)
 
@@ -216,7 +222,7 @@ class NatsApi:
             await reply.error(e)
         except asyncio.CancelledError:  # a cancel message, a vanished caller, or the gateway closing
             # Not counted as an error, as an HTTP client's disconnect is not.
-            await reply.error(ApiError(CANCELLED, "the request was cancelled", type="cancelled", code="cancelled"))
+            await reply.error(cancelled())
         except Exception:
             log.exception("nats_request_failed", request_id=reply.request_id)
             gw.metrics.request_errors.labels(status="500").inc()
@@ -235,11 +241,24 @@ class NatsApi:
             return []
 
     async def _on_cancel(self, msg: Msg) -> None:
+        now = time.monotonic()
         for request_id in self._ids(msg):
             call = self.calls.get(request_id)
-            if call is not None and not call.cancelled:
+            if call is None:
+                self._remember_cancel(request_id, now)
+            elif not call.cancelled:
                 log.info("nats_request_cancelled", client_request_id=request_id)
                 call.cancel()
+
+    def _remember_cancel(self, request_id: str, now: float) -> None:
+        """A cancel for a request not seen here: it may be on its way (or served by another replica)."""
+        early = self._early_cancels
+        if len(early) >= MAX_EARLY_CANCELS or (early and next(iter(early.values())) < now - EARLY_CANCEL_SECONDS):
+            for rid, at in list(early.items()):  # oldest first
+                if at >= now - EARLY_CANCEL_SECONDS and len(early) < MAX_EARLY_CANCELS:
+                    break
+                del early[rid]
+        early[request_id] = now
 
     async def _on_keepalive(self, msg: Msg) -> None:
         now = time.monotonic()
@@ -257,3 +276,7 @@ class NatsApi:
                 if call.keepalive and call.last_seen < silent_since and not call.cancelled:
                     log.info("nats_caller_vanished", client_request_id=request_id)
                     call.cancel()
+
+
+def cancelled() -> ApiError:
+    return ApiError(CANCELLED, "the request was cancelled", type="cancelled", code="cancelled")

@@ -217,6 +217,18 @@ async def test_cancel_subject_aborts_the_request(stack, caller):
     assert stack.gw.metrics.requests_in_flight._value.get() == 0
 
 
+async def test_a_cancel_that_overtakes_its_request_still_cancels_it(stack, caller):
+    s = stack.gw.subjects
+    await caller.publish(s.api_cancel, b'["early"]', headers=AUTH)  # the request comes after it
+    await caller.flush()
+    await wait_for(lambda: "early" in stack.nats_api._early_cancels)
+    status, r, _ = await ask(caller, s.api_completions, {"prompt": "x", "max_tokens": 5}, {"x-request-id": "early"})
+    assert (status, r["error"]["code"]) == (499, "cancelled")
+    assert stack.peer.requests == []  # it never ran
+    status, _, _ = await ask(caller, s.api_completions, {"prompt": "x", "max_tokens": 5}, {"x-request-id": "early"})
+    assert status == 200  # the cancel was used up
+
+
 async def test_vanished_caller_is_noticed_within_1s(stack, nats_config):
     stack.peer.step_delay = 0.05
     s = stack.gw.subjects
