@@ -26,7 +26,7 @@ from shared.nats_api import (AUTHORIZATION, CANCELLED, KEEPALIVE, KEEPALIVE_TIME
 from shared.nats_client import NatsConnection
 from shared.subjects import GATEWAY_QUEUE
 
-SWEEP_INTERVAL = 0.1  # how often kept-alive requests are checked (a vanished caller: noticed within 0.9 s)
+SWEEP_INTERVAL = 0.05  # how often kept-alive requests are checked (a vanished caller: noticed within 0.75 s)
 PENDING_MSGS_LIMIT = 1 << 16
 EARLY_CANCEL_SECONDS = 5.0  # a cancel may overtake its request (other subscription): it is kept this long
 MAX_EARLY_CANCELS = 4096
