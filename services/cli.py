@@ -11,6 +11,7 @@ commands:
   gateway       run the HTTP gateway alone        (same as: python -m services.gateway)
   scheduler     run the scheduler alone           (same as: python -m services.scheduler)
   worker        run one worker alone              (same as: python -m services.worker)
+  kvstore       run the cluster KV page store     (same as: python -m services.kvstore)
   make-model    write a random-weight Hugging Face model directory
   fetch-demo    download the demo model (SmolLM2-135M-Instruct GGUF) into the cache; print its path
   bench         load-test any OpenAI-compatible endpoint
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.main import main as run
     elif command == "worker":
         from services.worker.main import main as run
+    elif command == "kvstore":
+        from services.kvstore.main import main as run
     elif command == "make-model":
         from services.worker.engine.make_model import main as run
     elif command == "fetch-demo":

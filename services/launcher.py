@@ -1,4 +1,4 @@
-"""`inferno up`: starts nats-server, the scheduler, the workers and the gateway as child
+"""`inferno up`: starts nats-server, the scheduler, the kvstore, the workers and the gateway as child
 processes, reports any that dies, and stops them all cleanly on Ctrl-C."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class StackConfig:
     workers: int = 1  # mixed workers
     prefill_workers: int = 0
     decode_workers: int = 0
+    kvstore_capacity_gb: float = 2.0  # 0: no cluster KV store
     device: str = "cpu"
     api_keys: tuple[str, ...] = ()
     run_dir: Path = Path(".inferno")
@@ -124,6 +125,11 @@ class Stack:
         return self._spawn(f"scheduler-{index}", [sys.executable, "-m", "services.scheduler", *self._common(),
                                                   *self.cfg.scheduler_args], critical=index == 0)
 
+    def start_kvstore(self) -> Child:
+        return self._spawn("kvstore", [sys.executable, "-m", "services.kvstore", *self._common(),
+                                       "--capacity-gb", str(self.cfg.kvstore_capacity_gb),
+                                       "--http-port", str(free_port())], critical=False)
+
     def start_worker(self, index: int, role: str = "mixed") -> Child:
         name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
@@ -145,6 +151,8 @@ class Stack:
         self.start_nats()
         wait_for_port(self.cfg.nats_port, timeout=15)
         self.start_scheduler()
+        if self.cfg.kvstore_capacity_gb > 0:
+            self.start_kvstore()
         for i in range(self.cfg.workers):
             self.start_worker(i)
         for i in range(self.cfg.prefill_workers):
@@ -282,6 +290,8 @@ def parse_args(argv):
                     help="prefill workers: they run prompts and hand the KV to a decode worker (UCXX)")
     ap.add_argument("--decode-workers", type=int, default=0,
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
+    ap.add_argument("--kvstore-capacity-gb", type=float, default=2.0,
+                    help="host memory of the cluster KV store (prefix reuse across workers); 0: none")
     ap.add_argument("--disagg-min-prefill-tokens", type=int, default=None,
                     help="the scheduler's threshold for a remote prefill (default: its own, 256)")
     ap.add_argument("--device", default="cpu",
@@ -306,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        kvstore_capacity_gb=args.kvstore_capacity_gb,
         scheduler_args=(("--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens))
                         if args.disagg_min_prefill_tokens is not None else ()),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,

@@ -37,6 +37,9 @@ def parse_args(argv):
                     help="decode role: the address prefill workers reach this worker's UCXX listener at")
     ap.add_argument("--handoff-timeout", type=float, default=10.0,
                     help="seconds a prefill → decode hand-off may take before the request fails")
+    ap.add_argument("--kvstore", choices=["auto", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
+                    help="auto: write prompt blocks to the cluster KV store and fetch prefixes from it when "
+                         "one answers (and when fetching beats recomputing)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
-                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout)
+                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

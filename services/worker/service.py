@@ -9,7 +9,7 @@ from collections import defaultdict
 import structlog
 
 from services.worker.handoff import HandoffReceiver, HandoffSender
-from services.worker.step_loop import AbortCommand, AddCommand, StepLoop
+from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
@@ -45,6 +45,7 @@ class WorkerService:
         self.receiver: HandoffReceiver | None = None  # decode role
         self.transfer_server = None
         self._transfer_client: TransferClient | None = None
+        self.cluster_cache = None  # the cluster KV store's client side, when one is used
         self.draining = False
         self.seq = 0
         self.kv_seq = 0
@@ -59,6 +60,7 @@ class WorkerService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._start_handoff()
+        self._start_cluster_cache()
         self.loop_thread.start()
         await self.conn.subscribe(self.generate_subject, GenerateRequest, self._on_generate)
         await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
@@ -69,21 +71,43 @@ class WorkerService:
         self._tasks.append(asyncio.create_task(self._heartbeats()))
         log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
 
+    def _page_layout(self) -> tuple[str, int]:
+        from services.worker.engine.kv_pages import page_bytes, page_layout
+
+        engine = self.loop_thread.engine
+        return (page_layout(self.cfg.model_name, engine.model_config, self.block_size, engine.dtype),
+                page_bytes(engine.model_config, self.block_size, engine.dtype))
+
+    def _transfer(self) -> TransferClient:
+        if self._transfer_client is None:
+            self._transfer_client = TransferClient()
+        return self._transfer_client
+
+    def _start_cluster_cache(self) -> None:
+        """Prompt blocks to the cluster KV store and prefixes from it (kvstore auto: if one answers)."""
+        if self.cfg.kvstore == "off" or not hasattr(self.loop_thread.engine, "kv_cache"):
+            return
+        from services.worker.cluster_cache import ClusterCache
+        from shared.kvstore_client import KvStoreClient
+
+        layout, size = self._page_layout()
+        self.cluster_cache = ClusterCache(KvStoreClient(self.conn, self._transfer(), self.prefix), layout, size,
+                                          self.block_size, self.cfg.model_name)
+        self.cluster_cache.start()
+        self.loop_thread.engine.prompt_sink = self.cluster_cache
+        self.loop_thread.on_step = self.cluster_cache.note_step
+
     def _start_handoff(self) -> None:
         """The prefill role pushes KV pages, the decode role listens for them (UCXX)."""
         role = self.cfg.role
         if role == "mixed" or not hasattr(self.loop_thread.engine, "kv_cache"):
             return
-        from services.worker.engine.kv_pages import page_bytes, page_layout
-        from shared.kv_transfer import TransferClient, TransferServer
+        from shared.kv_transfer import TransferServer
 
-        engine = self.loop_thread.engine
-        layout = page_layout(self.cfg.model_name, engine.model_config, self.block_size, engine.dtype)
-        size = page_bytes(engine.model_config, self.block_size, engine.dtype)
+        layout, size = self._page_layout()
         if role == "prefill":
-            self._transfer_client = TransferClient()
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
-                                        self._transfer_client, self.cfg.handoff_timeout)
+                                        self._transfer(), self.cfg.handoff_timeout)
         else:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
@@ -115,6 +139,8 @@ class WorkerService:
             task.cancel()
         if self.transfer_server is not None:
             await self.transfer_server.close()
+        if self.cluster_cache is not None:
+            await self.cluster_cache.close()
         if self._transfer_client is not None:
             await self._transfer_client.close()
 
@@ -126,9 +152,28 @@ class WorkerService:
         handoff = bool(msg.decode_worker_id) and self.sender is not None
         if handoff:
             self.sender.remember(msg)
-        self.loop_thread.submit(AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(),
-                                           msg.reply_to, msg.cache_salt.encode(), handoff))
+        add = AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(), msg.reply_to,
+                         msg.cache_salt.encode(), handoff)
+        cache = self.cluster_cache
+        if cache is not None and cache.available and msg.num_prompt_tokens > 2 * self.block_size:
+            asyncio.ensure_future(self._add_after_fetch(add, msg.cache_salt))
+        else:
+            self.loop_thread.submit(add)
         return RouteReply.accepted(self.cfg.worker_id)
+
+    async def _add_after_fetch(self, add: AddCommand, cache_salt: str) -> None:
+        """Fetch the part of the prompt's prefix that the cluster store holds and this worker does
+        not (when that is faster than prefilling it), then queue the request."""
+        try:
+            hashes = self.cluster_cache.prompt_hashes(add.prompt_token_ids, cache_salt)
+            local = self.loop_thread.engine.block_manager.num_cached_prefix(hashes)
+            fetched = await self.cluster_cache.fetch(hashes, local)
+            if fetched is not None:
+                self.loop_thread.submit(InsertCachedCommand(*fetched))
+        except Exception:  # the store is an optimisation: the request goes on without it
+            log.exception("prefix fetch failed", request_id=add.request_id)
+        finally:
+            self.loop_thread.submit(add)
 
     async def _on_abort(self, msg: AbortRequest) -> None:
         rids = list(msg.request_ids)

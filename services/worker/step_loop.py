@@ -58,6 +58,14 @@ class ImportCommand:
 
 
 @dataclass(slots=True)
+class InsertCachedCommand:
+    """Pages fetched from the cluster KV store, to become cached blocks before `AddCommand`s need them."""
+
+    hashes: list[bytes]
+    pages: object  # host bytes (numpy uint8) of len(hashes) pages
+
+
+@dataclass(slots=True)
 class AbortCommand:
     request_ids: list[str]
 
@@ -80,6 +88,7 @@ class StepLoop(threading.Thread):
         self.on_outputs = on_outputs
         self.on_kv_events = on_kv_events
         self.on_handoff = on_handoff
+        self.on_step: Callable[[int, float], None] | None = None  # (tokens computed, seconds), step thread
         self.block_manager = getattr(engine, "block_manager", None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,11 +118,14 @@ class StepLoop(threading.Thread):
                 self._retry_reserves()
             if not self.engine.has_unfinished():
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception:  # the engine already fails bad steps; this is a last line of defence
                 log.exception("step failed")
                 continue
+            if self.on_step is not None:
+                self.on_step(getattr(self.engine, "last_step_tokens", 0), time.perf_counter() - started)
             routes = {o.request_id: self.reply_to.get(o.request_id, "") for o in outputs}
             finished = False
             handoffs = []
@@ -163,6 +175,8 @@ class StepLoop(threading.Thread):
                     pass
                 except ValueError as e:
                     rejected.append(Rejected(c.request_id, c.reply_to, str(e)))
+            elif isinstance(command, InsertCachedCommand):
+                self._insert_cached(command)
             elif isinstance(command, AbortCommand):
                 for rid in command.request_ids:
                     self.engine.abort(rid)
@@ -174,6 +188,17 @@ class StepLoop(threading.Thread):
                 command = None
         self._refresh_stats(force=True)
         return rejected
+
+    def _insert_cached(self, c: InsertCachedCommand) -> None:
+        import torch
+
+        pool = self.engine.kv_cache.pool
+        shape = (len(c.hashes), pool.shape[0], 2, *pool.shape[3:])
+        try:
+            pages = torch.from_numpy(c.pages).view(pool.dtype).view(shape)
+            self.engine.insert_cached(c.hashes, pages)
+        except (RuntimeError, ValueError) as e:  # pages of another shape: recompute instead
+            log.warning("fetched pages unusable", error=str(e))
 
     def _reserve(self, c: ReserveCommand) -> bool:
         """Try one reservation; True when it was answered (held, refused, or out of time)."""

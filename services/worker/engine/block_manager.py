@@ -168,6 +168,37 @@ class BlockManager:
                 self._events[h] = True
         self._num_handled_blocks[request.request_id] = num_full
 
+    def insert_cached(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Blocks for pages fetched from elsewhere (the cluster KV store), as (index in hashes,
+        block id): each hash not cached here takes a free block (evicting the least recently used
+        one), becomes findable, and stays free at the recently-used end of the queue."""
+        if not self.enable_prefix_caching:
+            return []
+        placed = []
+        for i, h in enumerate(hashes):
+            if h in self._hash_to_block:
+                continue
+            if not self._free_queue:
+                break
+            block_id = self._pop_free_block()
+            self._ref_counts[block_id] = 0
+            self._block_hashes[block_id] = h
+            self._hash_to_block[h] = block_id
+            self._events[h] = True
+            self._free_queue[block_id] = None
+            placed.append((i, block_id))
+        return placed
+
+    def num_cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading hashes are cached here. Only dict reads: other threads may ask (a racy
+        answer is a routing hint, never used for allocation)."""
+        n = 0
+        for h in hashes:
+            if h not in self._hash_to_block:
+                break
+            n += 1
+        return n
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since running
         requests' blocks would silently stop being shareable halfway through (vLLM does so)."""

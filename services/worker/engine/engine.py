@@ -68,6 +68,18 @@ class Handoff:
             self.event.synchronize()
 
 
+class PromptSink:
+    """Where a prompt's computed full blocks go (the worker's cluster KV store client)."""
+
+    def skip(self, hashes: list[bytes]) -> int:
+        """How many leading blocks not to send (already stored there, or no room to queue more)."""
+        raise NotImplementedError
+
+    def take(self, hashes: list[bytes], pages: torch.Tensor, event) -> None:
+        """Pages [n, L, 2, bs, H, D] of these hashes; `event` (CUDA) marks when they are written."""
+        raise NotImplementedError
+
+
 @dataclass(slots=True)
 class ImportReservation:
     """Blocks held for a request whose prompt KV another worker sends: the first `skip_blocks`
@@ -144,6 +156,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._inflight: LaunchedStep | None = None
         self._imports: dict[str, ImportReservation] = {}
+        # Set by a worker that shares prompt KV with a cluster store: gets each prompt's full blocks.
+        self.prompt_sink: PromptSink | None = None
+        self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
 
     def _blocks_from_memory(self) -> int:
         if not self.config.is_cuda:
@@ -258,15 +273,50 @@ class LLMEngine:
         sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
                     if s.request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)]
         sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
-        # A hand-off's blocks are freed by the update; their content stays until the next schedule.
-        handoff_blocks = {r.request_id: list(r.block_ids) for _, r in sampling if r.handoff}
+        # Blocks of requests sampling their first token: a hand-off's and a finished one's are freed
+        # by the update, but their content stays until the next schedule.
+        first_blocks = {r.request_id: list(r.block_ids) for _, r in sampling
+                        if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         self.batcher.update_from_output(plan, sampled)
+        self.last_step_tokens = plan.num_batched_tokens
         outputs = [self._output(r, row, result) for row, r in sampling]
-        if handoff_blocks:
+        if first_blocks:
             for out, (_, r) in zip(outputs, sampling):
+                blocks = first_blocks.get(r.request_id)
+                if blocks is None:
+                    continue
                 if r.status is RequestStatus.HANDED_OFF:
-                    out.handoff = self._export(r, handoff_blocks[r.request_id])
+                    out.handoff = self._export(r, blocks)
+                if self.prompt_sink is not None:
+                    self._share_prompt(r, blocks, out.handoff)
         return outputs
+
+    def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None) -> None:
+        """Offer the prompt's full blocks, past those the sink already has, to the cluster store."""
+        full = r.num_prompt_tokens // self.kv_cache.block_size
+        hashes = r.block_hashes[:full]
+        if len(hashes) < full:
+            return  # prefix caching off: no hashes to address the pages by
+        start = self.prompt_sink.skip(hashes)
+        if start >= full:
+            return
+        if handoff is not None:
+            pages, event = handoff.pages[start:full], handoff.event
+        else:
+            pages = gather_pages(self.kv_cache, block_ids[start:full])
+            event = None
+            if pages.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+        self.prompt_sink.take(hashes[start:full], pages, event)
+
+    def insert_cached(self, hashes: list[bytes], pages: torch.Tensor) -> int:
+        """Pages fetched from the cluster store become cached blocks here, found by the next
+        prefix lookup; returns how many were new."""
+        placed = self.block_manager.insert_cached(hashes)
+        if placed:
+            scatter_pages(self.kv_cache, [b for _, b in placed], pages[[i for i, _ in placed]])
+        return len(placed)
 
     def _export(self, r: Request, block_ids: list[int]) -> Handoff:
         pages = gather_pages(self.kv_cache, block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)])

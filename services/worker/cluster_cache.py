@@ -1,0 +1,143 @@
+"""The worker's side of the cluster KV store: prompt blocks written back in the background, and a
+prefix this worker lacks fetched from the store when that beats recomputing it.
+
+Write-back never touches a step's critical path: the step thread only queues a GPU copy of the
+new full blocks (and skips it when the queue is full); a background task sends them. A fetch runs
+before a request is queued: the store is asked for the prompt's block hashes, and the pages past
+this worker's own prefix hit are fetched when their transfer is estimated faster than their
+prefill (measured: the store's GB/s, this engine's prefill tokens/s). A store that fails is left
+alone for a moment; the worker just recomputes, and comes back to it later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import structlog
+
+from services.worker.engine.engine import PromptSink
+from shared.block_hash import prefix_block_hashes, request_block_key
+from shared.kvstore_client import KvStoreClient, KvStoreError
+
+log = structlog.get_logger("worker.cluster_cache")
+
+QUEUE_PAGES = 4096  # pages waiting for write-back at most; more are dropped
+KNOWN_HASHES = 1 << 16  # hashes remembered as stored (bounded LRU)
+BACKOFF = 2.0  # seconds without the store after a failure
+
+
+class Ewma:
+    def __init__(self, value: float, alpha: float = 0.2):
+        self.value, self.alpha = value, alpha
+
+    def add(self, x: float) -> None:
+        self.value += self.alpha * (x - self.value)
+
+
+class ClusterCache(PromptSink):
+    def __init__(self, client: KvStoreClient, namespace: str, page_bytes: int, block_size: int, model: str):
+        self.client, self.namespace, self.page_bytes = client, namespace, page_bytes
+        self.block_size, self.model = block_size, model
+        self.known: OrderedDict[bytes, None] = OrderedDict()  # stored in the store (by us or seen there)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued_pages = 0
+        self.down_until = 0.0
+        self.fetch_bps = Ewma(1e9)  # bytes/s of gets, learnt
+        self.prefill_tps = Ewma(5e3)  # prefill tokens/s of this engine, learnt from its steps
+        self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._write_back())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def _failed(self, e: Exception) -> None:
+        self.stats["errors"] += 1
+        self.down_until = time.monotonic() + BACKOFF
+        log.debug("kvstore_unavailable", error=str(e))
+
+    # -- write-back (PromptSink: called on the step thread) ---------------------------------------
+    def skip(self, hashes: list[bytes]) -> int:
+        if not self.available or self.queued_pages >= QUEUE_PAGES:
+            return len(hashes)
+        n = 0
+        for h in hashes:  # reads only: the event loop owns `known`
+            if h not in self.known:
+                break
+            n += 1
+        return n
+
+    def take(self, hashes: list[bytes], pages, event) -> None:
+        self.queued_pages += len(hashes)
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, (hashes, pages, event))
+
+    async def _write_back(self) -> None:
+        while True:
+            hashes, pages, event = await self.queue.get()
+            self.queued_pages -= len(hashes)
+            if not self.available:
+                self.stats["dropped_pages"] += len(hashes)
+                continue
+            try:
+                if event is not None:
+                    await asyncio.to_thread(event.synchronize)
+                await self.client.put(self.namespace, hashes, pages, self.page_bytes)
+                self._remember(hashes)
+                self.stats["put_pages"] += len(hashes)
+            except KvStoreError as e:
+                self._failed(e)
+
+    def _remember(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.known[h] = None
+            self.known.move_to_end(h)
+        while len(self.known) > KNOWN_HASHES:
+            self.known.popitem(last=False)
+
+    # -- fetch ------------------------------------------------------------------------------------
+    def note_step(self, tokens: int, seconds: float) -> None:
+        """A step's computed tokens and time: prefill speed, for the fetch-or-recompute choice."""
+        if tokens >= 64 and seconds > 0:
+            self.prefill_tps.add(tokens / seconds)
+
+    def prompt_hashes(self, prompt: list[int], cache_salt: str) -> list[bytes]:
+        """The engine's block hashes of the prompt's full blocks (model and tenant in the key)."""
+        return prefix_block_hashes(prompt, self.block_size, request_block_key(self.model, cache_salt))
+
+    async def fetch(self, hashes: list[bytes], local: int):
+        """(hashes, pages) of the prefix past `local` blocks that the store holds, when fetching is
+        estimated faster than recomputing; else None. Leaves at least one token to compute."""
+        want = hashes[local:]
+        if not want or not self.available:
+            return None
+        try:
+            hits = await self.client.lookup(self.namespace, self.block_size, want)
+            if hits == 0:
+                return None
+            self._remember(want[:hits])
+            nbytes = hits * self.page_bytes
+            if nbytes / self.fetch_bps.value >= hits * self.block_size / self.prefill_tps.value:
+                return None  # recomputing is faster here
+            t0 = time.perf_counter()
+            count, pages = await self.client.get(self.namespace, want[:hits])
+            if count == 0 or pages is None:
+                return None
+            seconds = time.perf_counter() - t0
+            self.fetch_bps.add(count * self.page_bytes / max(seconds, 1e-6))
+        except KvStoreError as e:
+            self._failed(e)
+            return None
+        self.stats["fetches"] += 1
+        self.stats["fetched_pages"] += count
+        return want[:count], pages
