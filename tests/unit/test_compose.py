@@ -13,7 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT.parent / "shared" / "data" / "compose-spec.json"
 ENTRY_POINTS = {"gateway": "services.gateway.main", "scheduler": "services.scheduler.main",
-                "worker": "services.worker.main"}
+                "worker": "services.worker.main", "kvstore": "services.kvstore.main"}
 
 
 def interpolate(value: str) -> str:
@@ -36,17 +36,24 @@ def test_schema_valid(compose):
 
 def test_services_and_roles(compose):
     services = compose["services"]
-    assert set(services) >= {"nats", "scheduler", "gateway", "worker", "worker-cpu"}
+    assert set(services) >= {"nats", "scheduler", "gateway", "worker", "worker-cpu", "kvstore", "prefill-worker",
+                             "decode-worker"}
     assert "-js" in services["nats"]["command"]
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert any(v.endswith(":/models:ro") for v in services["worker"]["volumes"])
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
-    for name in ("scheduler", "gateway", "worker", "worker-cpu"):
+    for name in ("scheduler", "gateway", "worker", "worker-cpu", "kvstore", "prefill-worker", "decode-worker"):
         assert services[name]["environment"]["INFERNO_NATS_URL"] == "nats://nats:4222"
+    # The disaggregated pair: one GPU each, the decode worker reachable for the KV pages.
+    pair = [services[n] for n in ("prefill-worker", "decode-worker")]
+    assert [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in pair] == [["0"], ["1"]]
+    assert all(s["profiles"] == ["disagg"] for s in pair)
+    assert "--kv-transfer-host" in services["decode-worker"]["command"]
 
 
-@pytest.mark.parametrize("name", ["scheduler", "gateway", "worker", "worker-cpu"])
+@pytest.mark.parametrize("name", ["scheduler", "gateway", "worker", "worker-cpu", "kvstore", "prefill-worker",
+                                  "decode-worker"])
 def test_commands_parse_with_the_cli(compose, name):
     command = [interpolate(str(part)) for part in compose["services"][name]["command"]]
     module = importlib.import_module(ENTRY_POINTS[command[0]])
