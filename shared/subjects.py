@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "inferno"
+STORE_ID = "kvstore"  # the kvstore's name in KvEvents (its pages are fetchable by every worker)
 SCHEDULER_QUEUE = "schedulers"  # queue group: each GenerateRequest reaches one scheduler replica
 GATEWAY_QUEUE = "gateways"  # queue group: each API request reaches one gateway replica
 API_VERSION = "v1"

@@ -102,6 +102,7 @@ class PageIndex:
         self._extent_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._epoch = secrets.token_hex(4)  # lease ids of a restarted store never match old ones
+        self._events: dict[bytes, bool] = {}  # hash → stored (True) / evicted (False) since take_events
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -208,7 +209,17 @@ class PageIndex:
             self._pages[key] = Page(lease.extent, slot)
         lease.extent.committed = True
         self.stats.stored_pages += len(lease.hashes)
+        for h in lease.hashes:
+            self._events[h] = True
         return len(lease.hashes)
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) page hashes since the last call, for the schedulers' prefix index
+        (each hash's last change only, as a worker's block manager reports them)."""
+        stored = [h for h, present in self._events.items() if present]
+        removed = [h for h, present in self._events.items() if not present]
+        self._events.clear()
+        return stored, removed
 
     # -- readers --------------------------------------------------------------------------------------
 
@@ -313,6 +324,7 @@ class PageIndex:
                                              f"{self.capacity} used, {freed} could be freed")
         for key, page in victims:
             del self._pages[key]
+            self._events[key[1]] = False
             self.stats.evictions += 1
             self._forget_pages(key[0], 1)
             page.extent.pages -= 1

@@ -19,8 +19,9 @@ from services.kvstore.page_index import PageIndex
 from services.kvstore.page_store import PageStore, cuda_present
 from shared.kv_transfer import TransferServer
 from shared.logging import get_logger
+from shared.messages import KvEvents
 from shared.nats_client import NatsConnection
-from shared.subjects import Subjects
+from shared.subjects import STORE_ID, Subjects
 
 log = get_logger("kvstore")
 
@@ -44,6 +45,7 @@ class KvStore:
         self._subs: list[Subscription] = []
         self._sweeper: asyncio.Task | None = None
         self._http: web.AppRunner | None = None
+        self._events_seq = 0
 
     @property
     def address(self) -> str:
@@ -89,8 +91,17 @@ class KvStore:
                 "leases": ix.num_leases}
 
     async def _sweep_loop(self) -> None:
-        """Leases expire even when no request comes to sweep them."""
+        """Leases expire even when no request comes to sweep them; the pages stored and evicted
+        since the last round go to the schedulers as KV events (they count a prefix the store
+        holds as fetchable by every worker)."""
         while True:
             await asyncio.sleep(self.cfg.sweep_interval)
             self.index.sweep()
             self.data.forget_stale()
+            stored, removed = self.index.take_events()
+            if stored or removed or self._events_seq == 0:
+                self._events_seq += 1
+                with contextlib.suppress(Exception):  # NATS down: the schedulers resync on the seq gap
+                    await self.conn.publish(self.subjects.kv_events, KvEvents(
+                        worker_id=STORE_ID, seq=self._events_seq, stored=stored, removed=removed,
+                        cleared=self._events_seq == 1))

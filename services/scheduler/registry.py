@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from services.scheduler.kv_index import KvIndex
 from shared.logging import get_logger
 from shared.messages import KvEvents, WorkerHeartbeat
+from shared.subjects import STORE_ID
 
 log = get_logger(__name__)
 
@@ -74,6 +75,7 @@ class Registry:
     # Indexes of workers not (or no longer) registered: KvEvents can arrive before a worker's first
     # heartbeat. They are adopted by that heartbeat, or dropped by the sweep after heartbeat_ttl.
     orphan_indexes: dict[str, KvIndex] = field(default_factory=dict)
+    store_kv: KvIndex = field(default_factory=KvIndex)  # the cluster kvstore's pages: any worker can fetch them
 
     def on_heartbeat(self, hb: WorkerHeartbeat, now: float) -> WorkerState:
         state = self.workers.get(hb.worker_id)
@@ -100,6 +102,10 @@ class Registry:
         return state
 
     def on_kv_events(self, ev: KvEvents, now: float) -> None:
+        if ev.worker_id == STORE_ID:
+            if not self.store_kv.apply(ev, now):
+                log.debug("kv_events_gap", worker_id=ev.worker_id, seq=ev.seq)
+            return
         state = self.workers.get(ev.worker_id)
         if state is not None:
             kv = state.kv

@@ -1,6 +1,7 @@
 """Token-aware routing: the worker with the least prefill-plus-load cost for a request's prompt.
 
-cost(w) = (prompt tokens − tokens of the prompt's prefix cached on w) + load(w), where load(w) is
+cost(w) = (prompt tokens − tokens of the prompt's prefix cached on w, or in the cluster kvstore, from
+which any worker fetches it) + load(w), where load(w) is
 w's decode context plus queued prefill from its last heartbeat, plus the prompts routed to it since.
 Least cost wins; ties go to fewer running requests, then the smaller worker id (deterministic, so
 replicas with the same view agree). This is the KV-aware routing idea of Dynamo's router.
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.scheduler.admission import Rejection, admit
-from services.scheduler.kv_index import match_prefixes
+from services.scheduler.kv_index import KvIndex, match_prefixes
 from services.scheduler.registry import Registry, WorkerState
 from shared.block_hash import request_block_key
 from shared.config import RouterConfig
@@ -31,8 +32,9 @@ def request_cost(num_prompt_tokens: int, cached_tokens: int, load_tokens: int) -
     return max(num_prompt_tokens - cached_tokens, 0) + load_tokens
 
 
-def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest) -> list[int]:
-    """Tokens of the request's prompt each worker holds as a cached prefix (whole blocks)."""
+def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: KvIndex | None = None) -> list[int]:
+    """Tokens of the request's prompt each worker holds as a cached prefix (whole blocks), or can
+    fetch from the cluster kvstore (`store`), whichever is longer."""
     out = [0] * len(workers)
     extra_key = request_block_key(req.model, req.cache_salt)
     # Workers of different block sizes hash different chains; usually there is one group.
@@ -40,9 +42,11 @@ def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest) -> list[
     for i, w in enumerate(workers):
         by_size.setdefault(w.block_size, []).append(i)
     for block_size, members in by_size.items():
-        depths = match_prefixes(req.prompt_ids, block_size, extra_key, [workers[i].kv for i in members])
+        depths = match_prefixes(req.prompt_ids, block_size, extra_key,
+                                [workers[i].kv for i in members] + [store])
+        shared = depths.pop()
         for i, depth in zip(members, depths):
-            out[i] = depth * block_size
+            out[i] = max(depth, shared) * block_size
     return out
 
 
@@ -67,7 +71,7 @@ class Router:
         # A worker with its KV pool nearly full would queue or preempt; it is still better than a
         # 429 when every worker is that full, so it is only passed over, never excluded.
         pool = [w for w in open_ if not self.overloaded(w)] or list(open_)
-        cached = cached_tokens(pool, req)
+        cached = cached_tokens(pool, req, self.registry.store_kv)
         n = req.num_prompt_tokens
         best_key: tuple[int, int, str] | None = None
         best_i = 0
@@ -84,7 +88,7 @@ class Router:
             if w.worker_id == worker_id:
                 if self.overloaded(w):
                     return None
-                cached = cached_tokens([w], req)[0]
+                cached = cached_tokens([w], req, self.registry.store_kv)[0]
                 return Choice(w, cached, request_cost(req.num_prompt_tokens, cached, w.load_tokens), sticky=True)
         return None
 

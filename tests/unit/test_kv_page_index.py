@@ -244,3 +244,19 @@ def test_counters(clock):
     assert (s.leased_pages, s.lease_expiries, s.evictions, s.no_space) == (2, 1, 1, 0)
     assert ix.num_pages == 3 and ix.used_bytes == 3 * PAGE and ix.num_leases == 0
     assert not ix.holds(lease.id)
+
+
+def test_stored_and_evicted_pages_are_reported_as_kv_events():
+    from services.kvstore.page_index import PageIndex
+
+    index = PageIndex(capacity_bytes=4 * 8)
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    lease = index.reserve("ns", 8, [a, b, c, b"d" * 16], ttl=10)
+    index.mark_filled(lease.id, index.write_target(lease.id, 4 * 8))
+    index.commit(lease.id)
+    stored, removed = index.take_events()
+    assert set(stored) == {a, b, c, b"d" * 16} and removed == []
+    assert index.take_events() == ([], [])
+    lease = index.reserve("ns", 8, [b"e" * 16], ttl=10)  # room comes from evicting the oldest extent
+    stored, removed = index.take_events()
+    assert stored == [] and len(removed) == 4
