@@ -14,6 +14,7 @@ from services.gateway.gateway import Gateway
 from services.gateway.openapi import RouteDoc, document
 from services.gateway.serving import CHAT, COMPLETIONS, Call, Endpoint, generate
 from services.gateway.sse import SseWriter
+from services.gateway.tenants import Tenant
 from services.gateway.tokenize import detokenize, tokenize
 from shared.logging import get_logger
 from shared.nats_api import REQUEST_ID, SESSION_AFFINITY, TIMEOUT
@@ -23,6 +24,7 @@ log = get_logger("gateway.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 503, 504)
+TENANT = web.RequestKey("tenant", Tenant)  # set by authentication
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -95,7 +97,7 @@ class HttpApi:
             raise unavailable("the gateway is shutting down")
         headers = request.headers
         call = Call(await request.read(), headers.get(SESSION_AFFINITY), headers.get(TIMEOUT),
-                    headers.get(REQUEST_ID), arrival)
+                    headers.get(REQUEST_ID), arrival, request.get(TENANT))
         answer = await generate(self.gw, endpoint, call, functools.partial(SseWriter, request))
         if isinstance(answer, SseWriter):
             return answer.response
@@ -129,7 +131,7 @@ class HttpApi:
     @web.middleware
     async def authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in self.open_paths:  # liveness probes and the schema carry no credentials
-            self.gw.keys.check(request.headers.get("Authorization"))
+            request[TENANT] = self.gw.keys.check(request.headers.get("Authorization"))
         return await handler(request)
 
     def _from_http(self, e: web.HTTPException, request: web.Request) -> ApiError:

@@ -15,8 +15,10 @@ class ApiError(Exception):
     """A request that gets an error answer: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None):
+                 code: str | None = None, retry_after: float | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.extra_headers = headers or {}  # e.g. a tenant's x-ratelimit-* on a 429
         self.status = status
         self.message = message
         self.type = type
@@ -32,9 +34,9 @@ class ApiError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
-            return {}
+            return dict(self.extra_headers)
         # Retry-After takes whole seconds; round up so a client never retries too early.
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

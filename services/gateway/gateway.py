@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from services.gateway.auth import ApiKeys
+from services.gateway.tenancy import Tenancy
+from services.gateway.tenants import TenantsFile
 from services.gateway.errors import invalid
 from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
@@ -34,16 +36,18 @@ class Gateway:
     the metrics, the API keys and (once connected) the NATS connection."""
 
     def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer, *, max_model_len: int, vocab_size: int,
-                 subject_prefix: str = DEFAULT_PREFIX, heartbeat_ttl: float = HEARTBEAT_TTL):
+                 subject_prefix: str = DEFAULT_PREFIX, heartbeat_ttl: float = HEARTBEAT_TTL,
+                 tenants: TenantsFile | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.limits = Limits(cfg.model_name, max_model_len, vocab_size, cfg.max_n)
-        self.keys = ApiKeys(cfg.api_keys)
+        self.keys = ApiKeys(cfg.api_keys, tenants)
         self.subjects = Subjects(subject_prefix)
         self.inbox = self.subjects.gateway_inbox(cfg.gateway_id)
         self.router = TokenRouter()
         self.health = WorkerHealth(ttl=heartbeat_ttl)
         self.metrics = GatewayMetrics(self.health)
+        self.tenancy = Tenancy(self.keys, cfg.share_prefix_cache, self.metrics.registry, clock)
         self.texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.conn: NatsConnection | None = None  # set once the inbox and heartbeats are subscribed

@@ -10,9 +10,12 @@ import signal
 import time
 from pathlib import Path
 
+import yaml
+
 from services.gateway.app import build_app, start_server
 from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
+from services.gateway.tenants import TenantsFile
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig, env_default, parse_csv
 from shared.logging import get_logger, setup_logging
@@ -40,6 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="the served model id (default: the directory's name)")
     p.add_argument("--api-key", action="append", default=[],
                    help="an accepted API key (repeatable; also env INFERNO_API_KEYS, comma-separated)")
+    p.add_argument("--api-keys-file", default=env_default("INFERNO_API_KEYS_FILE", None),
+                   help="JSON or YAML file of tenants (limits, prefix-cache sharing) and their keys "
+                        "(services/gateway/tenants.py; env INFERNO_API_KEYS_FILE)")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="with --api-keys-file: let all tenants share prefix-cache blocks (default: each its own)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds for a whole request (a request's x-timeout header may ask for less)")
@@ -53,6 +61,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def load_tenants(args: argparse.Namespace) -> TenantsFile | None:
+    if not args.api_keys_file:
+        return None
+    try:
+        return TenantsFile.load(args.api_keys_file)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ValueError(f"--api-keys-file: {e}") from None
+
+
 def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
     keys = tuple(args.api_key) + env_default("INFERNO_API_KEYS", (), parse_csv)
     extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
@@ -60,7 +77,7 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         model_dir=args.model_dir, host=args.host, port=args.port,
                         api_keys=tuple(dict.fromkeys(keys)), max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
-                        **extra)
+                        share_prefix_cache=args.share_prefix_cache, **extra)
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
 
 
@@ -71,16 +88,16 @@ async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig)
 
 
 async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
-                drain_timeout: float) -> None:
+                drain_timeout: float, tenants: TenantsFile | None = None) -> None:
     gw = Gateway(cfg, tokenizer, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
-                 subject_prefix=nats_cfg.subject_prefix)
+                 subject_prefix=nats_cfg.subject_prefix, tenants=tenants)
     app = build_app(gw)
     nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
     runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
     tune_gc()
     log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
-             auth=bool(cfg.api_keys))
+             auth=bool(gw.keys), tenants=len(gw.keys.tenants))
     connecting = gw.spawn(_connect_forever(gw, nats_api, nats_cfg))
 
     loop = asyncio.get_running_loop()
@@ -132,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     json_logs = None if args.log_format is None else args.log_format == "json"
     try:
         cfg, nats_cfg = make_config(args)
+        tenants = load_tenants(args)
     except ValueError as e:
         print(f"inferno gateway: {e}")
         return 2
@@ -142,5 +160,5 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))
         return 2
-    _run(serve(cfg, nats_cfg, tokenizer, model_config, args.drain_timeout))
+    _run(serve(cfg, nats_cfg, tokenizer, model_config, args.drain_timeout, tenants))
     return 0

@@ -205,7 +205,7 @@ class NatsApi:
                      arrival: float) -> None:
         gw = self.gw
         try:
-            gw.keys.check(headers.get(AUTHORIZATION))
+            tenant = gw.keys.check(headers.get(AUTHORIZATION))
             if len(body) > gw.cfg.max_body_bytes:
                 raise too_large(gw.cfg.max_body_bytes)
             if endpoint is None:
@@ -213,7 +213,8 @@ class NatsApi:
                 return
             if gw.draining:
                 raise unavailable("the gateway is shutting down")
-            call = Call(body, headers.get(SESSION_AFFINITY), headers.get(TIMEOUT), reply.request_id, arrival)
+            call = Call(body, headers.get(SESSION_AFFINITY), headers.get(TIMEOUT), reply.request_id, arrival,
+                        tenant)
             answer = await generate(gw, endpoint, call, lambda: reply)
             if isinstance(answer, bytes):
                 await reply.end(200, answer)

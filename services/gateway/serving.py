@@ -22,6 +22,7 @@ from services.gateway.response_format import ResponseFormat
 from services.gateway.schemas import (GenerationSpec, Limits, decode_body, is_unicode, parse_chat, parse_completion,
                                       resolve_max_tokens)
 from services.gateway.streaming import ChunkFrame, ChunkSink, dumps
+from services.gateway.tenants import Tenant
 from services.gateway.token_router import StreamFailed
 from shared.logging import get_logger
 
@@ -54,6 +55,7 @@ class Call:
     timeout: str | None = None  # x-timeout: the caller's deadline in seconds
     request_id: str | None = None  # x-request-id: the caller's own id, for the logs
     arrival: float = field(default_factory=time.monotonic)
+    tenant: Tenant | None = None  # whose key authenticated it (None: the default tenant)
 
 
 async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
@@ -61,14 +63,38 @@ async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
     """Serve one generation request: the JSON body of the answer, or (when the request streams)
     the sink that `open_stream` made, once the stream has ended. Errors before the answer begins
     raise ApiError; cancelling the task aborts the request on its workers."""
+    tenant = call.tenant or gw.keys.default
+    try:
+        answer = await _generate(gw, endpoint, call, open_stream, tenant)
+    except ApiError as e:
+        gw.tenancy.count(tenant, e.status)
+        raise
+    return answer
+
+
+async def _generate(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Callable[[], ChunkSink],
+                    tenant: Tenant) -> bytes | ChunkSink:
     spec = endpoint.parse(decode_body(call.body), gw.limits)
     session = session_id(call.session)
     timeout = request_timeout(call.timeout, gw.cfg.request_timeout)
     prompt_ids = await gw.tokenize(spec)
-    resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
+    params = resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
+    spec.cache_salt = gw.tenancy.cache_salt(tenant, spec.cache_salt)
+    # Counted as OpenAI counts: the prompt plus the most every choice may generate.
+    limiter = gw.tenancy.admit(tenant, len(prompt_ids) + spec.n * params.max_tokens)
+    try:
+        return await _serve(gw, endpoint, call, open_stream, tenant, spec, session, timeout, prompt_ids)
+    finally:
+        if limiter is not None:
+            limiter.release()
+
+
+async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Callable[[], ChunkSink],
+                 tenant: Tenant, spec: GenerationSpec, session: str | None, timeout: float,
+                 prompt_ids: list[int]) -> bytes | ChunkSink:
     fmt = endpoint.format(gw.texts, spec.logprobs is not None)
     response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    context = {"request_id": response_id}
+    context = {"request_id": response_id, "tenant": tenant.name}
     if call.request_id:
         context["client_request_id"] = call.request_id
     with structlog.contextvars.bound_contextvars(**context):
@@ -79,9 +105,9 @@ async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
             try:
                 if spec.stream:
                     sink = open_stream()
-                    await _stream(gw, gen, fmt, sink)
+                    await _stream(gw, gen, fmt, sink, tenant)
                     return sink
-                return await _collect(gw, gen, fmt)
+                return await _collect(gw, gen, fmt, tenant)
             except asyncio.CancelledError:  # the caller went away (HTTP disconnect, NATS cancel)
                 gen.abort("client disconnected")
                 log.info("client_disconnected", tokens=sum(c.num_tokens for c in gen.choices))
@@ -122,7 +148,8 @@ def usage(gen: Generation) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _record_success(gw: Gateway, gen: Generation) -> None:
+def _record_success(gw: Gateway, gen: Generation, tenant: Tenant) -> None:
+    gw.tenancy.count(tenant, 200, len(gen.prompt_ids), sum(c.num_tokens for c in gen.choices))
     m = gw.metrics
     m.e2e_request_latency.observe(time.monotonic() - gen.arrival)
     m.prompt_tokens.inc(len(gen.prompt_ids))
@@ -135,14 +162,15 @@ def _record_success(gw: Gateway, gen: Generation) -> None:
              seconds=round(time.monotonic() - gen.arrival, 4))
 
 
-def _record_failure(gw: Gateway, gen: Generation, failure: StreamFailed, in_stream: bool) -> None:
+def _record_failure(gw: Gateway, gen: Generation, failure: StreamFailed, in_stream: bool, tenant: Tenant) -> None:
     gen.abort(failure.message)
-    if in_stream:  # an error answer that is not a stream is counted by the transport
+    if in_stream:  # an error answer that is not a stream is counted by the transport (and by generate())
         gw.metrics.request_errors.labels(status=str(failure.status)).inc()
+        gw.tenancy.count(tenant, failure.status)
     log.warning("request_failed", status=failure.status, error=failure.message)
 
 
-async def _stream(gw: Gateway, gen: Generation, fmt: ResponseFormat, sink: ChunkSink) -> None:
+async def _stream(gw: Gateway, gen: Generation, fmt: ResponseFormat, sink: ChunkSink, tenant: Tenant) -> None:
     await sink.open()
     frame = ChunkFrame(gen.response_id, fmt.chunk_object, int(time.time()), gen.spec.model)
     opening = fmt.begin(frame, gen.choices)
@@ -157,21 +185,21 @@ async def _stream(gw: Gateway, gen: Generation, fmt: ResponseFormat, sink: Chunk
         return
     failure = pump.failure
     if failure is not None:
-        _record_failure(gw, gen, failure, in_stream=True)
+        _record_failure(gw, gen, failure, in_stream=True, tenant=tenant)
         await sink.fail(pump.tail, failure)
         return
-    _record_success(gw, gen)
+    _record_success(gw, gen, tenant)
     await sink.finish(pump.tail, frame.usage_chunk(usage(gen)) if gen.spec.include_usage else b"")
 
 
-async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat) -> bytes:
+async def _collect(gw: Gateway, gen: Generation, fmt: ResponseFormat, tenant: Tenant) -> bytes:
     pump = Pump(gw, gen, fmt)
     await pump.run(gen.stream.inbox)
     failure = pump.failure
     if failure is not None:
-        _record_failure(gw, gen, failure, in_stream=False)
+        _record_failure(gw, gen, failure, in_stream=False, tenant=tenant)
         raise failure_error(failure)
-    _record_success(gw, gen)
+    _record_success(gw, gen, tenant)
     body = {"id": gen.response_id, "object": fmt.object, "created": int(time.time()), "model": gen.spec.model,
             "choices": [fmt.final_choice(c) for c in gen.choices], "usage": usage(gen)}
     return dumps(body)
