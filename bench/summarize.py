@@ -90,11 +90,43 @@ def main() -> int:
             cpu = (w2.get("cpu") or {}).get("total_us_per_token")
             rows.append((f"SmolLM2 W2 shape ({tag} flags)", f"{s['total_throughput']:.0f} total tok/s (out "
                          f"{s['output_throughput']:.0f}, failed {s['failed']}, CPU {cpu or 0:.1f} µs/token)", ""))
+    summary = machine_summary(folder)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     width = max((len(r[0]) for r in rows), default=10)
     print("\n" + "=" * 100)
     for name, value, target in rows:
         print(f"{name:<{width}}  {value:<60} {target}")
     return 0
+
+
+def machine_summary(folder: Path) -> dict:
+    """The figures of this run under fixed keys (issue 9's list), for bench/results/<device>.json."""
+    import datetime
+    import os
+
+    gpu = (folder / "gpu.txt").read_text().split(",")[0].strip() if (folder / "gpu.txt").is_file() else ""
+    out: dict = {"device": gpu, "date": datetime.date.today().isoformat(), "commit": os.environ.get("COMMIT", "")}
+    if (w1 := load(folder, "w1.json")):
+        out["w1_tok_s"] = w1["decode_tokens_per_s"]
+    if (w1x := load(folder, "w1_overlap.json")):
+        out["w1_overlap_tok_s"] = w1x["decode_tokens_per_s"]
+    if (w2 := load(folder, "w2.json")):
+        out["w2_total_tok_s"] = w2["summary"]["total_throughput"]
+        cpu = w2.get("cpu") or {}
+        out["cpu_us_per_token"] = {**(cpu.get("us_per_token") or {}), "total": cpu.get("total_us_per_token")}
+    if (w3 := load(folder, "w3.json")):
+        runs = w3.get("runs", [])
+        out["w3_itl_p99_ms"] = {str(r["config"]["request_rate"]): r["summary"]["itl"]["p99"] for r in runs}
+        out["w3_ttft_p99_ms"] = {str(r["config"]["request_rate"]): r["summary"]["ttft"]["p99"] for r in runs}
+    for run in (2, 1):
+        if (w5 := load(folder, f"w5_run{run}.json")):
+            out["w5b_first_token_s"] = w5["start_to_first_token_s"]
+            if (w5.get("memory") or {}).get("kv_gib"):
+                out["kv_gib"] = w5["memory"]["kv_gib"]
+            break
+    if (w5a := load(folder, "w5a.json")):
+        out["w5a_first_token_s"] = w5a.get("first_token_s")
+    return out
 
 
 if __name__ == "__main__":
