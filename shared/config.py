@@ -135,10 +135,17 @@ class RouterConfig:
     # Prefill/decode disaggregation is conditional: a prompt with fewer uncached tokens than this
     # is prefilled by its decode worker itself (a remote prefill would cost more than it saves).
     disagg_min_prefill_tokens: int = 256
+    # Load shedding: a request whose estimated wait in every worker's queue passes this many seconds
+    # gets 429 at once (0: no bound). The estimate divides queued prompt tokens by each worker's drain
+    # rate, learnt from its heartbeats and starting at admission_tokens_per_second.
+    max_queue_seconds: float = 0.0
+    admission_tokens_per_second: float = 4096.0
     scheduler_id: str = field(default_factory=lambda: _new_id("sched"))
 
     def __post_init__(self) -> None:
-        _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl", "forward_timeout")
+        _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl", "forward_timeout",
+                  "admission_tokens_per_second")
+        _non_negative(self, "max_queue_seconds")
         _ints(self, "max_waiting", "disagg_min_prefill_tokens")
         _non_negative(self, "disagg_min_prefill_tokens")
         _non_negative(self, "retry_after")

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.registry import WorkerState
-from shared.messages import RouteReply
+from shared.messages import RouteReply, WorkerHeartbeat
 
 # Roles that serve a request to its end: a decode worker also prefills the prompts too short to be
 # worth a remote prefill. Prefill workers are chosen beside one of these (services/scheduler/disagg.py).
@@ -55,3 +55,67 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
         return Rejection(429, "rate_limit_exceeded",
                          f"Every worker has {max_waiting} or more requests waiting; retry later.", retry_after)
     return open_
+
+
+class QueueWait:
+    """How long a request would wait in a worker's queue before its prefill starts: the prompt tokens
+    queued ahead of it (the worker's last report plus what was routed to it since) over the rate at
+    which that worker drains its queue.
+
+    The rate starts at the configured tokens/s and is learnt from heartbeats: over an interval in
+    which the queue never emptied (tokens queued at both ends), the worker was busy the whole time,
+    so the tokens that left the queue over the seconds that passed is its drain rate (decode load
+    included: a full batch drains the queue only as fast as requests finish). Intervals in which the
+    queue emptied say nothing about capacity and teach nothing.
+    """
+
+    LEARNING_WEIGHT = 0.3  # of the newest sample in the running average
+
+    def __init__(self, tokens_per_second: float):
+        self.default_rate = tokens_per_second
+        self.rates: dict[str, float] = {}  # learnt, by worker id
+        self._last: dict[str, tuple[int, float]] = {}  # worker id → (queued tokens, time) of its last report
+
+    def observe(self, before: WorkerState | None, hb: WorkerHeartbeat, now: float) -> None:
+        """A heartbeat arrived (`before`: the worker's state until now, with the tokens routed since)."""
+        last = self._last.get(hb.worker_id)
+        self._last[hb.worker_id] = (hb.queued_prefill_tokens, now)
+        if last is None or before is None or hb.seq <= before.heartbeat.seq:
+            return
+        queued, at = last
+        dt = now - at
+        if queued <= 0 or hb.queued_prefill_tokens <= 0 or dt <= 0:
+            return
+        drained = queued + before.routed_tokens - hb.queued_prefill_tokens
+        if drained <= 0:
+            return
+        sample = drained / dt
+        old = self.rates.get(hb.worker_id)
+        self.rates[hb.worker_id] = sample if old is None else old + self.LEARNING_WEIGHT * (sample - old)
+
+    def forget(self, worker_id: str) -> None:
+        self.rates.pop(worker_id, None)
+        self._last.pop(worker_id, None)
+
+    def rate(self, worker_id: str) -> float:
+        return self.rates.get(worker_id, self.default_rate)
+
+    def seconds(self, w: WorkerState) -> float:
+        return (w.heartbeat.queued_prefill_tokens + w.routed_tokens) / self.rate(w.worker_id)
+
+
+def within_wait(open_: list[WorkerState], wait: QueueWait, max_seconds: float,
+                retry_after: float) -> list[WorkerState] | Rejection:
+    """The admitted workers whose estimated queueing time is within `max_seconds` (0: no bound), or a
+    429 when none is: shedding now, in the scheduler, is cheaper than a request that waits past its
+    deadline (or its caller's patience) in a worker's queue."""
+    if max_seconds <= 0:
+        return open_
+    waits = [wait.seconds(w) for w in open_]
+    fits = [w for w, s in zip(open_, waits) if s <= max_seconds]
+    if fits:
+        return fits
+    least = min(waits)
+    return Rejection(429, "rate_limit_exceeded",
+                     f"The estimated queueing time ({least:.1f} s) exceeds the server's bound of {max_seconds:g} s; "
+                     "retry later.", max(retry_after, least - max_seconds))

@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--disagg-min-prefill-tokens", type=int, default=d["disagg_min_prefill_tokens"].default,
                     help="with prefill workers present, prompts with fewer uncached tokens are prefilled by "
                          "their decode worker")
+    ap.add_argument("--max-queue-seconds", type=float, default=d["max_queue_seconds"].default,
+                    help="answer 429 at once when a request's estimated queueing time passes this (0: no bound)")
+    ap.add_argument("--admission-tokens-per-second", type=float, default=d["admission_tokens_per_second"].default,
+                    help="prompt tokens per second a worker's queue drains, until learnt from its heartbeats")
     ap.add_argument("--scheduler-id", default=None)
     ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
     ap.add_argument("--log-level", default=env_default("INFERNO_LOG_LEVEL", "INFO"))
@@ -71,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("scheduler", json=args.log_format == "json", level=args.log_level)
     kwargs = dict(heartbeat_ttl=args.heartbeat_ttl, max_waiting=args.max_waiting,
                   overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
-                  affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens)
+                  affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens,
+                  max_queue_seconds=args.max_queue_seconds,
+                  admission_tokens_per_second=args.admission_tokens_per_second)
     if args.scheduler_id:
         kwargs["scheduler_id"] = args.scheduler_id
     try:

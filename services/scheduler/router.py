@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.scheduler.admission import Rejection, admit
+from services.scheduler.admission import QueueWait, Rejection, admit, within_wait
 from services.scheduler.kv_index import KvIndex, match_prefixes
 from services.scheduler.registry import Registry, WorkerState
 from shared.block_hash import request_block_key
@@ -53,15 +53,19 @@ def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: K
 class Router:
     """Admission plus the choice of one worker; owns no I/O (session affinity sits on top of it)."""
 
-    __slots__ = ("cfg", "registry")
+    __slots__ = ("cfg", "registry", "wait")
 
     def __init__(self, cfg: RouterConfig, registry: Registry):
         self.cfg = cfg
         self.registry = registry
+        self.wait = QueueWait(cfg.admission_tokens_per_second)
 
     def admit(self, req: GenerateRequest, now: float) -> list[WorkerState] | Rejection:
-        return admit(self.registry.live(now), req.model, req.num_prompt_tokens, self.cfg.max_waiting,
-                     self.cfg.retry_after)
+        open_ = admit(self.registry.live(now), req.model, req.num_prompt_tokens, self.cfg.max_waiting,
+                      self.cfg.retry_after)
+        if isinstance(open_, Rejection):
+            return open_
+        return within_wait(open_, self.wait, self.cfg.max_queue_seconds, self.cfg.retry_after)
 
     def overloaded(self, w: WorkerState) -> bool:
         return w.heartbeat.kv_usage >= self.cfg.overload_kv_usage

@@ -117,7 +117,9 @@ class Scheduler:
     # -- worker reports -----------------------------------------------------------------------------
 
     def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
-        self.registry.on_heartbeat(hb, self.clock())
+        now = self.clock()
+        self.router.wait.observe(self.registry.workers.get(hb.worker_id), hb, now)  # before the state resets
+        self.registry.on_heartbeat(hb, now)
 
     def on_kv_events(self, ev: KvEvents) -> None:
         self.registry.on_kv_events(ev, self.clock())
