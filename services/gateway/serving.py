@@ -101,7 +101,7 @@ async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Calla
         gen = Generation(gw, response_id, spec, prompt_ids, session, call.arrival, timeout)
         gw.metrics.requests_in_flight.inc()
         try:
-            await gen.start()
+            await _start_by_deadline(gen, timeout)
             try:
                 if spec.stream:
                     sink = open_stream()
@@ -116,6 +116,21 @@ async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Calla
                 gen.close()
         finally:
             gw.metrics.requests_in_flight.dec()
+
+
+async def _start_by_deadline(gen: Generation, timeout: float) -> None:
+    """Route the request, within what is left of its deadline: routing retries (a scheduler that
+    reconnects, workers that do not acknowledge) must not carry it past the time it was given; once
+    routed, the generation's own timers hold it to the same deadline."""
+    left = timeout - (time.monotonic() - gen.arrival)
+    try:
+        await asyncio.wait_for(gen.start(), max(left, 0.0))
+    except TimeoutError:
+        raise deadline_passed(timeout) from None
+
+
+def deadline_passed(timeout: float) -> ApiError:
+    return ApiError(504, f"the request did not finish within {timeout:g} s", type="timeout", code="timeout")
 
 
 def session_id(value: str | None) -> str | None:

@@ -140,3 +140,27 @@ async def test_sharing_by_flag(tenant_stack):
     for key in ("sk-acme", "sk-slow"):
         assert (await stack.post("/v1/chat/completions", chat(), key=key))[0] == 200
     assert [r.cache_salt for r in stack.peer.requests] == ["s", "s"]
+
+
+async def test_a_request_stalled_in_routing_ends_by_its_deadline(tenant_stack, nats_config):
+    """Deadlines (part 8): no scheduler answers (no responders are retried for 1.55 s), yet a request
+    with x-timeout 0.3 s gets its 504 by then, on HTTP and on the NATS API."""
+    stack = await tenant_stack()
+    await stack.peer.stop_routing()
+    t0 = asyncio.get_running_loop().time()
+    async with stack.http.post(stack.url + "/v1/chat/completions", data=chat(),
+                               headers={"Authorization": f"Bearer {KEY}", "x-timeout": "0.3"}) as r:
+        status, body = r.status, json.loads(await r.text())
+    took = asyncio.get_running_loop().time() - t0
+    assert status == 504 and body["error"]["code"] == "timeout" and 0.3 <= took < 0.45, took
+    nc = await nats.connect(nats_config.url)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        msg = await nc.request(stack.gw.subjects.api_chat_completions, chat(),
+                               headers={"Authorization": f"Bearer {KEY}", "x-timeout": "0.3"}, timeout=5)
+        took = asyncio.get_running_loop().time() - t0
+        assert msg.headers["x-status"] == "504" and 0.3 <= took < 0.45, took
+    finally:
+        await nc.close()
+    # Their routing attempts end by themselves (no responders, 1.55 s) and leave nothing behind.
+    await wait_for(lambda: stack.gw.router.in_flight == 0, timeout=5)
