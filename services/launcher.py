@@ -1,5 +1,5 @@
 """`inferno up`: starts nats-server, the scheduler, the kvstore, the workers and the gateway as child
-processes, reports any that dies, and stops them all cleanly on Ctrl-C."""
+processes, restarts any that dies (services/supervisor.py), and stops them all cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.supervisor import Supervisor
 
 RANDOM_DEMO_MODEL = Path("models/demo")
 
@@ -79,6 +81,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     critical: bool  # the stack cannot serve without it
+    argv: list[str] = field(default_factory=list)  # kept, so a restart is the same process again
+    started: float = field(default_factory=time.monotonic)
 
 
 class Stack:
@@ -90,19 +94,31 @@ class Stack:
         self.nats_url = f"nats://127.0.0.1:{cfg.nats_port}"
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
+        self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
         self._workers_started = 0
 
     # -- process management ---------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], critical: bool) -> Child:
+    def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.cfg.run_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env}
-        proc = subprocess.Popen(argv, stdout=log if self.cfg.log_format == "json" else None,
-                                stderr=subprocess.STDOUT if self.cfg.log_format == "json" else None,
-                                env=env, start_new_session=True)
-        child = Child(name, proc, critical)
+        with open(self.cfg.run_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(argv, stdout=log if self.cfg.log_format == "json" else None,
+                                    stderr=subprocess.STDOUT if self.cfg.log_format == "json" else None,
+                                    env=env, start_new_session=True)
+
+    def _spawn(self, name: str, argv: list[str], critical: bool) -> Child:
+        child = Child(name, self._popen(name, argv), critical, argv)
         self.children.append(child)
         return child
+
+    def restart(self, child: Child) -> None:
+        """Start an exited child again with the same argv: same name, worker id, port and device."""
+        if child.proc.poll() is None:
+            raise RuntimeError(f"{child.name} is still running")
+        child.proc = self._popen(child.name, child.argv)
+        child.started = time.monotonic()
+        self.reported.discard(child.name)
+        self.write_pids()
 
     def _next_device(self) -> str:
         """`cuda` spreads the workers over the visible GPUs, one each in turn; anything else as given."""
@@ -171,7 +187,8 @@ class Stack:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 120.0, path: str = "/ready") -> None:
+        """Until the gateway answers 200 on `path`: /ready needs a worker, /health only the gateway."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = self.check_children()
@@ -179,7 +196,7 @@ class Stack:
                 raise RuntimeError(f"{', '.join(c.name for c in dead)} exited during start-up")
             try:
                 headers = {"Authorization": f"Bearer {self.cfg.api_keys[0]}"} if self.cfg.api_keys else {}
-                req = urllib.request.Request(self.url + "/ready", headers=headers)
+                req = urllib.request.Request(self.url + path, headers=headers)
                 with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         return
@@ -201,6 +218,7 @@ class Stack:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Front to back: the gateway first, then workers (they drain), schedulers, NATS last."""
+        self.stopping = True
         for rank in range(4):
             members = [c for c in self.children if stop_rank(c.name) == rank]
             for c in members:
@@ -332,18 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack.start()
-        stack.wait_ready()
+        # With --workers 0 no worker of ours will make /ready answer: the control plane is up
+        # once the gateway is, and waits for workers started elsewhere.
+        own_workers = cfg.workers + cfg.prefill_workers + cfg.decode_workers
+        stack.wait_ready(path="/ready" if own_workers else "/health")
         print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n", flush=True)
+        # Any child that dies is started again (the gateway answers 503 meanwhile); with --workers 0
+        # the control plane waits for workers started elsewhere.
+        supervisor = Supervisor(stack)
         while not stopping:
-            dead = stack.check_children()
-            if any(c.critical for c in dead):
-                print("inferno: a critical service died; stopping the stack", file=sys.stderr)
-                return 1
-            if all(c.proc.poll() is not None for c in stack.children if is_worker(c.name)):
-                print("inferno: no worker is left; stopping the stack", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            supervisor.poll()
+            time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"inferno: {e}", file=sys.stderr)

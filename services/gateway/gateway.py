@@ -16,7 +16,7 @@ from services.gateway.errors import invalid
 from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerationSpec, Limits, TokenizeSpec
-from services.gateway.token_router import StreamFailed, TokenRouter
+from services.gateway.token_router import RequestStream, StreamFailed, TokenRouter
 from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
 from shared.chat_template import ChatTemplateError
 from shared.config import GatewayConfig
@@ -60,6 +60,7 @@ class Gateway:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.health.on_restart = self._worker_restarted
         self.spawn(self._watch_workers())
 
     async def attach(self, conn: NatsConnection) -> None:
@@ -98,7 +99,8 @@ class Gateway:
             log.warning("abort_publish_failed", worker_id=worker_id, error=repr(e))
 
     async def _watch_workers(self) -> None:
-        """Fail the requests of workers that went silent: their tokens are not coming."""
+        """Requests of workers that went silent: their tokens are not coming, so a request that has
+        no token yet is sent to another worker (Generation decides) and any other fails."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             # One set lookup per request in the common case (every worker fresh): this sweep runs
@@ -107,12 +109,29 @@ class Gateway:
             for stream in self.router.streams():
                 if stream.failed:
                     continue
-                for worker in stream.workers.values():
-                    if worker not in fresh and self.health.is_silent(worker, stream.started):
-                        log.warning("worker_silent", worker_id=worker)
-                        self.router.fail(stream, StreamFailed(
-                            503, f"worker {worker} stopped responding; the request was not completed"))
-                        break
+                silent = [(rid, worker) for rid, worker in stream.workers.items()
+                          if worker not in fresh and self.health.is_silent(worker, stream.started)]
+                if silent:
+                    log.warning("worker_silent", worker_ids=sorted({w for _, w in silent}))
+                    self._lost(stream, silent, "stopped responding")
+
+    def _worker_restarted(self, worker: str) -> None:
+        """A worker came back as a new process: what the old one was running is gone."""
+        log.warning("worker_restarted", worker_id=worker)
+        for stream in self.router.streams():
+            if not stream.failed:
+                lost = [(rid, w) for rid, w in stream.workers.items() if w == worker]
+                if lost:
+                    self._lost(stream, lost, "restarted")
+
+    def _lost(self, stream: RequestStream, lost: list[tuple[str, str]], why: str) -> None:
+        """Requests whose worker is gone: each is sent elsewhere if it can be (no token shown yet),
+        else the whole API request fails."""
+        for rid, worker in lost:
+            if stream.migrate is not None and stream.migrate(rid, worker):
+                continue
+            self.router.fail(stream, StreamFailed(503, f"worker {worker} {why}; the request was not completed"))
+            return
 
     # -- answers every transport gives ------------------------------------------------------------
 

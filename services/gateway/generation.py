@@ -12,6 +12,7 @@ from services.gateway.errors import ApiError, from_service_error, unavailable
 from services.gateway.schemas import GenerationSpec
 from services.gateway.token_router import RequestStream, StreamFailed
 from shared.errors import NoResponders, ServiceError
+from shared.logging import get_logger
 from shared.messages import AbortRequest, GenerateRequest, RouteReply, WireSamplingParams
 from shared.wire import pack_ids
 
@@ -20,8 +21,11 @@ if TYPE_CHECKING:
 
 _SEED_SPACE = 1 << 64
 
+log = get_logger("gateway.generation")
+
 
 NO_RESPONDER_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds: rides out a scheduler's reconnect
+MAX_MIGRATIONS = 2  # times one choice is sent again after its worker went silent before its first token
 
 
 async def route(conn, subject: str, msg: GenerateRequest) -> RouteReply:
@@ -58,6 +62,8 @@ class Generation:
         self.stream: RequestStream | None = None
         self.unfinished = spec.n
         self.first_token_at: float | None = None
+        self.migrations = 0
+        self.closed = False
         self._timers: list[asyncio.TimerHandle] = []
 
     # -- routing --------------------------------------------------------------------------------
@@ -79,6 +85,7 @@ class Generation:
         if conn is None or not conn.connected:
             raise unavailable("the gateway is not connected to NATS")
         self.stream = gw.router.open(self.request_ids)
+        self.stream.migrate = self._migrate
         messages = [self._message(i) for i in range(self.spec.n)]
         routing = asyncio.ensure_future(asyncio.gather(
             *(route(conn, gw.subjects.generate, m) for m in messages), return_exceptions=True))
@@ -127,6 +134,50 @@ class Generation:
         self.abort("client disconnected")
         self.close()
 
+    # -- migration ------------------------------------------------------------------------------
+
+    def _migrate(self, request_id: str, worker: str) -> bool:
+        """The worker of `request_id` went silent. Before its first token nothing was shown to the
+        client, so the same GenerateRequest goes through the scheduler again (which by now drops
+        or suspends the silent worker); after it, the stream ends with an error (False)."""
+        choice = self.by_id.get(request_id)
+        if choice is None or choice.finished or choice.num_tokens or self.migrations >= MAX_MIGRATIONS:
+            return False
+        self.migrations += 1
+        stream = self.stream
+        assert stream is not None
+        del stream.workers[request_id]  # the watch leaves it alone while it is routed again
+        # Should the worker only be stalled, not dead, it must not compute a second copy later.
+        self.gw.spawn(self.gw.publish_abort(worker, AbortRequest(request_ids=[request_id], reason="migrated")))
+        self.gw.spawn(self._reroute(self.request_ids.index(request_id), worker))
+        return True
+
+    async def _reroute(self, i: int, silent: str) -> None:
+        gw, stream, rid = self.gw, self.stream, self.request_ids[i]
+        gw.metrics.request_migrations.inc()
+        log.warning("request_migrating", request_id=rid, from_worker=silent, attempt=self.migrations)
+        conn = gw.conn
+        try:
+            if conn is None or not conn.connected:
+                raise unavailable("the gateway is not connected to NATS")
+            reply = await route(conn, gw.subjects.generate, self._message(i))
+            reply.raise_for_error()
+        except ServiceError as e:
+            gw.router.fail(stream, StreamFailed(e.status, f"worker {silent} stopped responding and the request "
+                                                          f"could not be placed again: {e.message}"))
+            return
+        except ApiError as e:
+            gw.router.fail(stream, StreamFailed(e.status, e.message))
+            return
+        except Exception as e:  # a failure here must end the request, not leave it waiting
+            gw.router.fail(stream, StreamFailed(500, f"re-routing failed: {e}", "internal_error"))
+            return
+        gw.router.assign(stream, rid, reply.worker_id)
+        if self.closed or stream.failed:  # ended meanwhile: the new worker must not run it for nobody
+            self.abort("request ended while it was re-routed", [rid])
+            return
+        log.info("request_migrated", request_id=rid, worker_id=reply.worker_id)
+
     # -- timers ---------------------------------------------------------------------------------
 
     def _expire(self, message: str) -> None:
@@ -163,6 +214,7 @@ class Generation:
             self.gw.spawn(self.gw.publish_abort(worker, AbortRequest(request_ids=rids, reason=reason)))
 
     def close(self) -> None:
+        self.closed = True
         for t in self._timers:
             t.cancel()
         self._timers.clear()

@@ -125,6 +125,8 @@ class GatewayMetrics:
                                       ["status"], registry=r)
         self.prompt_tokens = Counter("inferno:prompt_tokens", "Prompt tokens of served requests.", registry=r)
         self.generation_tokens = Counter("inferno:generation_tokens", "Tokens generated.", registry=r)
+        self.request_migrations = Counter("inferno:request_migrations", "Choices sent to another worker after "
+                                          "theirs went silent before the first token.", registry=r)
         self.requests_in_flight = Gauge("inferno:gateway_requests_in_flight",
                                         "HTTP generation requests in progress at this gateway.", registry=r)
         for reason in ("stop", "length"):

@@ -63,7 +63,7 @@ class DeltaInbox:
 class RequestStream:
     """The inbox of one HTTP request: TokenDeltas of its choices (request ids), plus StreamFailed."""
 
-    __slots__ = ("inbox", "request_ids", "workers", "started", "failed")
+    __slots__ = ("inbox", "request_ids", "workers", "started", "failed", "migrate")
 
     def __init__(self, request_ids: list[str]):
         self.inbox = DeltaInbox()
@@ -71,6 +71,8 @@ class RequestStream:
         self.workers: dict[str, str] = {}  # request id → worker id, once routed
         self.started = time.monotonic()
         self.failed = False
+        # (request id, silent worker) → True when the request was sent elsewhere instead of failing.
+        self.migrate: Callable[[str, str], bool] | None = None
 
 
 class TokenRouter:

@@ -25,12 +25,18 @@ class WorkerHealth:
         self.ttl = ttl
         self.clock = clock
         self.workers: dict[str, WorkerEntry] = {}
+        # Told the id of a worker whose process was replaced: a supervisor restarts a worker under
+        # the same id, often within the TTL, and the new process knows nothing of the old requests.
+        self.on_restart: Callable[[str], None] | None = None
 
     def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
         entry = self.workers.get(hb.worker_id)
         # A restarted worker starts its seq again; an older seq of the same process is a late arrival.
-        if entry is not None and hb.seq < entry.heartbeat.seq and hb.timestamp <= entry.heartbeat.timestamp:
-            return
+        if entry is not None and hb.seq <= entry.heartbeat.seq:
+            if hb.timestamp <= entry.heartbeat.timestamp:
+                return
+            if self.on_restart is not None:
+                self.on_restart(hb.worker_id)
         self.workers[hb.worker_id] = WorkerEntry(hb, self.clock())
 
     def live(self) -> list[WorkerHeartbeat]:
