@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class Stack:
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
+        self._restart_lock = threading.Lock()  # a restart and stop() never interleave
         self._workers_started = 0
 
     # -- process management ---------------------------------------------------------------------
@@ -113,12 +115,15 @@ class Stack:
 
     def restart(self, child: Child) -> None:
         """Start an exited child again with the same argv: same name, worker id, port and device."""
-        if child.proc.poll() is None:
-            raise RuntimeError(f"{child.name} is still running")
-        child.proc = self._popen(child.name, child.argv)
-        child.started = time.monotonic()
-        self.reported.discard(child.name)
-        self.write_pids()
+        with self._restart_lock:
+            if self.stopping:
+                raise RuntimeError("the stack is stopping")
+            if child.proc.poll() is None:
+                raise RuntimeError(f"{child.name} is still running")
+            child.proc = self._popen(child.name, child.argv)
+            child.started = time.monotonic()
+            self.reported.discard(child.name)
+            self.write_pids()
 
     def _next_device(self) -> str:
         """`cuda` spreads the workers over the visible GPUs, one each in turn; anything else as given."""
@@ -218,7 +223,8 @@ class Stack:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Front to back: the gateway first, then workers (they drain), schedulers, NATS last."""
-        self.stopping = True
+        with self._restart_lock:
+            self.stopping = True
         for rank in range(4):
             members = [c for c in self.children if stop_rank(c.name) == rank]
             for c in members:

@@ -60,14 +60,9 @@ class Supervisor:
             pending = self._pending.get(child.name)
             if pending is None:
                 pending = self._pending[child.name] = self._schedule(child, code, now)
-            if now >= pending.restart_at:
-                self._restart(child)
+            if now >= pending.restart_at and self._restart(child):
                 restarted.append(child.name)
         return restarted
-
-    def missing(self) -> list[str]:
-        """Children not running right now (dead, or waiting for their restart)."""
-        return [c.name for c in self.stack.children if c.proc.poll() is not None]
 
     def _schedule(self, child: Child, code: int, now: float) -> _Pending:
         ran = now - child.started
@@ -80,16 +75,19 @@ class Supervisor:
               file=sys.stderr, flush=True)
         return _Pending(delay, now + delay)
 
-    def _restart(self, child: Child) -> None:
+    def _restart(self, child: Child) -> bool:
         del self._pending[child.name]
         try:
             self.stack.restart(child)
+        except RuntimeError:  # stop() began meanwhile
+            return False
         except OSError as e:  # e.g. the binary vanished: try again after a longer backoff
             print(f"inferno: {child.name} could not be restarted: {e}", file=sys.stderr, flush=True)
             child.started = self.clock()
-            return
+            return False
         self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
         print(f"inferno: {child.name} restarted (pid {child.proc.pid})", file=sys.stderr, flush=True)
+        return True
 
     # -- a background thread, for callers without a loop of their own (tests) -----------------------
 
