@@ -147,8 +147,12 @@ class Generation:
         stream = self.stream
         assert stream is not None
         del stream.workers[request_id]  # the watch leaves it alone while it is routed again
-        # Should the worker only be stalled, not dead, it must not compute a second copy later.
-        self.gw.spawn(self.gw.publish_abort(worker, AbortRequest(request_ids=[request_id], reason="migrated")))
+        # Should the worker only be stalled, not dead, it must not compute a second copy later; and a
+        # decode worker that reserved blocks for it (paired with that prefill worker) lets them go
+        # before the request comes again. The aborts are published before the new route request.
+        abort = AbortRequest(request_ids=[request_id], reason="migrated")
+        for target in {worker} | {hb.worker_id for hb in self.gw.health.live() if hb.role == "decode"}:
+            self.gw.spawn(self.gw.publish_abort(target, abort))
         self.gw.spawn(self._reroute(self.request_ids.index(request_id), worker))
         return True
 

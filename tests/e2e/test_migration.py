@@ -21,18 +21,24 @@ from tests.e2e.test_supervision import wait_idle
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def slow_prefill(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["2 mixed", "2P+1D"])
+def slow_prefill(request, tiny_model, tmp_path_factory):
     # 8 prompt tokens per step: a long prompt takes a few seconds before its first token, and the
     # heartbeats come every 0.1 s, so the test sees which worker holds it well before then.
-    s = start_stack(tmp_path_factory.mktemp("migration"), tiny_model, workers=2,
-                    worker_args=("--max-num-batched-tokens", "8", "--heartbeat-interval", "0.1"))
+    worker_args = ("--max-num-batched-tokens", "8", "--heartbeat-interval", "0.1")
+    if request.param == "2 mixed":
+        s = start_stack(tmp_path_factory.mktemp("migration"), tiny_model, workers=2, worker_args=worker_args)
+    else:  # the prefill worker dies while the decode worker holds blocks reserved for the request
+        pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
+        s = start_stack(tmp_path_factory.mktemp("migration-pd"), tiny_model, workers=0, prefill_workers=2,
+                        decode_workers=1, worker_args=worker_args,
+                        scheduler_args=("--disagg-min-prefill-tokens", "1"))
     yield s
     s.stop()
 
 
 def holder(stack, timeout: float = 20.0) -> str:
-    """The id of the first worker whose heartbeat shows a request."""
+    """The id of the first worker whose heartbeat shows a request to prefill."""
     import nats
 
     async def watch() -> str:
@@ -41,7 +47,7 @@ def holder(stack, timeout: float = 20.0) -> str:
 
         async def on(msg):
             hb = decode(WorkerHeartbeat, msg.data)
-            if hb.num_running + hb.num_waiting > 0 and not found.done():
+            if hb.role != "decode" and hb.num_running + hb.num_waiting > 0 and not found.done():
                 found.set_result(hb.worker_id)
 
         await nc.subscribe(subjects.heartbeat(), cb=on)
