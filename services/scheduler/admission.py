@@ -6,7 +6,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.registry import WorkerState
+from shared.logging import get_logger
 from shared.messages import RouteReply, WorkerHeartbeat
+
+log = get_logger(__name__)
 
 # Roles that serve a request to its end: a decode worker also prefills the prompts too short to be
 # worth a remote prefill. Prefill workers are chosen beside one of these (services/scheduler/disagg.py).
@@ -62,56 +65,69 @@ class QueueWait:
     queued ahead of it (the worker's last report plus what was routed to it since) over the rate at
     which that worker drains its queue.
 
-    The rate starts at the configured tokens/s and is learnt from heartbeats: over an interval in
-    which the queue never emptied (tokens queued at both ends), the worker was busy the whole time,
-    so the tokens that left the queue over the seconds that passed is its drain rate (decode load
-    included: a full batch drains the queue only as fast as requests finish). Intervals in which the
-    queue emptied say nothing about capacity and teach nothing.
+    The rate starts at the configured tokens/s and is learnt from heartbeats: over a window in which
+    the queue never emptied (tokens queued at every report), the worker was busy the whole time, so
+    the tokens that left the queue over the seconds that passed is its drain rate (decode load
+    included: a full batch drains the queue only as fast as requests finish). Windows in which the
+    queue emptied say nothing about capacity and teach nothing. Seconds are the worker's own
+    timestamps, and a window spans at least MIN_WINDOW: heartbeats can arrive bunched, and a few
+    milliseconds between two receipts would make a wild sample.
     """
 
     LEARNING_WEIGHT = 0.3  # of the newest sample in the running average
+    MIN_WINDOW = 0.5  # seconds of the worker's clock per sample
 
     def __init__(self, tokens_per_second: float):
         self.default_rate = tokens_per_second
         self.rates: dict[str, float] = {}  # learnt, by worker id
-        self._last: dict[str, tuple[int, float]] = {}  # worker id → (queued tokens, time) of its last report
+        # worker id → the window being measured: (tokens queued at its start, its start on the
+        # worker's clock, tokens routed since, the last heartbeat's seq)
+        self._window: dict[str, tuple[int, float, int, int]] = {}
 
     def observe(self, before: WorkerState | None, hb: WorkerHeartbeat, now: float) -> None:
         """A heartbeat arrived (`before`: the worker's state until now, with the tokens routed since)."""
-        last = self._last.get(hb.worker_id)
-        self._last[hb.worker_id] = (hb.queued_prefill_tokens, now)
-        if last is None or before is None or hb.seq <= before.heartbeat.seq:
+        window = self._window.get(hb.worker_id)
+        fresh = (hb.queued_prefill_tokens, hb.timestamp, 0, hb.seq)
+        if window is None or before is None or hb.seq <= window[3] or hb.queued_prefill_tokens <= 0:
+            self._window[hb.worker_id] = fresh  # a new worker, a restarted one, or an emptied queue
             return
-        queued, at = last
-        dt = now - at
-        if queued <= 0 or hb.queued_prefill_tokens <= 0 or dt <= 0:
+        queued, start, routed, _ = window
+        routed += before.routed_tokens
+        dt = hb.timestamp - start
+        if queued <= 0 or dt < self.MIN_WINDOW:
+            self._window[hb.worker_id] = (queued, start, routed, hb.seq) if queued > 0 else fresh
             return
-        drained = queued + before.routed_tokens - hb.queued_prefill_tokens
+        self._window[hb.worker_id] = fresh
+        drained = queued + routed - hb.queued_prefill_tokens
         if drained <= 0:
             return
         sample = drained / dt
         old = self.rates.get(hb.worker_id)
-        self.rates[hb.worker_id] = sample if old is None else old + self.LEARNING_WEIGHT * (sample - old)
+        self.rates[hb.worker_id] = rate = sample if old is None else old + self.LEARNING_WEIGHT * (sample - old)
+        log.debug("drain_rate_learnt", worker_id=hb.worker_id, sample=round(sample), rate=round(rate),
+                  queued=hb.queued_prefill_tokens, seconds=round(dt, 3))
 
     def forget(self, worker_id: str) -> None:
         self.rates.pop(worker_id, None)
-        self._last.pop(worker_id, None)
+        self._window.pop(worker_id, None)
 
     def rate(self, worker_id: str) -> float:
         return self.rates.get(worker_id, self.default_rate)
 
-    def seconds(self, w: WorkerState) -> float:
-        return (w.heartbeat.queued_prefill_tokens + w.routed_tokens) / self.rate(w.worker_id)
+    def seconds(self, w: WorkerState, num_prompt_tokens: int = 0) -> float:
+        """Until the first token of a request of `num_prompt_tokens`: the queue ahead, then its own prompt."""
+        return (w.heartbeat.queued_prefill_tokens + w.routed_tokens + num_prompt_tokens) / self.rate(w.worker_id)
 
 
-def within_wait(open_: list[WorkerState], wait: QueueWait, max_seconds: float,
-                retry_after: float) -> list[WorkerState] | Rejection:
-    """The admitted workers whose estimated queueing time is within `max_seconds` (0: no bound), or a
-    429 when none is: shedding now, in the scheduler, is cheaper than a request that waits past its
-    deadline (or its caller's patience) in a worker's queue."""
+def within_wait(open_: list[WorkerState], wait: QueueWait, max_seconds: float, retry_after: float,
+                num_prompt_tokens: int = 0) -> list[WorkerState] | Rejection:
+    """The admitted workers on which the request's estimated time to its first token (the queue ahead
+    and its own prompt) is within `max_seconds` (0: no bound), or a 429 when none is: shedding now, in
+    the scheduler, is cheaper than a request that waits past its deadline (or its caller's patience)
+    in a worker's queue."""
     if max_seconds <= 0:
         return open_
-    waits = [wait.seconds(w) for w in open_]
+    waits = [wait.seconds(w, num_prompt_tokens) for w in open_]
     fits = [w for w, s in zip(open_, waits) if s <= max_seconds]
     if fits:
         return fits

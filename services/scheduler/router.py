@@ -65,7 +65,8 @@ class Router:
                       self.cfg.retry_after)
         if isinstance(open_, Rejection):
             return open_
-        return within_wait(open_, self.wait, self.cfg.max_queue_seconds, self.cfg.retry_after)
+        return within_wait(open_, self.wait, self.cfg.max_queue_seconds, self.cfg.retry_after,
+                           req.num_prompt_tokens)
 
     def overloaded(self, w: WorkerState) -> bool:
         return w.heartbeat.kv_usage >= self.cfg.overload_kv_usage

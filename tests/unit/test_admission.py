@@ -13,9 +13,9 @@ from shared.sampling_params import SamplingParams
 from shared.wire import pack_ids
 
 
-def hb(worker_id: str, seq: int, queued: int = 0, **load) -> WorkerHeartbeat:
+def hb(worker_id: str, seq: int, queued: int = 0, timestamp: float = 0.0, **load) -> WorkerHeartbeat:
     return WorkerHeartbeat(worker_id=worker_id, role="mixed", model="m", ready=True, draining=False,
-                           generate_subject=f"g.{worker_id}", abort_subject=f"a.{worker_id}", timestamp=0.0,
+                           generate_subject=f"g.{worker_id}", abort_subject=f"a.{worker_id}", timestamp=timestamp,
                            seq=seq, queued_prefill_tokens=queued, **load)
 
 
@@ -26,29 +26,33 @@ def test_wait_is_queued_plus_routed_tokens_over_the_rate():
     assert wait.seconds(w) == 1.5
     w.note_routed(500)
     assert wait.seconds(w) == 2.0
+    assert wait.seconds(w, 500) == 2.5  # its own prompt, until its first token
 
 
 def test_the_rate_is_learnt_only_while_the_queue_stays_busy():
     reg = Registry(heartbeat_ttl=3.0)
     wait = QueueWait(1000.0)
 
-    def beat(seq: int, queued: int, now: float, routed: int = 0) -> None:
+    def beat(seq: int, queued: int, at: float, routed: int = 0) -> None:
+        """A heartbeat stamped `at` by the worker, after `routed` tokens were sent to it."""
         before = reg.workers.get("w1")
         if before is not None and routed:
             before.note_routed(routed)
-        wait.observe(before, hb("w1", seq, queued), now)
-        reg.on_heartbeat(hb("w1", seq, queued), now)
+        wait.observe(before, hb("w1", seq, queued, timestamp=at), 0.0)  # receipt time plays no part
+        reg.on_heartbeat(hb("w1", seq, queued, timestamp=at), 0.0)
 
     beat(1, 0, 0.0)
     beat(2, 800, 1.0, routed=900)  # the queue was empty at the start: nothing learnt
     assert wait.rate("w1") == 1000.0
-    beat(3, 400, 2.0, routed=200)  # 800 + 200 - 400 = 600 tokens left the queue in 1 s
+    beat(3, 700, 1.2, routed=100)  # 0.2 s: too short a window, kept open
+    beat(4, 400, 2.0, routed=100)  # 800 + 200 - 400 = 600 tokens left the queue in 1 s
     assert wait.rates["w1"] == 600.0
-    beat(4, 100, 3.0, routed=0)  # 300 tokens/s: the average moves 30% of the way
+    beat(5, 100, 3.0)  # 300 tokens/s: the average moves 30% of the way
     assert wait.rates["w1"] == pytest.approx(510.0)
-    beat(5, 0, 4.0)  # emptied: says nothing about capacity
+    beat(6, 0, 4.0)  # emptied: says nothing about capacity
+    beat(7, 500, 5.0, routed=600)
     assert wait.rates["w1"] == pytest.approx(510.0)
-    beat(1, 700, 5.0)  # a restarted worker (seq went back): no sample across the restart
+    beat(1, 700, 6.0)  # a restarted worker (seq went back): no sample across the restart
     assert wait.rates["w1"] == pytest.approx(510.0)
 
 
