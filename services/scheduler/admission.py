@@ -69,7 +69,10 @@ class QueueWait:
     the queue never emptied (tokens queued at every report), the worker was busy the whole time, so
     the tokens that left the queue over the seconds that passed is its drain rate (decode load
     included: a full batch drains the queue only as fast as requests finish). Windows in which the
-    queue emptied say nothing about capacity and teach nothing. Seconds are the worker's own
+    queue emptied say nothing about capacity and teach nothing. The rate admission counts on is the
+    running mean less the running mean deviation of the samples (as TCP's retransmit timer counts on
+    the mean round trip plus its deviation): a worker whose drain is lumpy (few long requests per
+    batch, or a CPU shared with others) is given a margin. Seconds are the worker's own
     timestamps, and a window spans at least MIN_WINDOW: heartbeats can arrive bunched, and a few
     milliseconds between two receipts would make a wild sample.
     """
@@ -79,7 +82,8 @@ class QueueWait:
 
     def __init__(self, tokens_per_second: float):
         self.default_rate = tokens_per_second
-        self.rates: dict[str, float] = {}  # learnt, by worker id
+        self.rates: dict[str, float] = {}  # learnt mean, by worker id
+        self.deviations: dict[str, float] = {}  # learnt mean deviation from it, by worker id
         # worker id → the window being measured: (tokens queued at its start, its start on the
         # worker's clock, tokens routed since, the last heartbeat's seq)
         self._window: dict[str, tuple[int, float, int, int]] = {}
@@ -103,16 +107,29 @@ class QueueWait:
             return
         sample = drained / dt
         old = self.rates.get(hb.worker_id)
-        self.rates[hb.worker_id] = rate = sample if old is None else old + self.LEARNING_WEIGHT * (sample - old)
-        log.debug("drain_rate_learnt", worker_id=hb.worker_id, sample=round(sample), rate=round(rate),
+        w = self.LEARNING_WEIGHT
+        if old is None:
+            self.rates[hb.worker_id], self.deviations[hb.worker_id] = sample, sample / 2
+        else:
+            dev = self.deviations[hb.worker_id]
+            self.deviations[hb.worker_id] = dev + w * (abs(sample - old) - dev)
+            self.rates[hb.worker_id] = old + w * (sample - old)
+        log.debug("drain_rate_learnt", worker_id=hb.worker_id, sample=round(sample),
+                  rate=round(self.rates[hb.worker_id]), deviation=round(self.deviations[hb.worker_id]),
                   queued=hb.queued_prefill_tokens, seconds=round(dt, 3))
 
     def forget(self, worker_id: str) -> None:
         self.rates.pop(worker_id, None)
+        self.deviations.pop(worker_id, None)
         self._window.pop(worker_id, None)
 
     def rate(self, worker_id: str) -> float:
-        return self.rates.get(worker_id, self.default_rate)
+        """Tokens per second admission counts on: the learnt mean less its deviation (at least a quarter
+        of the mean), or the configured rate until something is learnt."""
+        mean = self.rates.get(worker_id)
+        if mean is None:
+            return self.default_rate
+        return max(mean - self.deviations[worker_id], mean / 4)
 
     def seconds(self, w: WorkerState, num_prompt_tokens: int = 0) -> float:
         """Until the first token of a request of `num_prompt_tokens`: the queue ahead, then its own prompt."""

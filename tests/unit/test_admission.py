@@ -46,13 +46,18 @@ def test_the_rate_is_learnt_only_while_the_queue_stays_busy():
     assert wait.rate("w1") == 1000.0
     beat(3, 700, 1.2, routed=100)  # 0.2 s: too short a window, kept open
     beat(4, 400, 2.0, routed=100)  # 800 + 200 - 400 = 600 tokens left the queue in 1 s
-    assert wait.rates["w1"] == 600.0
-    beat(5, 100, 3.0)  # 300 tokens/s: the average moves 30% of the way
+    assert (wait.rates["w1"], wait.deviations["w1"]) == (600.0, 300.0)  # a first sample: half of it as the margin
+    assert wait.rate("w1") == 300.0
+    beat(5, 100, 3.0)  # 300 tokens/s: the mean and the deviation move 30% of the way
+    assert wait.rates["w1"] == pytest.approx(510.0) and wait.deviations["w1"] == pytest.approx(300.0)
+    assert wait.rate("w1") == pytest.approx(210.0)
+    beat(6, 90, 4.0, routed=500)  # 510 tokens/s again: the deviation shrinks
+    assert wait.rates["w1"] == pytest.approx(510.0) and wait.deviations["w1"] == pytest.approx(210.0)
+    assert wait.rate("w1") == pytest.approx(300.0)
+    beat(7, 0, 5.0)  # emptied: says nothing about capacity
+    beat(8, 500, 6.0, routed=600)
     assert wait.rates["w1"] == pytest.approx(510.0)
-    beat(6, 0, 4.0)  # emptied: says nothing about capacity
-    beat(7, 500, 5.0, routed=600)
-    assert wait.rates["w1"] == pytest.approx(510.0)
-    beat(1, 700, 6.0)  # a restarted worker (seq went back): no sample across the restart
+    beat(1, 700, 7.0)  # a restarted worker (seq went back): no sample across the restart
     assert wait.rates["w1"] == pytest.approx(510.0)
 
 
