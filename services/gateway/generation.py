@@ -144,6 +144,7 @@ class Generation:
         if choice is None or choice.finished or choice.num_tokens or self.migrations >= MAX_MIGRATIONS:
             return False
         self.migrations += 1
+        self.gw.metrics.request_migrations.inc()
         stream = self.stream
         assert stream is not None
         del stream.workers[request_id]  # the watch leaves it alone while it is routed again
@@ -158,7 +159,6 @@ class Generation:
 
     async def _reroute(self, i: int, silent: str) -> None:
         gw, stream, rid = self.gw, self.stream, self.request_ids[i]
-        gw.metrics.request_migrations.inc()
         log.warning("request_migrating", request_id=rid, from_worker=silent, attempt=self.migrations)
         conn = gw.conn
         try:
