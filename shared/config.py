@@ -176,13 +176,13 @@ class WorkerServiceConfig:
     # Where a decode worker's UCXX listener takes KV pages: an address prefill workers can reach.
     transfer_host: str = "127.0.0.1"
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
-    kvstore: str = "auto"  # "auto": share prompt KV with the cluster store when one answers; "off"
+    kvstore: str = "auto"  # "auto": use the cluster store when one answers (GPU: fetch only); "on"; "off"
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
         _positive(self, "handoff_timeout")
-        if self.kvstore not in ("auto", "off"):
-            _fail(self, "kvstore", f"must be 'auto' or 'off', got {self.kvstore!r}")
+        if self.kvstore not in ("auto", "on", "off"):
+            _fail(self, "kvstore", f"must be 'auto', 'on' or 'off', got {self.kvstore!r}")
         if self.role not in WORKER_ROLES:
             _fail(self, "role", f"must be one of {WORKER_ROLES}, got {self.role!r}")
         if not self.emit_only and not self.model_dir:

@@ -1,8 +1,11 @@
 """The worker's side of the cluster KV store: prompt blocks written back in the background, and a
 prefix this worker lacks fetched from the store when that beats recomputing it.
 
-Write-back never touches a step's critical path: the step thread only queues a GPU copy of the
-new full blocks (and skips it when the queue is full); a background task sends them. A fetch runs
+Write-back never touches a step's critical path: the step thread only queues a copy of the new
+full blocks (and skips it when the queue's byte bound is reached); a background task sends them.
+On a GPU the copies take device memory beside a KV pool sized to nearly all of it, and a host
+store over UCXX moves ~1-2 GB/s there, slower than an 8B model prefills on an H100: so GPU
+workers write back only with `--kvstore on`, and fetch when the estimate says it pays. A fetch runs
 before a request is queued: the store is asked for the prompt's block hashes, and the pages past
 this worker's own prefix hit are fetched when their transfer is estimated faster than their
 prefill (measured: the store's GB/s, this engine's prefill tokens/s). A store that fails is left
@@ -12,6 +15,7 @@ alone for a moment; the worker just recomputes, and comes back to it later.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 
@@ -23,7 +27,10 @@ from shared.kvstore_client import KvStoreClient, KvStoreError
 
 log = structlog.get_logger("worker.cluster_cache")
 
-QUEUE_PAGES = 4096  # pages waiting for write-back at most; more are dropped
+# Bytes of pages waiting for write-back at most; more are dropped. On a GPU the copies live in
+# device memory beside a KV pool sized to nearly all of it, so the bound there is small.
+QUEUE_BYTES_CPU = 1 << 30
+QUEUE_BYTES_GPU = 256 << 20
 KNOWN_HASHES = 1 << 16  # hashes remembered as stored (bounded LRU)
 BACKOFF = 2.0  # seconds without the store after a failure
 
@@ -37,12 +44,16 @@ class Ewma:
 
 
 class ClusterCache(PromptSink):
-    def __init__(self, client: KvStoreClient, namespace: str, page_bytes: int, block_size: int, model: str):
+    def __init__(self, client: KvStoreClient, namespace: str, page_bytes: int, block_size: int, model: str,
+                 write_back: bool = True, on_gpu: bool = False):
         self.client, self.namespace, self.page_bytes = client, namespace, page_bytes
         self.block_size, self.model = block_size, model
+        self.write_back = write_back
+        self.max_queue_bytes = QUEUE_BYTES_GPU if on_gpu else QUEUE_BYTES_CPU
         self.known: OrderedDict[bytes, None] = OrderedDict()  # stored in the store (by us or seen there)
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.queued_pages = 0
+        self.queued_bytes = 0
+        self._queued_lock = threading.Lock()  # the step thread adds, the event loop subtracts
         self.down_until = 0.0
         self.fetch_bps = Ewma(1e9)  # bytes/s of gets, learnt
         self.prefill_tps = Ewma(5e3)  # prefill tokens/s of this engine, learnt from its steps
@@ -69,34 +80,48 @@ class ClusterCache(PromptSink):
 
     # -- write-back (PromptSink: called on the step thread) ---------------------------------------
     def skip(self, hashes: list[bytes]) -> int:
-        if not self.available or self.queued_pages >= QUEUE_PAGES:
+        if not self.write_back or not self.available:
             return len(hashes)
         n = 0
         for h in hashes:  # reads only: the event loop owns `known`
             if h not in self.known:
                 break
             n += 1
+        if self.queued_bytes + (len(hashes) - n) * self.page_bytes > self.max_queue_bytes:
+            self.stats["dropped_pages"] += len(hashes) - n
+            return len(hashes)
         return n
 
     def take(self, hashes: list[bytes], pages, event) -> None:
-        self.queued_pages += len(hashes)
+        with self._queued_lock:
+            self.queued_bytes += len(hashes) * self.page_bytes
         self._loop.call_soon_threadsafe(self.queue.put_nowait, (hashes, pages, event))
 
     async def _write_back(self) -> None:
         while True:
             hashes, pages, event = await self.queue.get()
-            self.queued_pages -= len(hashes)
-            if not self.available:
-                self.stats["dropped_pages"] += len(hashes)
-                continue
             try:
-                if event is not None:
-                    await asyncio.to_thread(event.synchronize)
-                await self.client.put(self.namespace, hashes, pages, self.page_bytes)
-                self._remember(hashes)
-                self.stats["put_pages"] += len(hashes)
-            except KvStoreError as e:
-                self._failed(e)
+                await self._put(hashes, pages, event)
+            finally:
+                with self._queued_lock:
+                    self.queued_bytes -= len(hashes) * self.page_bytes
+                del pages  # a GPU copy: give its memory back at once
+
+    async def _put(self, hashes: list[bytes], pages, event) -> None:
+        if not self.available:
+            self.stats["dropped_pages"] += len(hashes)
+            return
+        try:
+            if event is not None:
+                await asyncio.to_thread(event.synchronize)
+            await self.client.put(self.namespace, hashes, pages, self.page_bytes)
+            self._remember(hashes)
+            self.stats["put_pages"] += len(hashes)
+        except KvStoreError as e:
+            self._failed(e)
+        except Exception as e:  # a bug or a transport fault must not end the write-back task
+            log.warning("kvstore_put_failed", error=repr(e))
+            self._failed(e)
 
     def _remember(self, hashes: list[bytes]) -> None:
         for h in hashes:

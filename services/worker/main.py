@@ -39,9 +39,9 @@ def parse_args(argv):
                     help="decode role: the address prefill workers reach this worker's UCXX listener at")
     ap.add_argument("--handoff-timeout", type=float, default=10.0,
                     help="seconds a prefill → decode hand-off may take before the request fails")
-    ap.add_argument("--kvstore", choices=["auto", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
-                    help="auto: write prompt blocks to the cluster KV store and fetch prefixes from it when "
-                         "one answers (and when fetching beats recomputing)")
+    ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
+                    help="auto: when a cluster KV store answers, fetch prefixes from it when that beats "
+                         "recomputing, and (CPU workers) write prompt blocks to it; on: GPU workers write too")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")

@@ -84,15 +84,18 @@ class WorkerService:
         return self._transfer_client
 
     def _start_cluster_cache(self) -> None:
-        """Prompt blocks to the cluster KV store and prefixes from it (kvstore auto: if one answers)."""
+        """Prompt blocks to the cluster KV store and prefixes from it (auto: when one answers; a GPU
+        worker then only fetches, `on` makes it write back too)."""
         if self.cfg.kvstore == "off" or not hasattr(self.loop_thread.engine, "kv_cache"):
             return
         from services.worker.cluster_cache import ClusterCache
         from shared.kvstore_client import KvStoreClient
 
         layout, size = self._page_layout()
+        on_gpu = self.cfg.device.startswith("cuda")
         self.cluster_cache = ClusterCache(KvStoreClient(self.conn, self._transfer(), self.prefix), layout, size,
-                                          self.block_size, self.cfg.model_name)
+                                          self.block_size, self.cfg.model_name,
+                                          write_back=self.cfg.kvstore == "on" or not on_gpu, on_gpu=on_gpu)
         self.cluster_cache.start()
         self.loop_thread.engine.prompt_sink = self.cluster_cache
         self.loop_thread.on_step = self.cluster_cache.note_step

@@ -203,7 +203,11 @@ class LLMEngine:
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
-        buffer = empty_pages(self.kv_cache, len(request.block_ids) - skip)
+        try:
+            buffer = empty_pages(self.kv_cache, len(request.block_ids) - skip)
+        except RuntimeError:  # no device memory for the receive buffer now: like no free blocks
+            self.batcher.cancel_reserved(request_id)
+            return None
         reservation = self._imports[request_id] = ImportReservation(request, skip, buffer)
         return reservation
 
@@ -286,9 +290,15 @@ class LLMEngine:
                 if blocks is None:
                     continue
                 if r.status is RequestStatus.HANDED_OFF:
-                    out.handoff = self._export(r, blocks)
+                    try:
+                        out.handoff = self._export(r, blocks)
+                    except RuntimeError as e:  # no memory for the copy: the request ends here, cleanly
+                        out.finish_reason, out.error = "error", f"the KV could not be copied for the hand-off: {e}"
                 if self.prompt_sink is not None:
-                    self._share_prompt(r, blocks, out.handoff)
+                    try:
+                        self._share_prompt(r, blocks, out.handoff)
+                    except RuntimeError:  # sharing is an optimisation; a step's outputs must go out
+                        pass
         return outputs
 
     def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None) -> None:
