@@ -314,8 +314,9 @@ def parse_args(argv):
                     help="prefill workers: they run prompts and hand the KV to a decode worker (UCXX)")
     ap.add_argument("--decode-workers", type=int, default=0,
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
-    ap.add_argument("--kvstore-capacity-gb", type=float, default=2.0,
-                    help="host memory of the cluster KV store (prefix reuse across workers); 0: none")
+    ap.add_argument("--kvstore-capacity-gb", type=float, default=None,
+                    help="host memory of the cluster KV store (prefix reuse across workers); 0: none "
+                         "(default: 2 with two or more workers, none with one)")
     ap.add_argument("--disagg-min-prefill-tokens", type=int, default=None,
                     help="the scheduler's threshold for a remote prefill (default: its own, 256)")
     ap.add_argument("--device", default="cpu",
@@ -329,6 +330,15 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def kvstore_capacity(args) -> float:
+    """A kvstore pays only when a prefix can be reused on another worker."""
+    if args.kvstore_capacity_gb is not None:
+        return args.kvstore_capacity_gb
+    disagg = args.prefill_workers + args.decode_workers
+    workers = args.workers if args.workers is not None else int(not disagg)
+    return 2.0 if workers + disagg >= 2 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model or ensure_demo_model(args.random_demo)
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        kvstore_capacity_gb=args.kvstore_capacity_gb,
+        kvstore_capacity_gb=kvstore_capacity(args),
         scheduler_args=(("--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens))
                         if args.disagg_min_prefill_tokens is not None else ()),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
