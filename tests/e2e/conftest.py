@@ -36,6 +36,32 @@ def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), sch
     return stack
 
 
+def heartbeats(stack: Stack, seconds: float = 1.2) -> dict:
+    """The latest WorkerHeartbeat of every worker (by id), read off NATS as the scheduler does."""
+    import asyncio
+
+    import nats
+
+    from shared import subjects
+    from shared.messages import WorkerHeartbeat
+    from shared.wire import decode
+
+    async def collect():
+        nc = await nats.connect(stack.nats_url)
+        latest = {}
+
+        async def on(msg):
+            hb = decode(WorkerHeartbeat, msg.data)
+            latest[hb.worker_id] = hb
+
+        await nc.subscribe(subjects.heartbeat(), cb=on)
+        await asyncio.sleep(seconds)
+        await nc.close()
+        return latest
+
+    return asyncio.run(collect())
+
+
 def metrics(stack: Stack) -> dict[str, float]:
     """Prometheus samples (name{labels} → value) from the gateway's /metrics."""
     headers = {"Authorization": f"Bearer {stack.cfg.api_keys[0]}"} if stack.cfg.api_keys else {}

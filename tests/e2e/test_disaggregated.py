@@ -5,15 +5,12 @@ must come back."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
-from shared import subjects
 from shared.messages import WorkerHeartbeat
-from shared.wire import decode
-from tests.e2e.conftest import MODEL_NAME, start_stack
+from tests.e2e.conftest import MODEL_NAME, heartbeats, start_stack
 
 pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
 
@@ -48,26 +45,6 @@ def completion(stack, prompt, **kw):
     r = client(stack).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
                                          logprobs=1, **kw)
     return r
-
-
-def heartbeats(stack, seconds: float = 1.5) -> dict[str, WorkerHeartbeat]:
-    """The latest heartbeat of every worker, read off NATS as the scheduler does."""
-    import nats
-
-    async def collect():
-        nc = await nats.connect(stack.nats_url)
-        latest: dict[str, WorkerHeartbeat] = {}
-
-        async def on(msg):
-            hb = decode(WorkerHeartbeat, msg.data)
-            latest[hb.worker_id] = hb
-
-        await nc.subscribe(subjects.heartbeat(), cb=on)
-        await asyncio.sleep(seconds)
-        await nc.close()
-        return latest
-
-    return asyncio.run(collect())
 
 
 def wait_blocks_free(stack, timeout: float = 10.0) -> dict[str, WorkerHeartbeat]:

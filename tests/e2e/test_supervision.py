@@ -5,7 +5,6 @@ killed gateway lose their connection: nothing is left to send the event)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import signal
 import time
@@ -16,10 +15,7 @@ import openai
 import pytest
 
 from services.supervisor import Backoff, Supervisor
-from shared import subjects
-from shared.messages import WorkerHeartbeat
-from shared.wire import decode
-from tests.e2e.conftest import MODEL_NAME, metrics, start_stack, wait_workers
+from tests.e2e.conftest import MODEL_NAME, heartbeats, metrics, start_stack, wait_workers
 
 RECOVERY_S = 10.0
 STREAMS = 4
@@ -77,26 +73,6 @@ def serve_again(stack, since: float) -> tuple[float, list[str]]:
             refusals.append(f"{type(e).__name__}")
         time.sleep(0.2)
     raise AssertionError(f"the stack did not serve again within 60 s: {refusals[-3:]}")
-
-
-def heartbeats(stack, seconds: float = 1.2) -> dict[str, WorkerHeartbeat]:
-    """The latest heartbeat of every worker, read off NATS as the scheduler does."""
-    import nats
-
-    async def collect():
-        nc = await nats.connect(stack.nats_url)
-        latest: dict[str, WorkerHeartbeat] = {}
-
-        async def on(msg):
-            hb = decode(WorkerHeartbeat, msg.data)
-            latest[hb.worker_id] = hb
-
-        await nc.subscribe(subjects.heartbeat(), cb=on)
-        await asyncio.sleep(seconds)
-        await nc.close()
-        return latest
-
-    return asyncio.run(collect())
 
 
 def wait_idle(stack, timeout: float = 30.0) -> None:
