@@ -101,7 +101,7 @@ class HttpApi:
         answer = await generate(self.gw, endpoint, call, functools.partial(SseWriter, request))
         if isinstance(answer, SseWriter):
             return answer.response
-        return web.Response(body=answer, content_type="application/json")
+        return web.Response(body=answer, content_type="application/json", headers=call.rate_headers)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return web.json_response(await tokenize(self.gw, await request.read()))

@@ -217,7 +217,7 @@ class NatsApi:
                         tenant)
             answer = await generate(gw, endpoint, call, lambda: reply)
             if isinstance(answer, bytes):
-                await reply.end(200, answer)
+                await reply.end(200, answer, call.rate_headers)
         except ApiError as e:
             gw.metrics.request_errors.labels(status=str(e.status)).inc()
             await reply.error(e)

@@ -56,6 +56,8 @@ class Call:
     request_id: str | None = None  # x-request-id: the caller's own id, for the logs
     arrival: float = field(default_factory=time.monotonic)
     tenant: Tenant | None = None  # whose key authenticated it (None: the default tenant)
+    # Set by generate(): the tenant's x-ratelimit-* as of this request's admission, for the answer.
+    rate_headers: dict[str, str] = field(default_factory=dict)
 
 
 async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
@@ -82,6 +84,8 @@ async def _generate(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Ca
     spec.cache_salt = gw.tenancy.cache_salt(tenant, spec.cache_salt)
     # Counted as OpenAI counts: the prompt plus the most every choice may generate.
     limiter = gw.tenancy.admit(tenant, len(prompt_ids) + spec.n * params.max_tokens)
+    if limiter is not None:
+        call.rate_headers = limiter.headers()
     try:
         return await _serve(gw, endpoint, call, open_stream, tenant, spec, session, timeout, prompt_ids)
     finally:

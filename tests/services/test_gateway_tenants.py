@@ -78,10 +78,11 @@ async def test_requests_per_minute_429_with_headers_on_http_and_nats(tenant_stac
     nc = await nats.connect(nats_config.url)
     try:
         status, body, headers = await stack.post("/v1/chat/completions", chat(), key="sk-acme")
-        assert status == 200
+        assert status == 200 and headers["x-ratelimit-remaining-requests"] == "2"  # on answers too
+        assert headers["x-ratelimit-limit-tokens"] == "100000"
         # One budget per tenant, whichever key and transport.
-        status, _, _ = await nats_ask(nc, stack.gw.subjects.api_chat_completions, chat(), "sk-acme-2")
-        assert status == 200
+        status, _, headers = await nats_ask(nc, stack.gw.subjects.api_chat_completions, chat(), "sk-acme-2")
+        assert status == 200 and headers["x-ratelimit-remaining-requests"] == "1"
         status, _, headers = await stack.post("/v1/chat/completions", chat(), key="sk-acme")
         assert status == 200
         status, body, headers = await stack.post("/v1/chat/completions", chat(), key="sk-acme")
