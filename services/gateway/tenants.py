@@ -86,8 +86,18 @@ class TenantsFile:
     def load(cls, path: str | Path) -> TenantsFile:
         text = Path(path).read_text()
         if str(path).endswith((".yaml", ".yml")):
-            import yaml
-            doc = yaml.safe_load(text)
+            try:  # PyYAML is optional (only the test extra installs it): JSON needs nothing
+                import yaml
+            except ImportError:
+                raise ValueError(f"{path}: a YAML keys file needs PyYAML (pip install pyyaml); "
+                                 "or write it as JSON") from None
+            try:
+                doc = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {e}") from None
         else:
-            doc = json.loads(text)
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON: {e}") from None
         return cls.parse(doc, str(path))

@@ -123,3 +123,11 @@ def test_cache_salt_isolates_tenants_without_collisions():
     assert a.cache_salt("b", True) != ab.cache_salt("", True)
     assert shared.cache_salt("s", True) == a.cache_salt("s", False) == "ss"
     assert a.cache_salt("s", True) == "t1:as"
+
+
+def test_unparsable_keys_files_are_value_errors(tmp_path):
+    (tmp_path / "k.json").write_text("{nope")
+    (tmp_path / "k.yaml").write_text("tenants: [unclosed")
+    for name in ("k.json", "k.yaml"):
+        with pytest.raises(ValueError, match="not valid"):
+            TenantsFile.load(tmp_path / name)
