@@ -323,6 +323,11 @@ def parse_args(argv):
                     help="cpu, or cuda: the workers spread over the visible GPUs, one each in turn (prefill "
                          "workers first, then decode); cuda:N puts them all on GPU N")
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    ap.add_argument("--api-keys-file", type=Path, default=None,
+                    help="tenants, their limits and keys (JSON or YAML; see the README), for the gateway")
+    ap.add_argument("--max-queue-seconds", type=float, default=None,
+                    help="the scheduler's load shedding: 429 when the estimated wait for a first token "
+                         "passes this (default: off)")
     ap.add_argument("--run-dir", type=Path, default=Path(".inferno"), help="logs, pids.json, JetStream store")
     ap.add_argument("--log-format", choices=["console", "json"], default="console")
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter (overhead benchmark only)")
@@ -346,13 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferno: {model_dir} is neither a model directory (no config.json) nor a GGUF file", file=sys.stderr)
         return 2
     api_keys = tuple(args.api_key) or tuple(k for k in os.environ.get("INFERNO_API_KEYS", "").split(",") if k)
+    scheduler_args: list[str] = []
+    if args.disagg_min_prefill_tokens is not None:
+        scheduler_args += ["--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens)]
+    if args.max_queue_seconds is not None:
+        scheduler_args += ["--max-queue-seconds", str(args.max_queue_seconds)]
+    gateway_args = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     cfg = StackConfig(
-        model_dir=model_dir.resolve(), model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
-        host=args.host, port=args.port, nats_port=args.nats_port or free_port(), workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
+        model_dir=model_dir.resolve(),
+        model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
+        host=args.host, port=args.port, nats_port=args.nats_port or free_port(),
+        workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        kvstore_capacity_gb=kvstore_capacity(args),
-        scheduler_args=(("--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens))
-                        if args.disagg_min_prefill_tokens is not None else ()),
+        kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),
+        gateway_args=tuple(gateway_args),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
         worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format)
     stack = Stack(cfg)
