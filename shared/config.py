@@ -177,10 +177,13 @@ class WorkerServiceConfig:
     transfer_host: str = "127.0.0.1"
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
     kvstore: str = "auto"  # "auto": use the cluster store when one answers (GPU: fetch only); "on"; "off"
+    load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
         _positive(self, "handoff_timeout")
+        if self.load_format not in ("auto", "dummy"):
+            _fail(self, "load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kvstore not in ("auto", "on", "off"):
             _fail(self, "kvstore", f"must be 'auto', 'on' or 'off', got {self.kvstore!r}")
         if self.role not in WORKER_ROLES:

@@ -42,6 +42,9 @@ def parse_args(argv):
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: when a cluster KV store answers, fetch prefixes from it when that beats "
                          "recomputing, and (CPU workers) write prompt blocks to it; on: GPU workers write too")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default=env_default("INFERNO_LOAD_FORMAT", "auto"),
+                    help="dummy: random weights drawn on the device, no weight files read (benchmarking "
+                         "shapes such as 70B from a directory written by make-model --config-only)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -72,7 +75,7 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = Fa
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
-        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name))
+        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name, load_format=cfg.load_format))
     return engine, eos, engine.max_model_len
 
 
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
-                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore)
+                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore,
+                  load_format=args.load_format)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

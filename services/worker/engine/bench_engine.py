@@ -66,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", action="store_true", help="plan step N+1 before reading step N's tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights drawn on the device (a --config-only directory suffices)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap))
+        cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format))
     result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
     if args.json:
         print(json.dumps(result))

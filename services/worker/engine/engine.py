@@ -128,7 +128,8 @@ class LLMEngine:
         self.ops = make_ops(config.kernel_backend)
         self.memory_report: dict = {}
         t0 = time.perf_counter()
-        self.model = model or load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads)
+        self.model = model or load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
+                                         config.load_format, config.seed)
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)

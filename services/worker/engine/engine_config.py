@@ -27,6 +27,7 @@ class EngineConfig:
     load_threads: int = 8
     seed: int = 0
     cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir
+    load_format: str = "auto"  # "dummy": random weights drawn on the device, no files read
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -39,6 +40,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.kernels not in (None, "torch", "triton"):
             raise ValueError("kernels must be torch or triton")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be auto or dummy")
 
     @property
     def is_cuda(self) -> bool:

@@ -136,16 +136,25 @@ class _Copier:
             self.stream.synchronize()
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               ops: TorchOps | None = None, num_threads: int = 4) -> DecoderLM:
-    """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers."""
+               ops: TorchOps | None = None, num_threads: int = 4, load_format: str = "auto",
+               seed: int = 0) -> DecoderLM:
+    """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers.
+    load_format "dummy" reads no weights: random ones are drawn on the device (benchmarks of shapes
+    too large to write, e.g. 70B; the directory needs only config.json and the tokenizer)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_path = Path(model_path)
     cfg = ModelConfig.from_path(model_path)
     device = torch.device(device)
     dtype = dtype or getattr(torch, cfg.torch_dtype, torch.bfloat16)
     expected = expected_tensors(cfg)
-    gguf = open_gguf(model_path) if is_gguf(model_path) else None
-    plan = None if gguf else plan_load(model_path, cfg)
+    dummy = load_format == "dummy"
+    gguf = open_gguf(model_path) if is_gguf(model_path) and not dummy else None
+    plan = None if gguf or dummy else plan_load(model_path, cfg)
     with torch.device("meta"):
         model = DecoderLM(cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype.
@@ -158,7 +167,9 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         count = math.prod(place.shape)
         return param.view(-1)[place.row * row_elems: place.row * row_elems + count]
 
-    if gguf is not None:
+    if dummy:
+        _fill_dummy(model, seed)
+    elif gguf is not None:
         try:
             load_gguf_weights(gguf, cfg, expected, lambda name: flat_target(expected[name]), device, dtype, num_threads)
         except GGUFError as e:
@@ -167,6 +178,20 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         _load_safetensors(plan, flat_target, device, num_threads)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
+
+
+def _fill_dummy(model: DecoderLM, seed: int, std: float = 0.02) -> None:
+    """Random weights drawn where they live (no host memory, no disk): N(0, std) matrices, norms
+    near 1, zero biases; the same seed draws the same model on the same device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std, generator=gen)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(1.0, 0.1, generator=gen)
 
 
 def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int) -> None:

@@ -95,6 +95,22 @@ PRESETS: dict[str, Preset] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
+    # Exact Llama-3.1-70B shapes (141 GB in bf16: serve it with --load-format dummy and a
+    # directory written with --config-only, rather than writing its weights).
+    "llama-3.1-70b": Preset(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
     # Qwen2.5-7B shapes (q/k/v bias).
     "qwen2.5-7b": Preset(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -353,8 +369,10 @@ def write_model(
     max_shard_bytes: int | None = None,
     device: str = "cpu",
     progress: bool = False,
+    weights: bool = True,
 ) -> Path:
-    """Write a random-weight model directory; return its path.
+    """Write a random-weight model directory; return its path. weights=False writes the config and
+    tokenizer only: such a directory is served with load_format "dummy" (weights drawn on the device).
 
     arch: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; None takes
     the preset's own (LlamaForCausalLM for tiny, small and llama-3.1-8b).
@@ -401,6 +419,8 @@ def write_model(
     _dump_json(out / "tokenizer_config.json", _tokenizer_config(tf, p.max_position_embeddings))
     _dump_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
 
+    if not weights:
+        return out
     specs = tensor_specs(arch, p, vocab_size, tied)
     elem_bytes = DTYPES[dtype][2]
     shards = plan_shards(specs, elem_bytes, max_shard_bytes)
@@ -466,6 +486,8 @@ def build_parser(prog: str = "inferno make-model") -> argparse.ArgumentParser:
                     help="largest safetensors shard (default 5GB); accepts 500MB, 2GiB, ...")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the random numbers are drawn")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config and tokenizer, no weights (serve with --load-format dummy)")
     return ap
 
 
@@ -474,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = write_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
                           tie_word_embeddings=args.tied, max_shard_bytes=args.max_shard_bytes,
-                          device=args.device, progress=not args.quiet)
+                          device=args.device, progress=not args.quiet, weights=not args.config_only)
     except (ValueError, RuntimeError) as e:
         print(f"make-model: error: {e}", file=sys.stderr)
         return 2
