@@ -335,13 +335,16 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def mixed_workers(args) -> int:
+    """--workers, or 1 unless prefill/decode workers were asked for."""
+    return args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers))
+
+
 def kvstore_capacity(args) -> float:
     """A kvstore pays only when a prefix can be reused on another worker."""
     if args.kvstore_capacity_gb is not None:
         return args.kvstore_capacity_gb
-    disagg = args.prefill_workers + args.decode_workers
-    workers = args.workers if args.workers is not None else int(not disagg)
-    return 2.0 if workers + disagg >= 2 else 0.0
+    return 2.0 if mixed_workers(args) + args.prefill_workers + args.decode_workers >= 2 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir.resolve(),
         model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(),
-        workers=args.workers if args.workers is not None else int(not (args.prefill_workers or args.decode_workers)),
+        workers=mixed_workers(args),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),
         gateway_args=tuple(gateway_args),

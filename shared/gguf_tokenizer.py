@@ -9,9 +9,8 @@ learnt, which the file names in `tokenizer.ggml.pre`; the table below follows ll
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from shared.gguf_file import GGUFError, GGUFFile
+from shared.tokenizer import byte_alphabet
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
@@ -34,20 +33,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2_SPLIT,),
     "deepseek-r1-qwen": (_QWEN2_SPLIT,),
 }
-
-
-@lru_cache(maxsize=1)
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, the spelling of byte-level vocabularies."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
 
 
 def build_gguf_tokenizer(gf: GGUFFile):

@@ -177,7 +177,7 @@ class TransferClient:
         except TransferError:
             await self.drop(address)
             raise
-        except (asyncio.TimeoutError, Exception) as e:
+        except Exception as e:  # timeouts and ucxx's own connection errors alike
             await self.drop(address)  # a half-done call leaves the stream out of step
             raise TransferError(f"transfer to {address} failed: {type(e).__name__}: {e}") from e
         if reply.get("error"):

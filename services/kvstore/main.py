@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 
 from services.kvstore.config import GIB, KvStoreConfig
 from shared.config import NatsConfig, env_default
 from shared.logging import get_logger, setup_logging
-from shared.nats_client import connect_nats
+from shared.service_run import run_service
 
 log = get_logger("kvstore")
 
@@ -45,28 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def serve(cfg: KvStoreConfig, nats_cfg: NatsConfig) -> int:
     from services.kvstore.service import KvStore
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # Waits for NATS forever, but a signal meanwhile still ends the process cleanly.
-    connecting = asyncio.create_task(connect_nats(nats_cfg, name="kvstore"))
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await connecting
-        log.info("stopped_before_connecting")
-        return 0
-    conn = connecting.result()
-    store = KvStore(cfg, conn)
-    await store.start()
-    await stopping
-    log.info("draining")
-    await store.stop()
-    await conn.drain()
-    return 0
+    return await run_service(nats_cfg, "kvstore", lambda conn: KvStore(cfg, conn))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 
 from shared.config import NatsConfig, RouterConfig, env_default
 from shared.logging import get_logger, setup_logging
-from shared.nats_client import connect_nats
+from shared.service_run import run_service
 
 log = get_logger("scheduler")
 
@@ -46,28 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def serve(cfg: RouterConfig, nats_cfg: NatsConfig) -> int:
     from services.scheduler.service import Scheduler
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # Waits for NATS forever, but a signal meanwhile still ends the process cleanly.
-    connecting = asyncio.create_task(connect_nats(nats_cfg, name=cfg.scheduler_id))
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await connecting
-        log.info("stopped_before_connecting")
-        return 0
-    conn = connecting.result()
-    scheduler = Scheduler(cfg, conn)
-    await scheduler.start()
-    await stopping
-    log.info("draining")
-    await scheduler.stop()
-    await conn.drain()
-    return 0
+    return await run_service(nats_cfg, cfg.scheduler_id, lambda conn: Scheduler(cfg, conn))
 
 
 def main(argv: list[str] | None = None) -> int:

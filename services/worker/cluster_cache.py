@@ -140,20 +140,24 @@ class ClusterCache(PromptSink):
         """The engine's block hashes of the prompt's full blocks (model and tenant in the key)."""
         return prefix_block_hashes(prompt, self.block_size, request_block_key(self.model, cache_salt))
 
+    @property
+    def worth_asking(self) -> bool:
+        """The store answers, and a block comes from it faster than it is prefilled here (both
+        linear in the blocks, so one block decides; when it does not, no request pays a lookup)."""
+        return (self.available and
+                self.page_bytes / self.fetch_bps.value < self.block_size / self.prefill_tps.value)
+
     async def fetch(self, hashes: list[bytes], local: int):
-        """(hashes, pages) of the prefix past `local` blocks that the store holds, when fetching is
-        estimated faster than recomputing; else None. Leaves at least one token to compute."""
+        """(hashes, pages) of the prefix past `local` blocks that the store holds; None when it
+        holds none or fetching does not pay. Leaves at least one token to compute."""
         want = hashes[local:]
-        if not want or not self.available:
+        if not want or not self.worth_asking:
             return None
         try:
             hits = await self.client.lookup(self.namespace, self.block_size, want)
             if hits == 0:
                 return None
             self._remember(want[:hits])
-            nbytes = hits * self.page_bytes
-            if nbytes / self.fetch_bps.value >= hits * self.block_size / self.prefill_tps.value:
-                return None  # recomputing is faster here
             t0 = time.perf_counter()
             count, pages = await self.client.get(self.namespace, want[:hits])
             if count == 0 or pages is None:

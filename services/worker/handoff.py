@@ -38,7 +38,7 @@ class HandoffSender:
         self.transfer = transfer
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0}
 
     def remember(self, msg: GenerateRequest) -> None:
         self.pending[msg.request_id] = msg
@@ -108,7 +108,6 @@ class HandoffSender:
         t_end = time.perf_counter()
         self.stats["handoffs"] += 1
         self.stats["bytes"] += nbytes_of(pages)
-        self.stats["seconds"] += t_end - t0
         # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
                   skipped=reply.skip_pages, export_s=t_ready - t0, offer_s=t_offer - t_ready,

@@ -97,7 +97,8 @@ class WorkerService:
                                           self.block_size, self.cfg.model_name,
                                           write_back=self.cfg.kvstore == "on" or not on_gpu, on_gpu=on_gpu)
         self.cluster_cache.start()
-        self.loop_thread.engine.prompt_sink = self.cluster_cache
+        if self.cluster_cache.write_back:  # else the steps need not look at first tokens at all
+            self.loop_thread.engine.prompt_sink = self.cluster_cache
         self.loop_thread.on_step = self.cluster_cache.note_step
 
     def _start_handoff(self) -> None:
@@ -158,7 +159,7 @@ class WorkerService:
         add = AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(), msg.reply_to,
                          msg.cache_salt.encode(), handoff)
         cache = self.cluster_cache
-        if cache is not None and cache.available and msg.num_prompt_tokens > 2 * self.block_size:
+        if cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size:
             asyncio.ensure_future(self._add_after_fetch(add, msg.cache_salt))
         else:
             self.loop_thread.submit(add)

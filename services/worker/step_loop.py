@@ -218,7 +218,7 @@ class StepLoop(threading.Thread):
         """Admission by free KV: waiting reservations, oldest first, as blocks come free."""
         waiting, self._waiting_reserves = self._waiting_reserves, []
         for i, c in enumerate(waiting):
-            if not self._reserve(c) and time.monotonic() < c.deadline:
+            if not self._reserve(c):
                 # FIFO: the ones behind a request that does not fit keep waiting too.
                 self._waiting_reserves = [c] + [x for x in waiting[i + 1:] if not self._expire(x)]
                 return

@@ -58,6 +58,15 @@ class Preset:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
 
+# Llama-3.1's frequency scaling (every size of the family uses the same).
+LLAMA_3_1_ROPE_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
 PRESETS: dict[str, Preset] = {
     # Tests and the demo: fast on CPU. As a Llama it has llama3 rope scaling, scaled down so
     # that its 8 frequencies fall in all three bands (kept: wavelength < 64, blended: 64..256,
@@ -85,13 +94,7 @@ PRESETS: dict[str, Preset] = {
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
         rope_theta=500000.0,
-        rope_scaling={
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
+        rope_scaling=LLAMA_3_1_ROPE_SCALING,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
@@ -101,13 +104,7 @@ PRESETS: dict[str, Preset] = {
         hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
         rope_theta=500000.0,
-        rope_scaling={
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
+        rope_scaling=LLAMA_3_1_ROPE_SCALING,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
