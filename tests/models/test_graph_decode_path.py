@@ -62,12 +62,12 @@ def test_graph_decode_matches_eager(overlap, model_dirs):
             original()
         g.replay = counted
     fed = []
-    run = graphs.run
+    stage = graphs.stage
 
-    def run_and_count(scheduled, *args):
+    def stage_and_count(scheduled, *args):
         fed.append(sum(s.pending_input for s in scheduled))
-        return run(scheduled, *args)
-    graphs.run = run_and_count
+        return stage(scheduled, *args)
+    graphs.stage = stage_and_count
     assert staggered(engine, prompts, params) == eager
     assert (sum(fed) > 40) if overlap else (sum(fed) == 0)  # overlapped steps take tokens on the device
     assert sum(replays.values()) > 40 and replays[8] > 0 and replays[1] > 0  # padded buckets too

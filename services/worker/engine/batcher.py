@@ -181,8 +181,14 @@ class Batcher:
         index = 0
         block_size = bm.block_size
         scheduled = plan.scheduled
-        while index < len(self._running) and budget > 0:
+        micro = self.config.micro_batches
+        # A micro-batch takes its share of the running set; requests in a step still in flight wait.
+        cap = -(-len(self._running) // micro) if micro > 1 else len(self._running)
+        while index < len(self._running) and budget > 0 and len(scheduled) < cap:
             request = self._running[index]
+            if micro > 1 and request.num_pending_tokens:
+                index += 1
+                continue
             start = request.num_computed_tokens + request.num_inflight_tokens
             total = len(request.all_token_ids) + request.num_pending_tokens
             if request.num_pending_tokens and (

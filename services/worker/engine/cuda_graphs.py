@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -116,6 +117,10 @@ class CudaGraphRunner:
         return all(s.start + 1 <= self.max_graph_len for s in scheduled)
 
     def run(self, scheduled, last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None):
+        return self.launch(self.stage(scheduled, last_rows), last_ids)
+
+    def stage(self, scheduled, last_rows: dict[str, int] | None = None) -> GraphStep:
+        """Write a decode step's static inputs into the next host stage."""
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
@@ -139,14 +144,47 @@ class CudaGraphRunner:
             if owners[i] != key:
                 owners[i] = key
                 tables[i, :len(r.block_ids)] = r.block_ids
+        return GraphStep(stage, n, b, len(feed))
+
+    def launch(self, step: GraphStep, last_ids: torch.Tensor | None = None):
+        stage, n, b, k = step.stage, step.n, step.bucket, step.num_fed
         stage.slots[n:b] = -1
         stage.seq_lens[n:b] = 1
         self.dev.copy_(stage.host, non_blocking=True)
-        if feed:
-            k = len(feed)
+        if k:
             self.d_tokens.index_copy_(0, self.d_feed_dst[:k], last_ids.index_select(0, self.d_feed_src[:k]))
         self.graphs[b].replay()
         return self.outputs[b][:n], _Indices(self.rows[:n])
+
+    # -- the same step on the other ranks of a parallel group ----------------------------------
+    def message(self, step: GraphStep, width: int) -> tuple[list[int], np.ndarray]:
+        """The staged rows as one int64 array (tables cut to the `width` blocks in use)."""
+        s, n, k = step.stage, step.n, step.num_fed
+        parts = (s.tokens[:n], s.pos[:n], s.slots[:n], s.feed_dst[:k], s.feed_src[:k],
+                 s.seq_lens[:n], s.tables[:n, :width].reshape(-1))
+        return [n, step.bucket, k, width], np.concatenate([p.astype(np.int64, copy=False) for p in parts])
+
+    def from_message(self, fields, payload: np.ndarray) -> GraphStep:
+        n, b, k, width = (int(x) for x in fields[:4])
+        stage = self.stages[self.turn]
+        self.turn ^= 1
+        offs = np.cumsum((0, n, n, n, k, k, n, n * width))
+        stage.tokens[:n], stage.pos[:n], stage.slots[:n] = (payload[offs[i]:offs[i + 1]] for i in range(3))
+        stage.feed_dst[:k], stage.feed_src[:k] = payload[offs[3]:offs[4]], payload[offs[4]:offs[5]]
+        stage.seq_lens[:n] = payload[offs[5]:offs[6]]
+        stage.tables[:n, :width] = payload[offs[6]:offs[7]].reshape(n, width)
+        return GraphStep(stage, n, b, k)
+
+
+@dataclass(slots=True)
+class GraphStep:
+    """A decode step staged for replay: `n` rows padded to bucket `bucket`, `num_fed` of them
+    fed from the previous step's draw on the device."""
+
+    stage: _HostStage
+    n: int
+    bucket: int
+    num_fed: int
 
 
 class _EagerReplay:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ from services.worker.engine.kv_pages import empty_pages, gather_pages, scatter_p
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
+from services.worker.engine.parallel.layout import ParallelLayout
+from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
 from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
@@ -118,24 +121,45 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None):
+    """One process's engine. With tensor/pipeline parallelism the process the worker starts is
+    the group's driver (it starts the other ranks); a rank started by it passes its `rank`."""
+
+    def __init__(self, config: EngineConfig, model=None, rank: int | None = None, init_method: str = ""):
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_path(config.model_dir)
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.layout.check(self.model_config)
+        self.group = None
+        if self.layout.world_size > 1:
+            self.group = join_or_start_group(config, self.layout, rank, init_method)
+            self.layout, self.device = self.group.layout, self.group.device
+        # The shape this process holds: its heads, MLP columns, vocabulary rows and layers.
+        self.rank_config = self.layout.local_config(self.model_config)
         dtype = getattr(torch, config.dtype) if config.dtype else (
             getattr(torch, self.model_config.torch_dtype, torch.bfloat16) if config.is_cuda else torch.float32)
         self.dtype = dtype
         self.ops = make_ops(config.kernel_backend)
         self.memory_report: dict = {}
         t0 = time.perf_counter()
-        self.model = model or load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
-                                         config.load_format, config.seed)
+        if model is not None:
+            self.model = model
+        elif self.group is not None:
+            self.model = load_rank_model(config, self.model_config, self.group, self.device, dtype, self.ops)
+        else:
+            self.model = load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
+                                    config.load_format, config.seed)
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
+        # Penalties, logprobs and overlap are the driver's business; its pending draws are those of
+        # the steps in flight (one more than the pipeline's depth).
+        self._depth = self.layout.pp - 1 if self.layout.pp > 1 else int(config.overlap)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs)
         num_blocks = config.num_blocks or self._blocks_from_memory()
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype, self.device)
+        if self.group is not None:
+            num_blocks = self.group.min_over_ranks(num_blocks)  # one block table for every rank
+        self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, dtype, self.device)
         extra_key = request_block_key(config.cache_key or config.model_dir, "")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, extra_key)
         self.batcher = Batcher(SchedulerConfig(
@@ -144,10 +168,13 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching,
+            micro_batches=self.layout.pp,
         ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, self.group)
+        self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
         self.graph_capture_seconds = 0.0
-        if config.is_cuda and config.cuda_graphs:
+        # Pipeline stages run eagerly: a step's launches are few next to a stage's layers.
+        if config.is_cuda and config.cuda_graphs and self.layout.pp == 1:
             from services.worker.engine.cuda_graphs import CudaGraphRunner
             graphs = CudaGraphRunner(self.model, self.kv_cache, config.max_num_seqs,
                                      min(self.max_model_len, config.max_graph_len), self.device)
@@ -155,7 +182,7 @@ class LLMEngine:
             self.runner.graphs = graphs
         self.steps = 0
         self._rng = random.Random(config.seed)
-        self._inflight: LaunchedStep | None = None
+        self._inflight: deque[LaunchedStep] = deque()
         self._imports: dict[str, ImportReservation] = {}
         # Set by a worker that shares prompt KV with a cluster store: gets each prompt's full blocks.
         self.prompt_sink: PromptSink | None = None
@@ -172,6 +199,8 @@ class LLMEngine:
                     eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"", handoff: bool = False) -> Request:
         """Raises SamplingParamsError or RequestRejected (both ValueError) for bad input. With
         `handoff` the request stops after its first token and its output carries its KV pages."""
+        if handoff:
+            self._need_whole_kv("hand a request's KV to another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
         request.handoff = handoff
         self.batcher.add_request(request)
@@ -200,6 +229,7 @@ class LLMEngine:
         """Hold blocks for a request whose prompt another worker prefills (possibly still running
         there); None when it does not fit now (ValueError when it never could). Its pages go into
         `.buffer`, then complete_import() with the first token."""
+        self._need_whole_kv("receive a request's KV from another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=0)
         skip = self.batcher.reserve(request)
         if skip is None:
@@ -233,31 +263,31 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.batcher.has_unfinished() or self._inflight is not None
+        return self.batcher.has_unfinished() or bool(self._inflight)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the step that finished (with overlap, the one
-        launched by the previous call)."""
-        if self._inflight is not None and not self._may_overlap():
-            return self._finish(self._take_inflight())
+        launched by the previous call; with pipeline stages, the oldest in flight)."""
+        inflight = self._inflight
+        if inflight and not self._may_overlap():
+            return self._finish(inflight.popleft())
         plan: BatchPlan = self.batcher.schedule()
-        launched = self._launch(plan) if plan.scheduled else None
-        previous, self._inflight = self._inflight, launched
-        outputs = self._finish(previous) if previous is not None else []
-        if not self.config.overlap and self._inflight is not None:
-            outputs = self._finish(self._take_inflight())
+        if plan.scheduled:
+            inflight.append(self._launch(plan))
+        elif inflight:  # nothing new to launch: read the oldest step
+            return self._finish(inflight.popleft())
+        outputs = []
+        while len(inflight) > self._depth:
+            outputs += self._finish(inflight.popleft())
         return outputs
 
     def _may_overlap(self) -> bool:
         # Penalties need the values of every output token, so such a request cannot be
-        # planned while its previous token is still on the device.
-        return self.config.overlap and not any(
-            r.needs_token_history for r in self.batcher.running_requests())
-
-    def _take_inflight(self) -> LaunchedStep:
-        launched, self._inflight = self._inflight, None
-        return launched
+        # planned while its previous token is still on the device. (Pipeline micro-batches
+        # never plan a request whose token is in flight.)
+        return self.layout.pp > 1 or (self.config.overlap and not any(
+            r.needs_token_history for r in self.batcher.running_requests()))
 
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
@@ -324,6 +354,7 @@ class LLMEngine:
     def insert_cached(self, hashes: list[bytes], pages: torch.Tensor) -> int:
         """Pages fetched from the cluster store become cached blocks here, found by the next
         prefix lookup; returns how many were new."""
+        self._need_whole_kv("take KV pages from the cluster store")
         placed = self.block_manager.insert_cached(hashes)
         if placed:
             scatter_pages(self.kv_cache, [b for _, b in placed], pages[[i for i, _ in placed]])
@@ -362,6 +393,22 @@ class LLMEngine:
             outputs.append(RequestOutput(r.request_id, [], r.num_prompt_tokens, r.num_cached_tokens,
                                          r.num_output_tokens, finish_reason="error", error=str(error)))
         return outputs
+
+    @property
+    def holds_whole_kv(self) -> bool:
+        """False when each rank of a parallel group holds a part of every page: KV hand-off and
+        the cluster store move whole pages, so they need a single-process engine (for now)."""
+        return self.group is None
+
+    def _need_whole_kv(self, what: str) -> None:
+        if self.group is not None:
+            raise ValueError(f"a worker split over {self.layout.world_size} processes cannot {what} yet")
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel group (a single-process engine has nothing to stop)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     # -- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -28,6 +28,8 @@ class EngineConfig:
     seed: int = 0
     cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir
     load_format: str = "auto"  # "dummy": random weights drawn on the device, no files read
+    tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over
+    pipeline_parallel_size: int = 1  # stages the layers are split into, one per process group
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -40,6 +42,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.kernels not in (None, "torch", "triton"):
             raise ValueError("kernels must be torch or triton")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
 

@@ -21,7 +21,7 @@ def dry_run_peak_bytes(engine) -> int:
     cfg, mc, device = engine.config, engine.model_config, engine.device
     tokens = cfg.max_num_batched_tokens
     n_blocks = math.ceil(tokens / cfg.block_size) + 1
-    scratch = KVCache(mc, n_blocks, cfg.block_size, engine.dtype, device)
+    scratch = KVCache(engine.rank_config, n_blocks, cfg.block_size, engine.dtype, device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -53,7 +53,7 @@ def profile_kv_blocks(engine) -> int:
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
     budget = int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
-    per_block = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype)
+    per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.dtype)
     blocks = max(0, budget // per_block)
     engine.memory_report = {
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,

@@ -3,12 +3,14 @@ q/k/v and gate/up, bytes streamed from safetensors straight into place (pinned s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.worker.engine.gguf_weights import load_gguf_weights
@@ -32,6 +34,25 @@ class Placement:
     param: str
     row: int
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """The part of a checkpoint tensor a rank loads: `length` rows (dim 0) or columns (dim 1)
+    from `start`. Rows are one byte range of the file; columns are a strided read."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensor:
+    """What one rank of a parallel group loads of a checkpoint tensor."""
+
+    full_shape: tuple[int, ...]  # as stored in the checkpoint (checked before loading)
+    place: Placement  # where this rank's part lands in its local parameter
+    slice: Slice | None = None  # None: the whole tensor (replicated)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
@@ -64,22 +85,32 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
     return out
 
 
-def plan_load(model_dir: Path, cfg: ModelConfig) -> list[tuple[TensorEntry, Placement]]:
-    """Match checkpoint tensors to parameters; every problem is reported before any allocation."""
+def plan_load(model_dir: Path, cfg: ModelConfig, shards: dict[str, ShardedTensor] | None = None):
+    """Match checkpoint tensors to parameters; every problem is reported before any allocation.
+    Returns (entry, placement, column slice) triples; a row slice is already cut into the entry."""
     entries = read_all_headers(model_dir)
+    if shards is None:
+        shards = {name: ShardedTensor(place.shape, place) for name, place in expected_tensors(cfg).items()}
     plan = []
-    for name, place in expected_tensors(cfg).items():
+    for name, shard in shards.items():
         entry = entries.get(name)
         if entry is None:
             raise WeightLoadError(
                 f"{model_dir}: missing tensor {name!r} (required by {cfg.architecture} per config.json)")
-        if entry.shape != place.shape:
+        if entry.shape != shard.full_shape:
             raise WeightLoadError(
                 f"{model_dir}: tensor {name!r} has shape {list(entry.shape)}, "
-                f"but config.json implies {list(place.shape)}")
+                f"but config.json implies {list(shard.full_shape)}")
         if not entry.dtype.is_floating_point:
             raise WeightLoadError(f"{model_dir}: tensor {name!r} has non-float dtype {entry.dtype}")
-        plan.append((entry, place))
+        part = shard.slice
+        if part is not None and part.dim == 0:
+            row_bytes = entry.nbytes // entry.shape[0]
+            start = entry.start + part.start * row_bytes
+            entry = dataclasses.replace(entry, shape=(part.length, *entry.shape[1:]), start=start,
+                                        end=start + part.length * row_bytes)
+            part = None
+        plan.append((entry, shard.place, part))
     return plan
 
 
@@ -131,6 +162,16 @@ class _Copier:
                 self.turn ^= 1
                 done += n
 
+    def copy_columns(self, entry: TensorEntry, dst: torch.Tensor, part: Slice) -> None:
+        """A row-parallel rank's columns: a strided view of the mapped file (only its pages are
+        read), made contiguous on the host, then copied into place."""
+        rows, cols = entry.shape
+        elem = entry.dtype.itemsize
+        mapped = np.memmap(entry.path, dtype=np.uint8, mode="r", offset=entry.start, shape=(rows, cols * elem))
+        block = np.ascontiguousarray(mapped[:, part.start * elem:(part.start + part.length) * elem])
+        dst.copy_(torch.from_numpy(block).view(entry.dtype).view(-1))
+        del mapped
+
     def finish(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
@@ -141,10 +182,13 @@ LOAD_FORMATS = ("auto", "dummy")
 
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                ops: TorchOps | None = None, num_threads: int = 4, load_format: str = "auto",
-               seed: int = 0) -> DecoderLM:
+               seed: int = 0, build_cfg: ModelConfig | None = None,
+               shards: dict[str, ShardedTensor] | None = None) -> DecoderLM:
     """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers.
     load_format "dummy" reads no weights: random ones are drawn on the device (benchmarks of shapes
-    too large to write, e.g. 70B; the directory needs only config.json and the tokenizer)."""
+    too large to write, e.g. 70B; the directory needs only config.json and the tokenizer).
+    A rank of a parallel group passes the shape it builds (`build_cfg`) and what it loads of each
+    checkpoint tensor (`shards`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_path = Path(model_path)
@@ -154,9 +198,12 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     expected = expected_tensors(cfg)
     dummy = load_format == "dummy"
     gguf = open_gguf(model_path) if is_gguf(model_path) and not dummy else None
-    plan = None if gguf or dummy else plan_load(model_path, cfg)
+    if gguf is not None and shards is not None:
+        raise WeightLoadError(f"{model_path}: a GGUF file loads on one rank only; "
+                              "tensor/pipeline parallelism needs safetensors (or --load-format dummy)")
+    plan = None if gguf or dummy else plan_load(model_path, cfg, shards)
     with torch.device("meta"):
-        model = DecoderLM(cfg, ops or TorchOps())
+        model = DecoderLM(build_cfg or cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype.
     model = model.to(dtype).to_empty(device=device)
     params = dict(model.named_parameters())
@@ -176,8 +223,17 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
             raise WeightLoadError(str(e)) from e
     else:
         _load_safetensors(plan, flat_target, device, num_threads)
+        if shards is not None:
+            _zero_unloaded_rows(params, shards)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
+
+
+def _zero_unloaded_rows(params: dict, shards: dict[str, ShardedTensor]) -> None:
+    """The last rank's vocabulary slice may be padded: its spare rows hold zeros, not garbage."""
+    for shard in shards.values():
+        if shard.place.param in ("embed_tokens.weight", "lm_head"):
+            params[shard.place.param].data[shard.place.shape[0]:].zero_()
 
 
 def _fill_dummy(model: DecoderLM, seed: int, std: float = 0.02) -> None:
@@ -208,8 +264,11 @@ def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int)
 
     def run_lane(lane):
         local.copier = _Copier(device)
-        for entry, place in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
-            local.copier.copy(entry, flat_target(place))
+        for entry, place, part in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
+            if part is None:
+                local.copier.copy(entry, flat_target(place))
+            else:
+                local.copier.copy_columns(entry, flat_target(place), part)
         local.copier.finish()
 
     with ThreadPoolExecutor(len(lanes)) as pool:

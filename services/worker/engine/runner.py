@@ -1,22 +1,30 @@
-"""Runs one planned step on the device: inputs in, model forward, logits, sampled tokens out."""
+"""Runs one planned step on the device: inputs in, model forward, logits, sampled tokens out.
+
+In a parallel group the driver's runner also sends each step's host inputs to the other ranks,
+whose runners `follow` it: the same upload, the same forward (collectives inside), no draw.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from services.worker.engine.cuda_graphs import GraphStep
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.sampler import PendingSample, Sampler
-from services.worker.engine.step_inputs import build_step_inputs
+from services.worker.engine.step_inputs import NUM_FIELDS, HostStep, pack_step_inputs, upload_step_inputs
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv_cache: KVCache, sampler: Sampler, device: torch.device):
+    def __init__(self, model: DecoderLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 group=None):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
         self.graphs = None  # a CudaGraphRunner, set by the GPU path for decode-only steps
+        self.group = group  # a RankGroup when the model is split over several processes
+        self.share_ids = False  # overlapped steps in a group: the driver sends its draw to the ranks
         # The last launched step's sampled ids (on the device) and the requests of its rows: an
         # overlapped step takes its inputs from there before the host has seen them.
         self._last_ids: torch.Tensor | None = None
@@ -30,17 +38,58 @@ class ModelRunner:
         last_rows = ({r.request_id: row for row, r in enumerate(self._last_sampling)}
                      if any(s.pending_input for s in scheduled) else None)
         if graphs is not None and decode_only and graphs.covers(scheduled):
-            hidden, inputs = graphs.run(scheduled, self._last_ids, last_rows)
+            step = graphs.stage(scheduled, last_rows)
         else:
-            inputs = build_step_inputs(scheduled, self.kv_cache.block_size, self.device,
-                                       self.device.type == "cuda", last_rows)
-            if inputs.feed_dst is not None:
-                inputs.input_ids.index_copy_(0, inputs.feed_dst, self._last_ids.index_select(0, inputs.feed_src))
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+            step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows)
         sampling = [s.request for s in scheduled if s.samples]
+        if self.group is not None:
+            self._send(step, scheduled, len(sampling))
+        hidden, rows = self._forward(step)
         if not sampling:
             return None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[rows])
         pending = self.sampler(logits, sampling)
+        if self.share_ids:
+            self.group.broadcast_ids(pending.token_ids)
         self._last_ids, self._last_sampling = pending.token_ids, sampling
         return pending
+
+    def _forward(self, step: GraphStep | HostStep):
+        """The model on this rank: (hidden states, the rows to sample); hidden is None on a
+        pipeline stage before the last."""
+        if isinstance(step, GraphStep):
+            hidden, rows = self.graphs.launch(step, self._last_ids)
+            return hidden, rows.logits_indices
+        inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+        if inputs.feed_dst is not None:
+            inputs.input_ids.index_copy_(0, inputs.feed_dst, self._last_ids.index_select(0, inputs.feed_src))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        return hidden, inputs.logits_indices
+
+    # -- parallel groups ---------------------------------------------------------------------
+    def _send(self, step, scheduled, num_logits: int) -> None:
+        from services.worker.engine.parallel.step_channel import KIND_EAGER, KIND_GRAPH, OP_STEP, StepMessage
+        if isinstance(step, GraphStep):
+            width = max(len(s.request.block_ids) for s in scheduled)
+            fields, payload = self.graphs.message(step, width)
+            message = StepMessage(OP_STEP, KIND_GRAPH, num_logits, self.share_ids, tuple(fields), payload)
+        else:
+            message = StepMessage(OP_STEP, KIND_EAGER, num_logits, self.share_ids, tuple(step.fields()), step.flat)
+        self.group.channel.send(message)
+
+    @torch.inference_mode()
+    def follow(self, message) -> None:
+        """A non-driver rank's step: the driver's inputs, this rank's share of the model, its part
+        in the logits gather, and the driver's draw when the next step feeds it back."""
+        from services.worker.engine.parallel.step_channel import KIND_GRAPH
+        if message.kind == KIND_GRAPH:
+            step = self.graphs.from_message(message.fields, message.payload)
+        else:
+            step = HostStep.from_fields(message.fields[:NUM_FIELDS], message.payload)
+        hidden, rows = self._forward(step)
+        n = message.num_logits
+        if n and hidden is not None:
+            self.model.compute_logits(hidden[rows])
+        if message.share_ids and n:
+            ids = torch.empty(n, dtype=torch.int64, device=self.device)
+            self._last_ids = self.group.broadcast_ids(ids)

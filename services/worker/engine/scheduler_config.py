@@ -12,6 +12,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # most requests running at once
     long_prefill_token_threshold: int = 0  # most tokens one request takes in a step; 0 = no cap
     enable_prefix_caching: bool = True
+    # Pipeline parallelism: steps in flight at once, each request in at most one of them, so
+    # the running set splits into this many micro-batches that keep every stage busy.
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -22,6 +25,8 @@ class SchedulerConfig:
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError("SchedulerConfig.long_prefill_token_threshold must be an integer >= 0 "
                              f"(0 = no limit), got {threshold!r}")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"SchedulerConfig.micro_batches must be a positive integer, got {self.micro_batches!r}")
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len must be at least 2 (one prompt token "
                              f"and one output token), got {self.max_model_len}")

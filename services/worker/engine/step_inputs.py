@@ -23,8 +23,37 @@ class StepInputs:
     feed_src: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class HostStep:
+    """A step's inputs on the host: every part back to back in one int64 array. Other ranks of a
+    parallel group receive exactly this and upload it as the driver does."""
+
+    flat: np.ndarray
+    lens: tuple[int, ...]  # tokens, positions, slots, seq_lens, qsl, logits rows, tables, feed dst, feed src
+    n_seq: int
+    max_blocks: int
+    max_query_len: int
+    max_seq_len: int
+
+    def fields(self) -> list[int]:
+        return [self.n_seq, self.max_blocks, self.max_query_len, self.max_seq_len, *self.lens]
+
+    @classmethod
+    def from_fields(cls, fields, flat: np.ndarray) -> "HostStep":
+        n_seq, max_blocks, max_query_len, max_seq_len, *lens = (int(x) for x in fields[:4 + NUM_PARTS])
+        return cls(flat, tuple(lens), n_seq, max_blocks, max_query_len, max_seq_len)
+
+
+NUM_PARTS = 9
+NUM_FIELDS = 4 + NUM_PARTS
+
+
 def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool,
                       last_rows: dict[str, int] | None = None) -> StepInputs:
+    return upload_step_inputs(pack_step_inputs(scheduled, block_size, last_rows), device, pin)
+
+
+def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | None = None) -> HostStep:
     """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples,
     pending_input). `last_rows`: the previous step's sampled row of each request, for the
     inputs that are still on the device."""
@@ -61,26 +90,30 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
         if s.samples:
             sample_rows.append(hi - 1)
     logits_idx = np.asarray(sample_rows, dtype=np.int64)
-
-    # One host buffer, one transfer; the views below slice it on the device.
     parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1),
              np.asarray(feed_dst, dtype=np.int64), np.asarray(feed_src, dtype=np.int64)]
-    flat = np.concatenate(parts)
-    host = torch.from_numpy(flat)
+    return HostStep(np.concatenate(parts), tuple(len(p) for p in parts), n_seq, max_blocks,
+                    int(counts.max()) if n_seq else 0, int(seq_lens.max()) if n_seq else 0)
+
+
+def upload_step_inputs(step: HostStep, device: torch.device, pin: bool) -> StepInputs:
+    """One host buffer, one transfer; the views below slice it on the device."""
+    host = torch.from_numpy(step.flat)
     if device.type == "cuda":
         host = host.pin_memory() if pin else host
         dev = host.to(device, non_blocking=True)
     else:
         dev = host
-    offs = np.cumsum([0] + [len(p) for p in parts])
-    view = [dev[offs[i]:offs[i + 1]] for i in range(len(parts))]
+    offs = np.cumsum((0, *step.lens))
+    view = [dev[offs[i]:offs[i + 1]] for i in range(len(step.lens))]
+    n_seq = step.n_seq
     meta = AttentionMetadata(
         slot_mapping=view[2],
-        block_tables=view[6].view(n_seq, max_blocks).to(torch.int32),
+        block_tables=view[6].view(n_seq, step.max_blocks).to(torch.int32),
         seq_lens=view[3].to(torch.int32),
         query_start_loc=view[4].to(torch.int32),
-        max_query_len=int(counts.max()) if n_seq else 0,
-        max_seq_len=int(seq_lens.max()) if n_seq else 0,
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
     )
-    fed = (view[7], view[8]) if feed_dst else (None, None)
-    return StepInputs(view[0], view[1], meta, view[5], T, n_seq, *fed)
+    fed = (view[7], view[8]) if step.lens[7] else (None, None)
+    return StepInputs(view[0], view[1], meta, view[5], int(step.lens[0]), n_seq, *fed)

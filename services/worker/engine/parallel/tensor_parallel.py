@@ -1,0 +1,146 @@
+"""Tensor parallelism from outside the model (Megatron's split, as gpt-fast applies it): which
+slice of each checkpoint tensor a rank loads, and the collectives hooked onto the plain modules.
+
+q/k/v and gate/up are split by output rows (each rank's heads and MLP columns), o_proj and
+down_proj by input columns, so each layer needs one all-reduce after attention and one after the
+MLP; the embedding and the LM head are split by vocabulary rows. Norms are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.worker.engine.loader import Placement, ShardedTensor, Slice
+from services.worker.engine.model import DecoderLM
+from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.parallel.layout import ParallelLayout
+
+
+def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, ShardedTensor]:
+    """Checkpoint tensor name → what this rank loads of it. Tensors of other stages' layers are
+    absent; every stage keeps the embedding, final norm and head (small next to the layers, and
+    the head of a tied model is the embedding)."""
+    local = layout.local_config(cfg)
+    h, hd, tp_rank = cfg.hidden_size, cfg.head_dim, layout.tp_rank
+    q, kv, inter = local.q_size, local.kv_size, local.intermediate_size
+    q0, kv0, i0 = tp_rank * q, layout.kv_head_start(cfg) * hd, tp_rank * inter
+    vocab0 = tp_rank * local.vocab_size
+    vocab_len = max(0, min(local.vocab_size, cfg.vocab_size - vocab0))
+
+    def rows(start: int, length: int) -> Slice | None:
+        return None if layout.tp == 1 else Slice(0, start, length)
+
+    def cols(start: int, length: int) -> Slice | None:
+        return None if layout.tp == 1 else Slice(1, start, length)
+
+    out = {
+        "model.embed_tokens.weight": ShardedTensor(
+            (cfg.vocab_size, h), Placement("embed_tokens.weight", 0, (vocab_len, h)), rows(vocab0, vocab_len)),
+        "model.norm.weight": ShardedTensor((h,), Placement("norm", 0, (h,))),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ShardedTensor(
+            (cfg.vocab_size, h), Placement("lm_head", 0, (vocab_len, h)), rows(vocab0, vocab_len))
+    lo, hi = layout.layer_range(cfg.num_hidden_layers)
+    for i in range(lo, hi):
+        src, dst = f"model.layers.{i}.", f"layers.{i - lo}."
+        attn = dst + "self_attn."
+        qkv = attn + "qkv_proj."
+        out[src + "self_attn.q_proj.weight"] = ShardedTensor(
+            (cfg.q_size, h), Placement(qkv + "weight", 0, (q, h)), rows(q0, q))
+        out[src + "self_attn.k_proj.weight"] = ShardedTensor(
+            (cfg.kv_size, h), Placement(qkv + "weight", q, (kv, h)), rows(kv0, kv))
+        out[src + "self_attn.v_proj.weight"] = ShardedTensor(
+            (cfg.kv_size, h), Placement(qkv + "weight", q + kv, (kv, h)), rows(kv0, kv))
+        if cfg.attention_bias:
+            out[src + "self_attn.q_proj.bias"] = ShardedTensor(
+                (cfg.q_size,), Placement(qkv + "bias", 0, (q,)), rows(q0, q))
+            out[src + "self_attn.k_proj.bias"] = ShardedTensor(
+                (cfg.kv_size,), Placement(qkv + "bias", q, (kv,)), rows(kv0, kv))
+            out[src + "self_attn.v_proj.bias"] = ShardedTensor(
+                (cfg.kv_size,), Placement(qkv + "bias", q + kv, (kv,)), rows(kv0, kv))
+        if cfg.qk_norm:
+            out[src + "self_attn.q_norm.weight"] = ShardedTensor((hd,), Placement(attn + "q_norm", 0, (hd,)))
+            out[src + "self_attn.k_norm.weight"] = ShardedTensor((hd,), Placement(attn + "k_norm", 0, (hd,)))
+        out[src + "self_attn.o_proj.weight"] = ShardedTensor(
+            (h, cfg.q_size), Placement(attn + "o_proj.weight", 0, (h, q)), cols(q0, q))
+        gate_up = dst + "mlp.gate_up_proj.weight"
+        out[src + "mlp.gate_proj.weight"] = ShardedTensor(
+            (cfg.intermediate_size, h), Placement(gate_up, 0, (inter, h)), rows(i0, inter))
+        out[src + "mlp.up_proj.weight"] = ShardedTensor(
+            (cfg.intermediate_size, h), Placement(gate_up, inter, (inter, h)), rows(i0, inter))
+        out[src + "mlp.down_proj.weight"] = ShardedTensor(
+            (h, cfg.intermediate_size), Placement(dst + "mlp.down_proj.weight", 0, (h, inter)), cols(i0, inter))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
+    return out
+
+
+class TensorGroup:
+    """The collectives of one stage's tensor-parallel ranks."""
+
+    def __init__(self, group, size: int):
+        self.group = group
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, n] on each rank → [S, size × n], rank-major columns."""
+        out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=self.group)
+        return out.view(self.size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+# all_gather_into_tensor was renamed all_gather_single (torch 2.13); the GPU image has 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the ids in its vocabulary rows; the others contribute zeros."""
+
+    def __init__(self, weight: nn.Parameter, start: int, comm: TensorGroup):
+        super().__init__()
+        self.weight = weight
+        self.start, self.rows = start, weight.shape[0]
+        self.comm = comm
+
+    def forward(self, ids):
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(out.masked_fill(outside[:, None], 0))
+
+
+class GatheredLogits:
+    """compute_logits of a rank that holds a slice of the vocabulary: local logits, then every
+    rank's columns side by side, cut to the real vocabulary (the last slice may be padded)."""
+
+    def __init__(self, local_logits, comm: TensorGroup, vocab_size: int):
+        self.local_logits, self.comm, self.vocab_size = local_logits, comm, vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather_columns(self.local_logits(hidden))[:, :self.vocab_size]
+
+
+def _all_reduce_output(comm: TensorGroup):
+    def hook(_module, _inputs, output):
+        return comm.all_reduce(output)
+    return hook
+
+
+def apply_tensor_parallel(model: DecoderLM, cfg: ModelConfig, layout: ParallelLayout, comm: TensorGroup) -> None:
+    """Hook the collectives onto a model built with layout.local_config(cfg) (loaded or not)."""
+    if layout.tp == 1:
+        return
+    for layer in model.layers:
+        layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(comm))
+        layer.mlp.down_proj.register_forward_hook(_all_reduce_output(comm))
+    rows = layout.vocab_rows(cfg)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, layout.tp_rank * rows, comm)
+    # An instance attribute shadows the method: the model file stays unaware of the split.
+    model.compute_logits = GatheredLogits(model.compute_logits, comm, cfg.vocab_size)
