@@ -71,6 +71,8 @@ class StackConfig:
     run_dir: Path = Path(".inferno")
     emit_only: bool = False
     worker_args: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1  # each worker is a group of tp × pp processes, one GPU each
+    pipeline_parallel_size: int = 1
     gateway_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     log_format: str = "console"
@@ -126,11 +128,14 @@ class Stack:
             self.write_pids()
 
     def _next_device(self) -> str:
-        """`cuda` spreads the workers over the visible GPUs, one each in turn; anything else as given."""
+        """`cuda` spreads the workers over the visible GPUs in turn, each taking as many GPUs as
+        its group has ranks (it is given the first); anything else as given."""
         if self.cfg.device != "cuda":
             return self.cfg.device
         n = visible_gpus()
-        device = f"cuda:{self._workers_started % n}" if n > 1 else "cuda"
+        ranks = self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size
+        slots = max(1, n // ranks)
+        device = f"cuda:{(self._workers_started % slots) * ranks}" if n > 1 else "cuda"
         self._workers_started += 1
         return device
 
@@ -156,6 +161,9 @@ class Stack:
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
                 "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
                 "--device", self._next_device(), *self.cfg.worker_args]
+        if self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
+                     "--pipeline-parallel-size", str(self.cfg.pipeline_parallel_size)]
         if self.cfg.emit_only:
             argv.append("--emit-only")
         return self._spawn(name, argv, critical=False)
@@ -322,6 +330,10 @@ def parse_args(argv):
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda: the workers spread over the visible GPUs, one each in turn (prefill "
                          "workers first, then decode); cuda:N puts them all on GPU N")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="split each worker's model over this many GPUs (tensor parallelism)")
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                    help="split each worker's layers into this many stages (pipeline parallelism)")
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     ap.add_argument("--api-keys-file", type=Path, default=None,
                     help="tenants, their limits and keys (JSON or YAML; see the README), for the gateway")
@@ -369,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),
         gateway_args=tuple(gateway_args),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
-        worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format)
+        worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     stack = Stack(cfg)
     stopping = False
 

@@ -178,9 +178,16 @@ class WorkerServiceConfig:
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
     kvstore: str = "auto"  # "auto": use the cluster store when one answers (GPU: fetch only); "on"; "off"
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
+    tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
+    pipeline_parallel_size: int = 1  # stages the layers are split into
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
+        _ints(self, "tensor_parallel_size", "pipeline_parallel_size")
+        _positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "mixed":
+            _fail(self, "role", "prefill and decode workers move whole KV pages, which a worker split over "
+                                "several processes does not hold yet: use role mixed with tensor/pipeline parallelism")
         _positive(self, "handoff_timeout")
         if self.load_format not in ("auto", "dummy"):
             _fail(self, "load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -45,6 +45,13 @@ def parse_args(argv):
     ap.add_argument("--load-format", choices=["auto", "dummy"], default=env_default("INFERNO_LOAD_FORMAT", "auto"),
                     help="dummy: random weights drawn on the device, no weight files read (benchmarking "
                          "shapes such as 70B from a directory written by make-model --config-only)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int,
+                    default=env_default("INFERNO_TENSOR_PARALLEL_SIZE", 1, int),
+                    help="split each layer over this many GPUs (processes started by this worker; "
+                         "NCCL on GPUs, gloo on the CPU); the group is one worker to the scheduler")
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                    default=env_default("INFERNO_PIPELINE_PARALLEL_SIZE", 1, int),
+                    help="split the layers into this many stages, each on its own tensor-parallel group")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -75,7 +82,8 @@ def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = Fa
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
-        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name, load_format=cfg.load_format))
+        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name, load_format=cfg.load_format,
+        tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size))
     return engine, eos, engine.max_model_len
 
 
@@ -96,6 +104,9 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
     log.info("draining", timeout=cfg.drain_timeout)
     await service.drain(cfg.drain_timeout)
     await conn.drain()
+    close = getattr(engine, "close", None)  # the other ranks of a parallel group stop with it
+    if close is not None:
+        await asyncio.to_thread(close)
     return 0
 
 
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore,
-                  load_format=args.load_format)
+                  load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
+                  pipeline_parallel_size=args.pipeline_parallel_size)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

@@ -86,7 +86,9 @@ class WorkerService:
     def _start_cluster_cache(self) -> None:
         """Prompt blocks to the cluster KV store and prefixes from it (auto: when one answers; a GPU
         worker then only fetches, `on` makes it write back too)."""
-        if self.cfg.kvstore == "off" or not hasattr(self.loop_thread.engine, "kv_cache"):
+        engine = self.loop_thread.engine
+        if (self.cfg.kvstore == "off" or not hasattr(engine, "kv_cache")
+                or not getattr(engine, "holds_whole_kv", True)):  # a parallel group's ranks each hold a part
             return
         from services.worker.cluster_cache import ClusterCache
         from shared.kvstore_client import KvStoreClient

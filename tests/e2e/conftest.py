@@ -20,12 +20,13 @@ def tiny_model(tmp_path_factory):
 
 
 def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), scheduler_args=(),
-                prefill_workers=0, decode_workers=0, gateway_args=()) -> Stack:
+                prefill_workers=0, decode_workers=0, gateway_args=(), **stack_config) -> Stack:
     cfg = StackConfig(model_dir=model_dir, model_name=MODEL_NAME, port=free_port(), nats_port=free_port(),
                       workers=workers, prefill_workers=prefill_workers, decode_workers=decode_workers,
                       api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json",
                       worker_args=("--num-blocks", "256", "--heartbeat-interval", "0.5", *worker_args),
-                      gateway_args=("--max-body-bytes", "65536", *gateway_args), scheduler_args=tuple(scheduler_args))
+                      gateway_args=("--max-body-bytes", "65536", *gateway_args), scheduler_args=tuple(scheduler_args),
+                      **stack_config)
     stack = Stack(cfg).start()
     try:
         stack.wait_ready(timeout=120)

@@ -68,14 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights drawn on the device (a --config-only directory suffices)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format))
-    result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
+        cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
+    try:
+        result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
+    finally:
+        engine.close()
+    result.update(tensor_parallel=args.tensor_parallel_size, pipeline_parallel=args.pipeline_parallel_size,
+                  kv_gib=engine.memory_report.get("kv_gib"))
     if args.json:
         print(json.dumps(result))
     else:
