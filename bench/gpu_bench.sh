@@ -7,6 +7,8 @@
 # smol: the real demo model (SMOL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf), check + W1 + W2 shapes.
 # pd: 1 prefill + 1 decode against 2 mixed workers, W3 and a long-prompt mix, the hand-off timeline
 #     (needs the UCX wheels: ../shared/tools/gpu-wheels.sh without WITH_UCX=0).
+# tp: tensor/pipeline parallelism (two GPUs): all-reduce cost, 8B W1 TP=1 vs TP=2, 70B (dummy weights)
+#     W1 with TP=2, W2 through HTTP with TP=2 and with PP=2.
 # WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -106,6 +108,30 @@ if has pd; then  # 1 prefill + 1 decode against 2 mixed workers (spread over the
     grep -h -i "error\|Traceback" /tmp/inferno-run-$mode/*.log | head -20
   done
   [ -s "$OUT/handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/handoffs_pd.jsonl" | tee "$OUT/handoff_summary.json"
+fi
+if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B TP=2 W1, 70B dummy TP=2 / PP=2
+  export NCCL_NVLS_ENABLE=0
+  python3 bench/allreduce_bench.py 2 2>&1 | grep '^{' | tee "$OUT/allreduce.jsonl"
+  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    --overlap | tee "$OUT/tp1_w1.json"
+  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
+    --overlap --tensor-parallel-size 2 | tee "$OUT/tp2_w1.json"
+  M70=${M70:-/tmp/llama-3.1-70b}
+  [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
+  python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
+    --decode-tokens 128 --json --overlap --tensor-parallel-size 2 | tee "$OUT/tp2_70b_w1.json"
+  for split in "--tensor-parallel-size 2" "--pipeline-parallel-size 2"; do
+    tag=$([[ $split == *tensor* ]] && echo tp2 || echo pp2)
+    python3 -m services.cli up --model "$M70" --model-name llama-3.1-70b --device cuda --port 8004 \
+      --run-dir /tmp/inferno-run-$tag --log-format json $split \
+      --worker-arg "--load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192" > "$OUT/up_70b_$tag.log" 2>&1 &
+    UP=$!
+    for i in $(seq 1 600); do curl -sf localhost:8004/ready >/dev/null && break; sleep 0.5; done
+    grep -h "kv pool sized" /tmp/inferno-run-$tag/worker-0.log | tail -1 > "$OUT/kv_70b_$tag.log"
+    python3 -m services.cli bench --base-url http://127.0.0.1:8004 --model llama-3.1-70b --num-requests 1000 \
+      --vocab-size 128000 --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_70b_$tag.json" 2>&1 | tail -14
+    kill -INT $UP; wait $UP
+  done
 fi
 if has smol; then  # the real demo model: SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_0 → bf16), launch-bound
   SMOL=${SMOL:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}

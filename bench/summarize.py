@@ -77,6 +77,17 @@ def main() -> int:
                 rows.append((label, f"n={x['count']} total p50/p99 {x['total_ms_p50']:.2f}/{x['total_ms_p99']:.2f} ms "
                              f"(push {x['push_ms_p50']:.2f}, offer {x['offer_ms_p50']:.2f}, export {x['export_ms_p50']:.2f}), "
                              f"{x['mib_p50']:.0f} MiB at {x['push_gbps_p50']:.1f} GB/s", "≤ 3 / 10 ms"))
+    one, two = load(folder, "tp1_w1.json"), load(folder, "tp2_w1.json")
+    if one and two:
+        rows.append(("8B W1 TP=1 / TP=2", f"{one['decode_tokens_per_s']:.1f} / {two['decode_tokens_per_s']:.1f} tok/s "
+                     f"(× {two['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f})", "TP=2 ≥ 1.6 × one GPU"))
+    if (w := load(folder, "tp2_70b_w1.json")):
+        rows.append(("70B W1 TP=2 (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
+                     f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", "≥ 80 % of roofline"))
+    for tag in ("tp2", "pp2"):
+        if (w := load(folder, f"w2_70b_{tag}.json")):
+            s = w["summary"]
+            rows.append((f"70B W2 {tag.upper()} (HTTP)", f"{s['total_throughput']:.0f} tok/s (failed {s['failed']})", ""))
     if (c := load(folder, "smol_check.json")):
         rows.append(("SmolLM2 GGUF on the GPU", f"ready {c['engine_ready_s']:.2f} s (weights {c['load_weights_s']:.2f} s), "
                      f"{c['answers'][0]!r}", ""))
