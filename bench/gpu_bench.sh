@@ -9,7 +9,8 @@
 #     (needs the UCX wheels: ../shared/tools/gpu-wheels.sh without WITH_UCX=0).
 # tp: tensor/pipeline parallelism (two GPUs): all-reduce cost, 8B W1 TP=1 vs TP=2, 70B (dummy weights)
 #     W1 with TP=2, W2 through HTTP with TP=2 and with PP=2.
-# WORKER_ARGS overrides the W2/W3 worker flags (e.g. add --overlap).
+# WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults).
+# mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -27,6 +28,9 @@ if [ ! -f "$MODEL/config.json" ] && [ "$STAGES" != "smol" ]; then
   echo "make-model 8B: ${SECONDS} s"; du -sh "$MODEL"
 fi
 
+if has mixed; then  # W3's slow steps: decode-only vs decode + one prompt, and the mixed step's kernels
+  python3 bench/mixed_step_probe.py "$MODEL" 64 220 2>&1 | grep -v '\[info' | tee "$OUT/mixed_probe.txt"
+fi
 if has probe; then
   python3 bench/load_probe.py "$MODEL" 2>&1 | grep -v '\[info' | tee "$OUT/load_probe.txt"
   for b in 256 1; do python3 bench/step_profile.py "$MODEL" $b 2>&1 | grep -v '\[info' | head -14; done
@@ -59,7 +63,7 @@ fi
 if has w2 || has w3; then
   python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
     --run-dir /tmp/inferno-run --log-format json \
-    --worker-arg "${WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192}" > "$OUT/up.log" 2>&1 &
+    --worker-arg "${WORKER_ARGS:-}" > "$OUT/up.log" 2>&1 &
   UP=$!
   for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
   curl -s localhost:8000/ready; echo

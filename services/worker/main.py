@@ -27,7 +27,9 @@ def parse_args(argv):
     ap.add_argument("--num-blocks", type=int, default=env_default("INFERNO_NUM_BLOCKS", None, int))
     ap.add_argument("--gpu-memory-utilization", type=float, default=env_default("INFERNO_GPU_MEMORY_UTILIZATION", 0.98))
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=env_default("INFERNO_MAX_NUM_SEQS", 256))
+    ap.add_argument("--max-num-seqs", type=int, default=env_default("INFERNO_MAX_NUM_SEQS", None, int),
+                    help="most requests running at once (default: 1024 with a GPU, as vLLM's on 80 GB parts: "
+                         "the batch the KV pool holds; 256 on the CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_default("INFERNO_MAX_NUM_BATCHED_TOKENS", 8192))
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-cuda-graphs", action="store_true")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     model_name = args.model_name or (Path(args.model_dir).name.removesuffix(".gguf") if args.model_dir else "model")
     kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=model_name, device=args.device,
                   dtype=args.dtype, num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                  block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
@@ -134,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         pass
     return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
                              overlap=overlap_default(args.overlap, cfg.device)))
+
+
+def max_num_seqs_default(flag, device: str) -> int:
+    """--max-num-seqs wins; else 1024 on a GPU (H100, 2026-11-23: W2 28.3k tok/s with 1024 running
+    and 16k-token steps against 20.1k at 256: decode steps are memory-bound, so a larger batch costs
+    little more per step), 256 on the CPU."""
+    return flag if flag is not None else (1024 if device.startswith("cuda") else 256)
 
 
 def overlap_default(flag, device: str) -> bool:

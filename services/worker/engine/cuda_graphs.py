@@ -17,7 +17,9 @@ from services.worker.engine.attention_metadata import AttentionMetadata
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, max_num_seqs + 32, 32))
+    # Past 256 rows a step is long enough that padding by up to 63 rows costs less than the
+    # capture time and graph memory of finer buckets.
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_num_seqs + 64, 64))
     out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
     return out
 
