@@ -40,16 +40,19 @@ def main() -> int:
     out = {"decodes": decodes, "prompt_len": prompt_len}
     step_ms(engine, 5)
     out["decode_graph_ms"] = step_ms(engine, 20)
-    graphs, engine.runner.graphs = engine.runner.graphs, None
+    runner = engine.runner
+    graphs, mixed_graphs = runner.graphs, runner.mixed_graphs
+    runner.graphs = runner.mixed_graphs = None
     step_ms(engine, 3)
     out["decode_eager_ms"] = step_ms(engine, 10)
-    engine.runner.graphs = graphs
-    mixed = []
-    for i in range(6):
-        engine.add_request(f"p{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                           SamplingParams(max_tokens=1, temperature=0.0))
-        mixed.append(step_ms(engine))
-    out["mixed_ms"] = sorted(mixed)[len(mixed) // 2]
+    for name, use_mixed in (("mixed_eager_ms", None), ("mixed_graph_ms", mixed_graphs)):
+        runner.graphs, runner.mixed_graphs = graphs, use_mixed
+        times = []
+        for i in range(6):
+            engine.add_request(f"p{name}{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                               SamplingParams(max_tokens=1, temperature=0.0))
+            times.append(step_ms(engine))
+        out[name] = sorted(times)[len(times) // 2]
     # The same prompt alone (no decodes): a second engine would double the memory, so abort the decodes.
     for i in range(decodes):
         engine.abort(f"d{i}")
@@ -58,7 +61,7 @@ def main() -> int:
         engine.add_request(f"q{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
                            SamplingParams(max_tokens=1, temperature=0.0))
         alone.append(step_ms(engine))
-    out["prefill_only_ms"] = sorted(alone)[len(alone) // 2]
+    out["prefill_only_graph_ms"] = sorted(alone)[len(alone) // 2]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
 
     # Kernels of one mixed step, by GPU time.
@@ -66,6 +69,7 @@ def main() -> int:
         engine.add_request(f"e{i}", torch.randint(0, vocab, (400,), generator=g).tolist(), params)
     while any(r.num_output_tokens == 0 for r in engine.batcher.running_requests()) or engine.batcher.num_waiting:
         engine.step()
+    runner.mixed_graphs = None  # the kernels one by one
     engine.add_request("prof", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
                        SamplingParams(max_tokens=1, temperature=0.0))
     from torch.profiler import ProfilerActivity, profile

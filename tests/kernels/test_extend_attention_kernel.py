@@ -76,6 +76,24 @@ def test_triton_matches_reference(dtype, lens, q_lens, hkv, group, head_dim, pag
     assert rel_err(out, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("lens,q_lens,hkv,group,head_dim,page", CASES[:3] + CASES[5:])
+def test_tiled_launch_matches_reference(lens, q_lens, hkv, group, head_dim, page, device):
+    """The work-list grid a CUDA graph of a mixed step uses: padded with sequence -1 programs,
+    and the same output whatever max_query_len the graph was captured with."""
+    dtype = torch.bfloat16
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, hkv, group, head_dim, page, dtype, device)
+    scale = head_dim ** -0.5
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, scale)
+    tiles = torch.from_numpy(K.query_tiles(q_lens, pad_to=20)).to(device=device, dtype=torch.int32)
+    out = K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t, scale, max_query_len=512, tiles=tiles)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_query_tiles_lists_each_sequences_token_tiles():
+    tiles = K.query_tiles([20, 1, 0, 33], pad_to=9)
+    assert tiles.tolist() == [[0, 0, 1, 3, 3, 3, -1, -1, -1], [0, 1, 0, 0, 1, 2, -1, -1, -1]]
+
+
 def test_decode_only_batch_and_empty_sequences(device):
     """q_len 1 for every sequence works, and a sequence with no new tokens is skipped."""
     lens, q_lens = [7, 30, 16, 50], [1, 1, 0, 1]

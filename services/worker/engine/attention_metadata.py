@@ -22,6 +22,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
     max_seq_len: int
+    # [2, n] int32: the extend kernel's work list (sequence, token tile), built on the host so the
+    # launch's grid does not depend on the queries' lengths; None: the kernel sizes its own grid.
+    tiles: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -180,6 +180,13 @@ class LLMEngine:
                                      min(self.max_model_len, config.max_graph_len), self.device)
             self.graph_capture_seconds = graphs.capture()
             self.runner.graphs = graphs
+            if config.mixed_graphs:
+                from services.worker.engine.mixed_graphs import MixedGraphRunner
+                mixed = MixedGraphRunner(self.model, self.kv_cache, config.max_num_seqs,
+                                         config.max_num_batched_tokens, min(self.max_model_len, config.max_graph_len),
+                                         self.device)
+                self.graph_capture_seconds += mixed.capture(graphs.pool)
+                self.runner.mixed_graphs = mixed
         self.steps = 0
         self._rng = random.Random(config.seed)
         self._inflight: deque[LaunchedStep] = deque()

@@ -24,6 +24,7 @@ class EngineConfig:
     # the GPU's. Off by default until it has been measured on the GPU (it is CPU-tested).
     overlap: bool = False
     max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
+    mixed_graphs: bool = True  # steps with prefill chunks (up to 2,048 tokens) replay graphs too
     load_threads: int = 8
     seed: int = 0
     cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir

@@ -47,12 +47,25 @@ def dry_run_peak_bytes(engine) -> int:
     return peak
 
 
+def mixed_graph_bytes(engine) -> int:
+    """The graph pool's share for mixed-step graphs: one step's activations at their largest
+    bucket (q, k, v, attention out, gate/up, SiLU and a few hidden-sized buffers per token)."""
+    if not engine.config.mixed_graphs:
+        return 0
+    from services.worker.engine.mixed_graphs import MAX_GRAPH_TOKENS
+    mc = engine.rank_config
+    tokens = min(engine.config.max_num_batched_tokens, MAX_GRAPH_TOKENS)
+    per_token = 2 * mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size + 4 * mc.hidden_size
+    return tokens * per_token * engine.dtype.itemsize
+
+
 def profile_kv_blocks(engine) -> int:
     device = engine.device
     activation_peak = dry_run_peak_bytes(engine)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
-    budget = int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
+    budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
+              - mixed_graph_bytes(engine))
     per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.dtype)
     blocks = max(0, budget // per_block)
     engine.memory_report = {

@@ -58,7 +58,7 @@ class TritonOps(TorchOps):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
         return extend_attention.paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            max_query_len=meta.max_query_len)
+            max_query_len=meta.max_query_len, tiles=meta.tiles)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
         return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)

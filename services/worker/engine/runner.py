@@ -23,6 +23,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = None  # a CudaGraphRunner, set by the GPU path for decode-only steps
+        self.mixed_graphs = None  # a MixedGraphRunner, for steps with prefill chunks up to its tokens
         self.group = group  # a RankGroup when the model is split over several processes
         self.share_ids = False  # overlapped steps in a group: the driver sends its draw to the ranks
         # The last launched step's sampled ids (on the device) and the requests of its rows: an
@@ -60,6 +61,9 @@ class ModelRunner:
         if isinstance(step, GraphStep):
             hidden, rows = self.graphs.launch(step, self._last_ids)
             return hidden, rows.logits_indices
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.covers(step):
+            return mixed.launch(step, self._last_ids)
         inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
         if inputs.feed_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.feed_dst, self._last_ids.index_select(0, inputs.feed_src))

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.kernels.extend_attention import query_tiles
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ class HostStep:
     parallel group receive exactly this and upload it as the driver does."""
 
     flat: np.ndarray
-    lens: tuple[int, ...]  # tokens, positions, slots, seq_lens, qsl, logits rows, tables, feed dst, feed src
+    lens: tuple[int, ...]  # tokens, positions, slots, seq_lens, qsl, logits rows, tables, feed dst, feed src, tiles
     n_seq: int
     max_blocks: int
     max_query_len: int
@@ -44,7 +45,7 @@ class HostStep:
         return cls(flat, tuple(lens), n_seq, max_blocks, max_query_len, max_seq_len)
 
 
-NUM_PARTS = 9
+NUM_PARTS = 10
 NUM_FIELDS = 4 + NUM_PARTS
 
 
@@ -90,8 +91,9 @@ def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | Non
         if s.samples:
             sample_rows.append(hi - 1)
     logits_idx = np.asarray(sample_rows, dtype=np.int64)
+    tiles = query_tiles(counts).reshape(-1)
     parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1),
-             np.asarray(feed_dst, dtype=np.int64), np.asarray(feed_src, dtype=np.int64)]
+             np.asarray(feed_dst, dtype=np.int64), np.asarray(feed_src, dtype=np.int64), tiles]
     return HostStep(np.concatenate(parts), tuple(len(p) for p in parts), n_seq, max_blocks,
                     int(counts.max()) if n_seq else 0, int(seq_lens.max()) if n_seq else 0)
 
@@ -114,6 +116,7 @@ def upload_step_inputs(step: HostStep, device: torch.device, pin: bool) -> StepI
         query_start_loc=view[4].to(torch.int32),
         max_query_len=step.max_query_len,
         max_seq_len=step.max_seq_len,
+        tiles=view[9].view(2, -1).to(torch.int32),
     )
     fed = (view[7], view[8]) if step.lens[7] else (None, None)
     return StepInputs(view[0], view[1], meta, view[5], int(step.lens[0]), n_seq, *fed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -57,16 +58,27 @@ def _extend_kernel(
     q_stride_t, q_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
     bt_stride, out_stride_t, out_stride_h,
+    tiles_ptr, tiles_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """One program: BLOCK_M // GROUP_PAD new tokens of one sequence times the GROUP query heads
     that share one KV head, so every K/V tile read from the cache serves the whole group.
-    Row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD of the group."""
+    Row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD of the group.
+    TILED: program i takes tile (tiles[0, i] = sequence, tiles[1, i] = its token tile), a list the
+    host builds per step, so the grid depends only on the list's length (a CUDA graph's padded
+    list ends in sequence -1); else the grid is (token tiles of the longest query, kv heads, seqs)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_PAD
-    t_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    if TILED:
+        seq = tl.load(tiles_ptr + tl.program_id(0)).to(tl.int64)
+        t_tile = tl.load(tiles_ptr + tiles_stride + tl.program_id(0))
+        if seq < 0:
+            return
+    else:
+        t_tile = tl.program_id(0)
+        seq = tl.program_id(2).to(tl.int64)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -129,11 +141,30 @@ def launch_config(max_query_len: int, group_pad: int, head_dim: int) -> tuple[in
     return block_m, block_n, num_warps, 2
 
 
+TILE_TOKENS = 16  # new tokens per program in the tiled launch
+
+
+def query_tiles(query_lens, pad_to: int = 0):
+    """The tiled launch's work list for these query lengths (host ints or a numpy array):
+    [2, n] int64 numpy, row 0 the sequence, row 1 its token tile; padded with sequence -1."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    per_seq = -(-lens // TILE_TOKENS)
+    n = int(per_seq.sum())
+    out = np.full((2, max(n, pad_to)), -1, dtype=np.int64)
+    out[0, :n] = np.repeat(np.arange(len(lens)), per_seq)
+    starts = np.cumsum(per_seq) - per_seq
+    out[1, :n] = np.arange(n) - np.repeat(starts, per_seq)
+    return out
+
+
 def paged_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid."""
+    """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid.
+    tiles ([2, n] int32 from query_tiles, on the device): the grid is n programs per KV head
+    instead, whatever the queries' lengths (what a CUDA graph of a mixed step needs)."""
     page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_tokens, n_q, head_dim = q.shape
@@ -153,8 +184,17 @@ def paged_extend_attention(
     block_d = next_power_of_2(head_dim)
     group = n_q // n_kv
     group_pad = next_power_of_2(group)
-    block_m, block_n, num_warps, num_stages = launch_config(max_query_len, group_pad, block_d)
-    grid = (triton.cdiv(max_query_len, block_m // group_pad), n_kv, n_seqs)
+    if tiles is not None:
+        check_tensor(tiles, "tiles", ndim=2, dtypes=(torch.int32,), device=device)
+        check(tiles.shape[0] == 2 and tiles.stride(1) == 1, "tiles must be [2, n] with unit column stride, "
+              "got shape {} strides {}", tuple(tiles.shape), tiles.stride())
+        block_m, block_n, num_warps, num_stages = launch_config(TILE_TOKENS, group_pad, block_d)
+        block_m = TILE_TOKENS * group_pad
+        num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+        grid = (tiles.shape[1], n_kv)
+    else:
+        block_m, block_n, num_warps, num_stages = launch_config(max_query_len, group_pad, block_d)
+        grid = (triton.cdiv(max_query_len, block_m // group_pad), n_kv, n_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale),
@@ -162,8 +202,9 @@ def paged_extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        tiles if tiles is not None else seq_lens, 0 if tiles is None else tiles.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), TILED=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
