@@ -49,3 +49,27 @@ class KvHandoffReply(Message):
     skip_pages: int = 0
     address: str = ""
     reason: str = ""
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class KvHandoffReady(Message):
+    """decode worker → prefill worker (publish on worker_handoff_ready), as soon as the blocks the
+    scheduler's prepare asked for are reserved: push pages[skip_pages:] straight to `address` with
+    the offer inside the frame's header, without the offer round trip."""
+
+    TYPE = "kv_handoff_ready"
+    VERSION = 1
+
+    request_id: str
+    decode_worker_id: str
+    skip_pages: int
+    num_pages: int
+    address: str
+    layout: str
+    page_bytes: int
+
+    def _check(self) -> None:
+        if not (self.request_id and self.address and self.layout and 0 <= self.skip_pages <= self.num_pages <= MAX_PAGES
+                and self.page_bytes > 0):
+            raise MessageError("kv_handoff_ready: request_id, address, layout, 0 <= skip_pages <= num_pages")

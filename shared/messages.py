@@ -359,6 +359,7 @@ class WorkerHeartbeat(Message):
     max_model_len: int = 0
     kv_handoffs: int = 0  # cumulative: requests handed on (prefill role) or taken over (decode role)
     kv_handoff_bytes: int = 0  # cumulative page bytes of those hand-offs
+    kv_handoffs_direct: int = 0  # of kv_handoffs: pushed to blocks reserved at prepare, no offer round trip
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

@@ -7,6 +7,7 @@
 | {p}.worker.{worker_id}.abort    | AbortRequest    | gateway → worker              | publish       |
 | {p}.worker.{worker_id}.handoff  | KvHandoffOffer  | prefill worker → decode worker | request/reply |
 | {p}.worker.{worker_id}.prepare  | GenerateRequest | scheduler → decode worker     | publish       |
+| {p}.worker.{worker_id}.handoff_ready | KvHandoffReady | decode worker → prefill worker | publish  |
 | {p}.heartbeat                   | WorkerHeartbeat | worker → schedulers, gateways | publish       |
 | {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
 | {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
@@ -84,6 +85,11 @@ def worker_abort(prefix: str, worker_id: str) -> str:
 
 def worker_handoff(prefix: str, worker_id: str) -> str:
     return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.handoff"
+
+
+def worker_handoff_ready(prefix: str, worker_id: str) -> str:
+    """A prefill worker learns here that a decode worker's blocks for one of its requests wait."""
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.handoff_ready"
 
 
 def worker_handoff_prepare(prefix: str, worker_id: str) -> str:

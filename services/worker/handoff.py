@@ -1,11 +1,13 @@
-"""The prefill → decode hand-off, both ends. Control on NATS (offer → reply), pages over UCXX.
+"""The prefill → decode hand-off, both ends. Control on NATS, pages over UCXX.
 
 Prefill side: the first token has streamed to the gateway already (TTFT never waits for the
-transfer); the request's prompt KV, exported as pages, is offered to the decode worker the
-scheduler chose; that worker reserves blocks (skipping the pages it caches already) and answers
-with its UCXX address; the pages are pushed in one message. A refusal or a failed transfer ends
-the request with a clean error. Decode side: the reservation, the receive buffer the pages land
-in, the import into the step loop, and an expiry for offers whose pages never come.
+transfer). Usually the decode worker the scheduler chose has reserved the blocks while the
+prompt was prefilled (the scheduler's prepare) and said so (KvHandoffReady: its UCXX address, the
+pages it caches already), so the pages go straight there with the offer in the frame's header:
+one UCXX message, no NATS round trip. Otherwise the KV is offered over NATS (offer → reply with
+the address) and then pushed. A refusal or a failed transfer ends the request with a clean error.
+Decode side: the reservation, the receive buffer the pages land in, the import into the step
+loop, and an expiry for offers whose pages never come.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import structlog
 from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
-from shared.handoff_messages import KvHandoffOffer, KvHandoffReply
+from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply
 from shared.kv_transfer import TransferClient, TransferError, nbytes_of
 from shared.messages import AbortRequest, GenerateRequest, TokenBatch, TokenDelta
+from shared.wire import decode, encode
 
 log = structlog.get_logger("worker.handoff")
 
 FORWARD_ABORTS_FOR = 600.0  # seconds a prefill worker forwards a handed-off request's aborts
+READY_KEPT_FOR = 60.0  # seconds a decode worker's ready notice waits for its request's first token
 
 
 class HandoffSender:
@@ -38,7 +42,14 @@ class HandoffSender:
         self.transfer = transfer
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0}
+        self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0}
+
+    async def on_ready(self, msg: KvHandoffReady) -> None:
+        now = time.monotonic()
+        if len(self.ready) > 4096:  # notices for requests that ended here without a hand-off
+            self.ready = {rid: v for rid, v in self.ready.items() if now - v[1] < READY_KEPT_FOR}
+        self.ready[msg.request_id] = (msg, now)
 
     def remember(self, msg: GenerateRequest) -> None:
         self.pending[msg.request_id] = msg
@@ -79,6 +90,8 @@ class HandoffSender:
             return  # aborted meanwhile
         t0 = time.perf_counter()
         handoff = output.handoff
+        ready = self.ready.pop(msg.request_id, (None, 0.0))[0]
+        direct = False
         try:
             await asyncio.to_thread(handoff.ready)
             t_ready = time.perf_counter()
@@ -86,14 +99,21 @@ class HandoffSender:
                                    num_cached_tokens=handoff.num_cached_tokens, layout=self.layout,
                                    page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
                                    prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex)
-            reply = await self.conn.request(subjects.worker_handoff(self.prefix, msg.decode_worker_id), offer,
-                                            KvHandoffReply, timeout=self.timeout)
-            if not reply.accepted:
-                raise HandoffRefused(reply.reason)
-            t_offer = time.perf_counter()
-            pages = handoff.pages[reply.skip_pages:]
-            await self.transfer.call(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
-                                     pages if pages.shape[0] else None, timeout=self.timeout)
+            if ready is not None and self._fits(ready, offer):
+                direct = await self._push_direct(ready, offer, handoff.pages)
+            if direct:
+                skip, t_offer = ready.skip_pages, t_ready
+            else:
+                reply = await self.conn.request(subjects.worker_handoff(self.prefix, msg.decode_worker_id), offer,
+                                                KvHandoffReply, timeout=self.timeout)
+                if not reply.accepted:
+                    raise HandoffRefused(reply.reason)
+                t_offer = time.perf_counter()
+                skip = reply.skip_pages
+                pages = handoff.pages[skip:]
+                await self.transfer.call(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
+                                         pages if pages.shape[0] else None, timeout=self.timeout)
+            pages = handoff.pages[skip:]
         except (ServiceError, TransferError, HandoffRefused, asyncio.TimeoutError) as e:
             self.stats["failed"] += 1
             log.warning("handoff_failed", request_id=msg.request_id, decode_worker=msg.decode_worker_id, error=str(e))
@@ -107,11 +127,29 @@ class HandoffSender:
         await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
         t_end = time.perf_counter()
         self.stats["handoffs"] += 1
+        self.stats["direct"] += direct
         self.stats["bytes"] += nbytes_of(pages)
         # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
-                  skipped=reply.skip_pages, export_s=t_ready - t0, offer_s=t_offer - t_ready,
+                  skipped=skip, direct=direct, export_s=t_ready - t0, offer_s=t_offer - t_ready,
                   push_s=t_end - t_offer, total_s=t_end - t0)
+
+    def _fits(self, ready: KvHandoffReady, offer: KvHandoffOffer) -> bool:
+        return (ready.decode_worker_id == offer.request.decode_worker_id and ready.layout == self.layout
+                and ready.page_bytes == self.page_bytes and ready.num_pages == offer.num_pages)
+
+    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, pages) -> bool:
+        """The pages and the offer in one UCXX frame to the blocks waiting for them. False when the
+        decode worker no longer holds them (expired, aborted): the offer round trip decides then."""
+        pages = pages[ready.skip_pages:]
+        header = {"op": "kv_handoff_direct", "request_id": offer.request.request_id, "offer": encode(offer)}
+        try:
+            reply, _ = await self.transfer.call(ready.address, header, pages if pages.shape[0] else None,
+                                                timeout=self.timeout)
+        except TransferError as e:
+            log.info("direct hand-off failed; offering instead", request_id=offer.request.request_id, error=str(e))
+            return False
+        return bool(reply.get("ok"))
 
 
 class HandoffRefused(RuntimeError):
@@ -122,13 +160,16 @@ class HandoffReceiver:
     """The decode worker's side: reservations by request (made when the scheduler announces the
     pairing, so an offer finds its blocks ready) and by transfer, and the UCXX handler pages hit."""
 
-    def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0):
+    def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0,
+                 publish=None, prefix: str = "", worker_id: str = ""):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
         self.address, self.ttl = address, ttl
+        # publish(subject, message): tells a prefill worker its request's blocks are reserved here.
+        self.publish, self.prefix, self.worker_id = publish, prefix, worker_id
         self.accepting = True
         self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
-        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0}
+        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0}
 
     def on_prepare(self, msg: GenerateRequest) -> None:
         """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
@@ -137,8 +178,28 @@ class HandoffReceiver:
             return
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(self.ttl, self._expire_prepared, msg.request_id)
-        self.prepared[msg.request_id] = (self._reserve(msg), expiry)
+        done = self._reserve(msg)
+        self.prepared[msg.request_id] = (done, expiry)
         self.stats["prepared"] += 1
+        if self.publish is not None and msg.worker_id:
+            done.add_done_callback(lambda f: self._announce(msg, f))
+
+    def _announce(self, msg: GenerateRequest, done: asyncio.Future) -> None:
+        """The blocks are reserved: tell the prefill worker where to push (best effort: without the
+        notice it offers over NATS as before)."""
+        result = done.result()
+        if result is None or isinstance(result, str) or msg.request_id not in self.prepared:
+            return
+        ready = KvHandoffReady(request_id=msg.request_id, decode_worker_id=self.worker_id,
+                               skip_pages=result.skip_blocks, num_pages=result.skip_blocks + result.buffer.shape[0],
+                               address=self.address, layout=self.layout, page_bytes=self.page_bytes)
+        asyncio.ensure_future(self._publish_ready(msg.worker_id, ready))
+
+    async def _publish_ready(self, prefill_worker_id: str, ready: KvHandoffReady) -> None:
+        try:
+            await self.publish(subjects.worker_handoff_ready(self.prefix, prefill_worker_id), ready)
+        except ServiceError:
+            pass
 
     def _reserve(self, req: GenerateRequest) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -199,12 +260,26 @@ class HandoffReceiver:
 
     def allocate(self, header: dict):
         """Where a pushed frame's pages land: the reservation's buffer (on the GPU when there is one)."""
-        entry = self.waiting.get(header.get("transfer_id"))
-        if entry is None or nbytes_of(entry[1].buffer) != header["nbytes"]:
+        if header.get("op") == "kv_handoff_direct":
+            reservation = self._prepared_reservation(header.get("request_id"))
+            buffer = None if reservation is None else reservation.buffer
+        else:
+            entry = self.waiting.get(header.get("transfer_id"))
+            buffer = None if entry is None else entry[1].buffer
+        if buffer is None or nbytes_of(buffer) != header["nbytes"]:
             return None  # unknown or expired: kv_transfer drains the bytes and refuses them
-        return entry[1].buffer
+        return buffer
+
+    def _prepared_reservation(self, request_id):
+        entry = self.prepared.get(request_id) if isinstance(request_id, str) else None
+        if entry is None or not entry[0].done():
+            return None
+        result = entry[0].result()
+        return None if result is None or isinstance(result, str) else result
 
     async def on_frame(self, header: dict, payload) -> tuple[dict, None]:
+        if header.get("op") == "kv_handoff_direct":
+            return self._on_direct(header), None
         if header.get("op") != "kv_handoff":
             return {"error": f"unknown op {header.get('op')!r}"}, None
         entry = self.waiting.pop(header.get("transfer_id"), None)
@@ -218,6 +293,29 @@ class HandoffReceiver:
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
                                             offer.num_cached_tokens))
         return {"ok": True}, None
+
+    def _on_direct(self, header: dict) -> dict:
+        """Pages and offer in one frame, into blocks reserved at the scheduler's prepare."""
+        rid = header.get("request_id")
+        reservation = self._prepared_reservation(rid)
+        if reservation is None:
+            return {"error": "no reserved blocks for this request (expired or aborted)"}
+        try:
+            offer = decode(KvHandoffOffer, header.get("offer") or b"")
+        except Exception as e:  # a malformed header refuses this frame only
+            return {"error": f"bad offer: {e}"}
+        pages = reservation.skip_blocks + reservation.buffer.shape[0]
+        if offer.request.request_id != rid or offer.num_pages != pages or self._check(offer):
+            return {"error": self._check(offer) or "the pages do not fit the reserved blocks"}
+        _, expiry = self.prepared.pop(rid)
+        expiry.cancel()
+        self.stats["imports"] += 1
+        self.stats["direct"] += 1
+        self.stats["bytes"] += header["nbytes"]
+        req = offer.request
+        self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
+                                            offer.num_cached_tokens))
+        return {"ok": True}
 
     def abort(self, request_ids: list[str]) -> None:
         """Aborts of requests still waiting for their pages drop the reservation at once (the step

@@ -13,7 +13,7 @@ from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedComm
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
-from shared.handoff_messages import KvHandoffOffer
+from shared.handoff_messages import KvHandoffOffer, KvHandoffReady
 from shared.kv_transfer import TransferClient
 from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
                              WorkerHeartbeat)
@@ -68,6 +68,9 @@ class WorkerService:
             await self.conn.subscribe(self.handoff_subject, KvHandoffOffer, self.receiver.on_offer, concurrency=64)
             await self.conn.subscribe(subjects.worker_handoff_prepare(self.prefix, self.cfg.worker_id),
                                       GenerateRequest, self.receiver.on_prepare)
+        if self.sender is not None:
+            await self.conn.subscribe(subjects.worker_handoff_ready(self.prefix, self.cfg.worker_id),
+                                      KvHandoffReady, self.sender.on_ready)
         self._tasks.append(asyncio.create_task(self._heartbeats()))
         log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
 
@@ -115,7 +118,8 @@ class WorkerService:
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
                                         self._transfer(), self.cfg.handoff_timeout)
         else:
-            self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout)
+            self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
+                                            self.conn.publish, self.prefix, self.cfg.worker_id)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address
@@ -278,7 +282,11 @@ class WorkerService:
 
     def _handoff_counts(self) -> dict:
         if self.sender is not None:
-            return {"kv_handoffs": self.sender.stats["handoffs"], "kv_handoff_bytes": self.sender.stats["bytes"]}
+            stats = self.sender.stats
+            return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
+                    "kv_handoffs_direct": stats["direct"]}
         if self.receiver is not None:
-            return {"kv_handoffs": self.receiver.stats["imports"], "kv_handoff_bytes": self.receiver.stats["bytes"]}
+            stats = self.receiver.stats
+            return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
+                    "kv_handoffs_direct": stats["direct"]}
         return {}

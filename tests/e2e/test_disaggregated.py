@@ -70,6 +70,9 @@ def test_completions_equal_the_aggregated_worker(pd_stack, aggregated):
     assert hbs["prefill-0"].kv_handoffs >= len(PROMPTS)
     assert sum(hb.kv_handoffs for w, hb in hbs.items() if w.startswith("decode")) >= len(PROMPTS)
     assert hbs["prefill-0"].kv_handoff_bytes > 0
+    # The decode worker reserved the blocks at the scheduler's prepare and said so: the pages went
+    # straight there with the offer in the frame (no NATS round trip) for nearly every request.
+    assert hbs["prefill-0"].kv_handoffs_direct >= len(PROMPTS) - 1
 
 
 def test_streamed_chat_with_n_equals_the_aggregated_worker(pd_stack, aggregated):
