@@ -28,6 +28,9 @@ if [ ! -f "$MODEL/config.json" ] && [ "$STAGES" != "smol" ]; then
   echo "make-model 8B: ${SECONDS} s"; du -sh "$MODEL"
 fi
 
+if has decodeprobe; then  # W1's gap to the roofline: graph replay vs the sum of its kernels
+  python3 bench/decode_probe.py "$MODEL" 1 2>&1 | grep -v '\[info' | tee "$OUT/decode_probe_b1.txt"
+fi
 if has mixed; then  # W3's slow steps: decode-only vs decode + one prompt, and the mixed step's kernels
   python3 bench/mixed_step_probe.py "$MODEL" 64 220 2>&1 | grep -v '\[info' | tee "$OUT/mixed_probe.txt"
 fi
