@@ -103,6 +103,7 @@ class LaunchedStep:
     plan: BatchPlan
     sample: PendingSample | None
     error: Exception | None = None
+    done: object = None  # a CUDA event after the step's kernels, when its KV is copied out later
 
 
 @dataclass(slots=True)
@@ -193,6 +194,7 @@ class LLMEngine:
         self._imports: dict[str, ImportReservation] = {}
         # Set by a worker that shares prompt KV with a cluster store: gets each prompt's full blocks.
         self.prompt_sink: PromptSink | None = None
+        self._copy_stream = None  # where KV pages are copied out for a hand-off or the cluster store
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
 
     def _blocks_from_memory(self) -> int:
@@ -299,9 +301,14 @@ class LLMEngine:
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
         try:
-            return LaunchedStep(plan, self.runner.execute(plan.scheduled))
+            launched = LaunchedStep(plan, self.runner.execute(plan.scheduled))
         except Exception as e:  # a bad step fails its requests, never the engine
             return LaunchedStep(plan, None, e)
+        if self.device.type == "cuda" and (self.prompt_sink is not None
+                                           or any(s.request.handoff for s in plan.scheduled)):
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        return launched
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         plan = launched.plan
@@ -329,17 +336,17 @@ class LLMEngine:
                     continue
                 if r.status is RequestStatus.HANDED_OFF:
                     try:
-                        out.handoff = self._export(r, blocks)
+                        out.handoff = self._export(r, blocks, launched.done)
                     except RuntimeError as e:  # no memory for the copy: the request ends here, cleanly
                         out.finish_reason, out.error = "error", f"the KV could not be copied for the hand-off: {e}"
                 if self.prompt_sink is not None:
                     try:
-                        self._share_prompt(r, blocks, out.handoff)
+                        self._share_prompt(r, blocks, out.handoff, launched.done)
                     except RuntimeError:  # sharing is an optimisation; a step's outputs must go out
                         pass
         return outputs
 
-    def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None) -> None:
+    def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None, after=None) -> None:
         """Offer the prompt's full blocks, past those the sink already has, to the cluster store."""
         full = r.num_prompt_tokens // self.kv_cache.block_size
         hashes = r.block_hashes[:full]
@@ -351,12 +358,29 @@ class LLMEngine:
         if handoff is not None:
             pages, event = handoff.pages[start:full], handoff.event
         else:
-            pages = gather_pages(self.kv_cache, block_ids[start:full])
-            event = None
-            if pages.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
+            pages, event = self._copy_out(block_ids[start:full], after)
         self.prompt_sink.take(hashes[start:full], pages, event)
+
+    def _copy_out(self, block_ids: list[int], after=None) -> tuple[torch.Tensor, object]:
+        """These blocks' pages in a new tensor, and (on a GPU) an event for when they are there.
+        The copy runs on a side stream behind `after` (the step that wrote them): with overlap the
+        main stream holds the next step already, which the copy need not wait for. Later steps
+        wait for the copy, since the blocks may be handed to other requests from now on."""
+        if not self.kv_cache.pool.is_cuda:
+            return gather_pages(self.kv_cache, block_ids), None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream, main = self._copy_stream, torch.cuda.current_stream(self.device)
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            pages = gather_pages(self.kv_cache, block_ids)
+            event = torch.cuda.Event()
+            event.record(stream)
+        main.wait_event(event)
+        return pages, event
 
     def insert_cached(self, hashes: list[bytes], pages: torch.Tensor) -> int:
         """Pages fetched from the cluster store become cached blocks here, found by the next
@@ -367,12 +391,8 @@ class LLMEngine:
             scatter_pages(self.kv_cache, [b for _, b in placed], pages[[i for i, _ in placed]])
         return len(placed)
 
-    def _export(self, r: Request, block_ids: list[int]) -> Handoff:
-        pages = gather_pages(self.kv_cache, block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)])
-        event = None
-        if pages.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
+    def _export(self, r: Request, block_ids: list[int], after=None) -> Handoff:
+        pages, event = self._copy_out(block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)], after)
         return Handoff(pages, r.seed, r.num_cached_tokens, event)
 
     def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
