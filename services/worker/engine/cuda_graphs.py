@@ -24,6 +24,25 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
+def capture_buckets(buckets, forward, graphs: dict, outputs: dict, pool, cuda: bool):
+    """One graph per bucket, largest first (the smaller ones reuse its memory pool); returns the
+    pool. On the CPU there is nothing to capture: outputs holds one eager forward per bucket."""
+    for b in reversed(buckets):
+        if not cuda:
+            outputs[b] = forward(b)
+            continue
+        forward(b)  # compile and warm the kernels outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[b] = forward(b)
+        if pool is None:
+            pool = graph.pool()
+        graphs[b] = graph
+    if cuda:
+        torch.cuda.synchronize()
+    return pool
+
+
 class _HostStage:
     """One pinned copy of the static inputs. There are two, used in turn: while one is being
     copied to the device for a step in flight, the next step is written into the other."""
@@ -96,20 +115,9 @@ class CudaGraphRunner:
         self.dev.copy_(stage.host)
         if self.cuda:
             torch.cuda.synchronize()
-        for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
-            if not self.cuda:
-                self.outputs[b] = self._forward(b)
-                self.graphs[b] = _EagerReplay(self._forward, b, self.outputs[b])
-                continue
-            self._forward(b)  # compile and warm the kernels outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self._forward(b)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = graph
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.pool = capture_buckets(self.buckets, self._forward, self.graphs, self.outputs, self.pool, self.cuda)
+        for b in self.buckets if not self.cuda else ():
+            self.graphs[b] = _EagerReplay(self._forward, b, self.outputs[b])
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.cuda_graphs import capture_buckets
 from services.worker.engine.step_inputs import HostStep
 from services.worker.kernels.extend_attention import TILE_TOKENS
 
@@ -100,22 +101,9 @@ class MixedGraphRunner:
             h["slots"][:] = -1
             h["tiles"][:] = -1
         self.dev.copy_(self.hosts[0])
-        self.pool = pool
         if self.cuda:
             torch.cuda.synchronize()
-        for t in reversed(self.buckets):
-            if not self.cuda:
-                self.outputs[t] = self._forward(t)
-                continue
-            self._forward(t)  # compile the kernels outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[t] = self._forward(t)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[t] = graph
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.pool = capture_buckets(self.buckets, self._forward, self.graphs, self.outputs, pool, self.cuda)
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
