@@ -116,8 +116,8 @@ class CudaGraphRunner:
         if self.cuda:
             torch.cuda.synchronize()
         self.pool = capture_buckets(self.buckets, self._forward, self.graphs, self.outputs, self.pool, self.cuda)
-        for b in self.buckets if not self.cuda else ():
-            self.graphs[b] = _EagerReplay(self._forward, b, self.outputs[b])
+        if not self.cuda:
+            self.graphs = {b: _EagerReplay(self._forward, b, self.outputs[b]) for b in self.buckets}
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
