@@ -9,6 +9,7 @@
 #     (needs the UCX wheels: ../shared/tools/gpu-wheels.sh without WITH_UCX=0).
 # tp: tensor/pipeline parallelism (two GPUs): all-reduce cost, 8B W1 TP=1 vs TP=2, 70B (dummy weights)
 #     W1 with TP=2, W2 through HTTP with TP=2 and with PP=2.
+# x4: issue 11 on four GPUs (70B TP=4 / TP=2×PP=2, 2 prefill + 2 decode vs 4 mixed, W2 scaling 1/2/4).
 # WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults).
 # mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow).
 set -uo pipefail
@@ -137,6 +138,45 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
     grep -h "kv pool sized" /tmp/inferno-run-$tag/worker-0.log | tail -1 > "$OUT/kv_70b_$tag.log"
     python3 -m services.cli bench --base-url http://127.0.0.1:8004 --model llama-3.1-70b --num-requests 1000 \
       --vocab-size 128000 --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_70b_$tag.json" 2>&1 | tail -14
+    kill -INT $UP; wait $UP
+  done
+fi
+if has x4; then  # issue 11 on nvidia-h200-x4: 70B TP=4 and TP=2×PP=2, 2P+2D vs 4 mixed, scaling 1/2/4 workers
+  export NCCL_NVLS_ENABLE=0
+  M70=${M70:-/tmp/llama-3.1-70b}
+  [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
+  python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
+    --decode-tokens 128 --json --overlap --tensor-parallel-size 4 | tee "$OUT/tp4_70b_w1.json"
+  serve() {  # tag, up flags, worker flags
+    python3 -m services.cli up --model "$2" --model-name m --device cuda --port 8005 --run-dir /tmp/inferno-run-$1 \
+      --log-format json $3 --worker-arg "$4" > "$OUT/up_$1.log" 2>&1 &
+    UP=$!
+    for i in $(seq 1 900); do curl -sf localhost:8005/ready >/dev/null && break; sleep 0.5; done
+    sleep 4
+  }
+  for split in "--tensor-parallel-size 4" "--tensor-parallel-size 2 --pipeline-parallel-size 2"; do
+    tag=$([[ $split == *pipeline* ]] && echo 70b_tp2pp2 || echo 70b_tp4)
+    serve $tag "$M70" "$split" "--load-format dummy"
+    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 1000 --vocab-size 128000 \
+      --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_$tag.json" 2>&1 | tail -14
+    kill -INT $UP; wait $UP
+  done
+  for mode in pd mixed; do
+    if [ $mode = pd ]; then W="--prefill-workers 2 --decode-workers 2"; else W="--workers 4"; fi
+    serve x4_$mode "$MODEL" "$W" ""
+    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 600 --vocab-size 128000 \
+      --sweep-rates 20,40,80 --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_w3_$mode.json" 2>&1 | tail -6
+    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 200 \
+      --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --sweep-rates 10,20 \
+      --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_long_$mode.json" 2>&1 | tail -6
+    kill -INT $UP; wait $UP
+    grep -h handoff_done /tmp/inferno-run-x4_$mode/prefill-*.log > "$OUT/x4_handoffs_$mode.jsonl" 2>/dev/null
+  done
+  [ -s "$OUT/x4_handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/x4_handoffs_pd.jsonl" | tee "$OUT/x4_handoff_summary.json"
+  for n in 1 2 4; do
+    serve scale$n "$MODEL" "--workers $n" ""
+    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((1000 * n)) \
+      --vocab-size 128000 --pids-file /tmp/inferno-run-scale$n/pids.json --out "$OUT/scale_w2_$n.json" 2>&1 | tail -14
     kill -INT $UP; wait $UP
   done
 fi
