@@ -137,6 +137,24 @@ def machine_summary(folder: Path) -> dict:
             break
     if (w5a := load(folder, "w5a.json")):
         out["w5a_first_token_s"] = w5a.get("first_token_s")
+    if "kv_gib" not in out:
+        for name in ("w1.json", "w1_overlap.json"):
+            if (w := load(folder, name)) and w.get("kv_gib"):
+                out["kv_gib"] = w["kv_gib"]
+                break
+    # Tensor/pipeline parallelism (two GPUs: bench/results/h200x2.json).
+    parallel = {}
+    for key, name in (("w1_8b_tp1_tok_s", "tp1_w1.json"), ("w1_8b_tp2_tok_s", "tp2_w1.json"),
+                      ("w1_70b_tp2_tok_s", "tp2_70b_w1.json"), ("w1_70b_tp4_tok_s", "tp4_70b_w1.json")):
+        if (w := load(folder, name)):
+            parallel[key] = w["decode_tokens_per_s"]
+            if "70b" in key:
+                parallel[key.replace("tok_s", "kv_gib")] = w.get("kv_gib")
+    for tag in ("70b_tp2", "70b_pp2", "70b_tp4", "70b_tp2pp2"):
+        if (w := load(folder, f"w2_{tag}.json")):
+            parallel[f"w2_{tag}_total_tok_s"] = w["summary"]["total_throughput"]
+    if parallel:
+        out["parallel"] = parallel
     return out
 
 
