@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import signal
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from services.gateway.nats_api import NatsApi
 from services.gateway.tenants import TenantsFile
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig, env_default, parse_csv
+from shared.gc_tuning import tune_gc
 from shared.logging import get_logger, setup_logging
 from shared.nats_client import connect_nats
 from shared.subjects import DEFAULT_PREFIX
@@ -24,7 +24,6 @@ from shared.tokenizer import Tokenizer
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # Allocations between young collections (CPython's default: 700). The per-token path makes
 # short-lived objects by the thousand per step; most die before a collection at this threshold.
-GC_YOUNG_THRESHOLD = 50_000
 
 log = get_logger("gateway.main")
 
@@ -122,14 +121,6 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     if conn is not None:
         await conn.drain()
     log.info("gateway_stopped")
-
-
-def tune_gc() -> None:
-    """Keep the collector off the per-token path: what start-up built (tokenizer tables, modules,
-    the app) moves to the permanent generation, and young collections run less often. With the
-    defaults, collections ran several times per step and took a tenth of the gateway's CPU."""
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 def _run(coro) -> None:

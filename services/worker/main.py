@@ -10,6 +10,7 @@ from pathlib import Path
 import structlog
 
 from shared.config import NatsConfig, WorkerServiceConfig, env_default, parse_bool
+from shared.gc_tuning import tune_gc
 from shared.logging import setup_logging
 from shared.nats_client import connect_nats
 
@@ -95,6 +96,7 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
 
     log = structlog.get_logger("worker")
     engine, eos, max_len = await asyncio.to_thread(build_engine, cfg, cuda_graphs, overlap)
+    tune_gc()  # the engine and its model are built: keep them out of every later collection
     conn = await connect_nats(nats_cfg, name=cfg.worker_id)
     service = WorkerService(cfg, conn, engine, nats_cfg.subject_prefix, eos, max_len, cfg.block_size)
     await service.start()
