@@ -33,16 +33,18 @@ def dry_run_peak_bytes(engine) -> int:
         max_query_len=tokens, max_seq_len=tokens)
     ids = torch.randint(0, mc.vocab_size, (tokens,), device=device)
     hidden = engine.model(ids, torch.arange(tokens, device=device), scratch.layers, meta)
-    rows = min(cfg.max_num_seqs, tokens)
-    logits = engine.model.compute_logits(hidden[:rows])
-    f = torch.ones(rows, device=device)
-    engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
-                      torch.zeros(rows, dtype=torch.int64, device=device),
-                      torch.zeros(rows, dtype=torch.int64, device=device))
-    torch.log_softmax(logits, dim=-1)  # the logprobs path
+    if hidden is not None:  # None on a pipeline stage before the last: no logits there
+        rows = min(cfg.max_num_seqs, tokens)
+        logits = engine.model.compute_logits(hidden[:rows])
+        f = torch.ones(rows, device=device)
+        engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
+                          torch.zeros(rows, dtype=torch.int64, device=device),
+                          torch.zeros(rows, dtype=torch.int64, device=device))
+        torch.log_softmax(logits, dim=-1)  # the logprobs path
+        del logits
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - base
-    del scratch, hidden, logits, meta
+    del scratch, hidden, meta
     torch.cuda.empty_cache()
     return peak
 
