@@ -119,26 +119,31 @@ if has pd; then  # 1 prefill + 1 decode against 2 mixed workers (spread over the
 fi
 if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B TP=2 W1, 70B dummy TP=2 / PP=2
   export NCCL_NVLS_ENABLE=0
-  python3 bench/allreduce_bench.py 2 2>&1 | grep '^{' | tee "$OUT/allreduce.jsonl"
-  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
-    --overlap | tee "$OUT/tp1_w1.json"
-  python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
-    --overlap --tensor-parallel-size 2 | tee "$OUT/tp2_w1.json"
+  T=${TP_TIMEOUT:-200}  # per command: a group that hangs must not eat the call
+  timeout 90 python3 bench/allreduce_bench.py 2 2>&1 | grep '^{' | tee "$OUT/allreduce.jsonl"
+  timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
+    --json --overlap | tee "$OUT/tp1_w1.json"
+  timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
+    --json --overlap --tensor-parallel-size 2 2>&1 | tee "$OUT/tp2_w1.log" | tail -3 > "$OUT/tp2_w1.json"
+  tail -3 "$OUT/tp2_w1.json"
   M70=${M70:-/tmp/llama-3.1-70b}
   [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
-  python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
-    --decode-tokens 128 --json --overlap --tensor-parallel-size 2 | tee "$OUT/tp2_70b_w1.json"
-  for split in "--tensor-parallel-size 2" "--pipeline-parallel-size 2"; do
-    tag=$([[ $split == *tensor* ]] && echo tp2 || echo pp2)
+  timeout $T python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
+    --decode-tokens 128 --json --overlap --tensor-parallel-size 2 2>&1 | tee "$OUT/tp2_70b_w1.log" | tail -3 > "$OUT/tp2_70b_w1.json"
+  tail -3 "$OUT/tp2_70b_w1.json"
+  for split in ${TP_SPLITS:-"--tensor-parallel-size=2" "--pipeline-parallel-size=2"}; do
+    tag=$([[ $split == *tensor* ]] && echo 70b_tp2 || echo 70b_pp2)
     python3 -m services.cli up --model "$M70" --model-name llama-3.1-70b --device cuda --port 8004 \
       --run-dir /tmp/inferno-run-$tag --log-format json $split \
-      --worker-arg "--load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192" > "$OUT/up_70b_$tag.log" 2>&1 &
+      --worker-arg "--load-format dummy" > "$OUT/up_$tag.log" 2>&1 &
     UP=$!
-    for i in $(seq 1 600); do curl -sf localhost:8004/ready >/dev/null && break; sleep 0.5; done
-    grep -h "kv pool sized" /tmp/inferno-run-$tag/worker-0.log | tail -1 > "$OUT/kv_70b_$tag.log"
-    python3 -m services.cli bench --base-url http://127.0.0.1:8004 --model llama-3.1-70b --num-requests 1000 \
-      --vocab-size 128000 --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_70b_$tag.json" 2>&1 | tail -14
+    for i in $(seq 1 400); do curl -sf localhost:8004/ready >/dev/null && break; sleep 0.5; done
+    grep -h "kv pool sized" /tmp/inferno-run-$tag/worker-0.log | tail -1 > "$OUT/kv_$tag.log"
+    timeout $T python3 -m services.cli bench --base-url http://127.0.0.1:8004 --model llama-3.1-70b \
+      --num-requests ${TP_W2_REQUESTS:-1000} --vocab-size 128000 --pids-file /tmp/inferno-run-$tag/pids.json \
+      --out "$OUT/w2_$tag.json" 2>&1 | tail -14
     kill -INT $UP; wait $UP
+    grep -h -i "error\|traceback" /tmp/inferno-run-$tag/worker-0.log | head -5
   done
 fi
 if has x4; then  # issue 11 on nvidia-h200-x4: 70B TP=4 and TP=2×PP=2, 2P+2D vs 4 mixed, scaling 1/2/4 workers
