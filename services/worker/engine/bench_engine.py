@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
     try:
         result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
-    finally:
+    except BaseException:
         engine.close()
+        raise
     result.update(tensor_parallel=args.tensor_parallel_size, pipeline_parallel=args.pipeline_parallel_size,
                   kv_gib=engine.memory_report.get("kv_gib"))
     if args.json:
@@ -91,4 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {args.batch_size}  prompt {args.prompt_len}  decode {args.decode_tokens}")
         print(f"prefill  {result['prefill_tokens_per_s']:10.1f} tok/s")
         print(f"decode   {result['decode_tokens_per_s']:10.1f} tok/s  ({result['decode_step_ms']:.2f} ms/step)")
+    sys.stdout.flush()
+    engine.close()
     return 0

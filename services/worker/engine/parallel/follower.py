@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from services.worker.engine.parallel.group import EXIT_CODE_RANK_LOST, die_with_parent
@@ -35,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             engine.runner.follow(message)
     except Exception as e:  # the driver is gone or a step failed here: the group cannot go on
         print(f"rank {args.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return EXIT_CODE_RANK_LOST
+        os._exit(EXIT_CODE_RANK_LOST)
     engine.close()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: NCCL state captured in graphs goes with the process
 
 
 if __name__ == "__main__":

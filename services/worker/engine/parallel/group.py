@@ -68,7 +68,10 @@ class RankGroup:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        if dist.is_initialized():
+        # NCCL communicators that CUDA graphs captured cannot be torn down while the graphs live
+        # (destroy_process_group hung on two H200s); they go with the process. Gloo's (CPU, tests
+        # that start several groups in one process) are destroyed.
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()
 
 
