@@ -3,11 +3,9 @@ torch.distributed groups, and a rank that dies takes the whole group down (nothi
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -142,13 +140,10 @@ def _watch_followers(group: RankGroup) -> None:
 
 
 def die_with_parent() -> None:
-    """A follower never outlives its driver: the kernel kills it when the parent dies (Linux),
-    and a thread checks as a fallback."""
+    """A follower never outlives its driver: a thread checks twice a second that its parent is
+    still there. (Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and the driver
+    starts its ranks from whichever thread builds the engine.)"""
     parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
     def watch():
         while True:
