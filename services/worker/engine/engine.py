@@ -303,6 +303,9 @@ class LLMEngine:
         try:
             launched = LaunchedStep(plan, self.runner.execute(plan.scheduled))
         except Exception as e:  # a bad step fails its requests, never the engine
+            if self.group is not None:  # ... but the other ranks may be inside its collectives now
+                from services.worker.engine.parallel.group import end_group
+                end_group(self.group, "a step failed on the driver", error=repr(e))
             return LaunchedStep(plan, None, e)
         if self.device.type == "cuda" and (self.prompt_sink is not None
                                            or any(s.request.handoff for s in plan.scheduled)):

@@ -126,17 +126,23 @@ def _watch_followers(group: RankGroup) -> None:
     the whole group and its process: clients get the worker-lost errors the gateway gives, the
     scheduler drops the worker at its heartbeat TTL, and a supervisor starts a fresh group."""
     while not group.closing:
-        for rank, proc in enumerate(group.followers):
+        for proc in group.followers:
             code = proc.poll()
             if code is not None and not group.closing:
-                log.error("a rank of the group exited; stopping the group", pid=proc.pid, code=code)
-                for other in group.followers:
-                    if other.poll() is None:
-                        other.kill()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(EXIT_CODE_RANK_LOST)
+                end_group(group, "a rank of the group exited", pid=proc.pid, code=code)
         time.sleep(0.2)
+
+
+def end_group(group: RankGroup, reason: str, **details) -> None:
+    """Kill the other ranks and this process: the group can no longer take a step together
+    (a rank is gone, or a step failed on the driver after the others had started it)."""
+    log.error(f"{reason}; stopping the group", **details)
+    for proc in group.followers:
+        if proc.poll() is None:
+            proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE_RANK_LOST)
 
 
 def die_with_parent() -> None:
