@@ -11,6 +11,9 @@ commands:
   gateway       run the HTTP gateway alone        (same as: python -m services.gateway)
   scheduler     run the scheduler alone           (same as: python -m services.scheduler)
   worker        run one worker alone              (same as: python -m services.worker)
+  load-model    tell a running worker to load (or replace) its model; answers once it serves
+  unload-model  tell a running worker to unload its model (it stays up with none)
+  worker-status what a running worker serves (no model, loading, ready, unloading)
   kvstore       run the cluster KV page store     (same as: python -m services.kvstore)
   make-model    write a random-weight Hugging Face model directory
   fetch-demo    download the demo model (SmolLM2-135M-Instruct GGUF) into the cache; print its path
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.main import main as run
     elif command == "worker":
         from services.worker.main import main as run
+    elif command in ("load-model", "unload-model", "worker-status"):
+        from services.worker.admin_client import main as admin
+        return admin(command, rest)
     elif command == "kvstore":
         from services.kvstore.main import main as run
     elif command == "make-model":

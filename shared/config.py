@@ -159,7 +159,7 @@ class RouterConfig:
 class WorkerServiceConfig:
     worker_id: str = field(default_factory=lambda: _new_id("worker"))
     role: str = "mixed"  # "mixed" | "prefill" | "decode"
-    model_dir: str = ""  # required unless emit_only
+    model_dir: str = ""  # the model loaded at start; "" = none until told over the admin subject
     model_name: str = ""  # defaults to the directory's name in the entry point
     device: str = "cuda"  # "cuda", "cuda:1", "cpu"
     dtype: str = "auto"
@@ -195,8 +195,6 @@ class WorkerServiceConfig:
             _fail(self, "kvstore", f"must be 'auto', 'on' or 'off', got {self.kvstore!r}")
         if self.role not in WORKER_ROLES:
             _fail(self, "role", f"must be one of {WORKER_ROLES}, got {self.role!r}")
-        if not self.emit_only and not self.model_dir:
-            _fail(self, "model_dir", "must not be empty (unless emit_only)")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             _fail(self, "device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from shared.admin_messages import MODEL_STATES
 from shared.config import WORKER_ROLES
 from shared.errors import MessageError, service_error
 from shared.sampling_params import SamplingParams
@@ -332,15 +333,16 @@ class TokenBatch(Message):
 @register
 @dataclass(slots=True, frozen=True, kw_only=True)
 class WorkerHeartbeat(Message):
-    """worker → heartbeat subject, about once a second: identity, readiness and load."""
+    """worker → heartbeat subject, about once a second and at once when its state changes:
+    identity, readiness, the model it serves and its load."""
 
     TYPE = "worker_heartbeat"
     VERSION = 1
 
     worker_id: str
     role: str  # "mixed" | "prefill" | "decode"
-    model: str
-    ready: bool
+    model: str  # the served id; "" with no model
+    ready: bool  # takes new requests: state "ready" and not draining
     draining: bool
     generate_subject: str
     abort_subject: str
@@ -360,10 +362,13 @@ class WorkerHeartbeat(Message):
     kv_handoffs: int = 0  # cumulative: requests handed on (prefill role) or taken over (decode role)
     kv_handoff_bytes: int = 0  # cumulative page bytes of those hand-offs
     kv_handoffs_direct: int = 0  # of kv_handoffs: pushed to blocks reserved at prepare, no offer round trip
+    state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading (a worker that loads models)
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")
         _require(self.role in WORKER_ROLES, f"role must be one of {WORKER_ROLES}")
+        _require(self.state in MODEL_STATES, f"state must be one of {MODEL_STATES}")
+        _require(not self.ready or self.state == "ready", "only a worker in state ready can be ready")
         _require(0.0 <= self.kv_usage <= 1.0, "kv_usage must be in [0, 1]")
         _require(self.block_size > 0, "block_size must be positive")
 

@@ -12,6 +12,14 @@
 | {p}.kv_events                   | KvEvents        | worker → schedulers           | publish       |
 | {p}.gateway.{gateway_id}.tokens | TokenBatch      | worker → gateway              | publish       |
 
+A worker's admin (MessagePack, shared/admin_messages.py; the reply to a load comes once the model serves):
+
+| subject                              | request → reply                         | from → to         | pattern       |
+|--------------------------------------|-----------------------------------------|-------------------|---------------|
+| {p}.worker.{worker_id}.admin.load    | LoadModelRequest → WorkerAdminReply     | operator → worker | request/reply |
+| {p}.worker.{worker_id}.admin.unload  | UnloadModelRequest → WorkerAdminReply   | operator → worker | request/reply |
+| {p}.worker.{worker_id}.admin.status  | WorkerStatusRequest → WorkerAdminReply  | operator → worker | request/reply |
+
 The kvstore's control (MessagePack, shared/kvstore_messages.py; one kvstore per prefix; the page
 data itself moves over UCXX, shared/kv_transfer.py):
 
@@ -97,6 +105,16 @@ def worker_handoff_prepare(prefix: str, worker_id: str) -> str:
     return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.prepare"
 
 
+ADMIN_VERBS = ("load", "unload", "status")
+
+
+def worker_admin(prefix: str, worker_id: str, verb: str) -> str:
+    """A worker's admin subject (shared/admin_messages.py): load, replace or unload its model, or its status."""
+    if verb not in ADMIN_VERBS:
+        raise ValueError(f"admin verb {verb!r} must be one of {ADMIN_VERBS}")
+    return f"{check_prefix(prefix)}.worker.{check_id('worker_id', worker_id)}.admin.{verb}"
+
+
 def heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.heartbeat"
 
@@ -153,6 +171,9 @@ class Subjects:
 
     def worker_handoff_prepare(self, worker_id: str) -> str:
         return worker_handoff_prepare(self.prefix, worker_id)
+
+    def worker_admin(self, worker_id: str, verb: str) -> str:
+        return worker_admin(self.prefix, worker_id, verb)
 
     def gateway_inbox(self, gateway_id: str) -> str:
         return gateway_inbox(self.prefix, gateway_id)

@@ -33,11 +33,12 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
           retry_after: float) -> list[WorkerState] | Rejection:
     """The workers that may take this request now, or why none may.
 
-    503 when no worker is live or none of the model is serving (not ready, draining, or only
-    prefill workers); 404 when no live worker serves the model at all; 400 when the prompt does not fit any
-    serving worker's context; 429 when every one that fits has max_waiting requests queued.
+    503 when no worker is live or none of the model is serving (loading it, unloading it, draining,
+    or only prefill workers); 404 when no live worker serves the model at all; 400 when the prompt
+    does not fit any serving worker's context; 429 when every one that fits has max_waiting requests
+    queued. A worker with no model (waiting to be told which to load) counts as none at all.
     """
-    live = list(live)
+    live = [w for w in live if w.heartbeat.state != "no_model"]
     if not live:
         return Rejection(503, "service_unavailable", "no worker is available", retry_after)
     of_model = [w for w in live if w.model == model]

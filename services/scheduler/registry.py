@@ -84,7 +84,7 @@ class Registry:
             state = WorkerState(heartbeat=hb, last_seen=now, kv=kv)
             self.workers[hb.worker_id] = state
             log.info("worker_joined", worker_id=hb.worker_id, role=hb.role, model=hb.model,
-                     ready=hb.ready, draining=hb.draining)
+                     ready=hb.ready, draining=hb.draining, state=hb.state)
             return state
         old = state.heartbeat
         if hb.seq <= old.seq:
@@ -93,8 +93,9 @@ class Registry:
             state.kv.clear()
             state.kv.resets += 1
             log.info("worker_restarted", worker_id=hb.worker_id, seq=hb.seq, previous_seq=old.seq)
-        elif hb.ready != old.ready or hb.draining != old.draining:
-            log.info("worker_state", worker_id=hb.worker_id, ready=hb.ready, draining=hb.draining)
+        elif (hb.ready, hb.draining, hb.state, hb.model) != (old.ready, old.draining, old.state, old.model):
+            log.info("worker_state", worker_id=hb.worker_id, ready=hb.ready, draining=hb.draining, state=hb.state,
+                     model=hb.model)
         state.heartbeat = hb
         state.last_seen = now
         state.routed_requests = 0

@@ -1,16 +1,20 @@
-"""Worker entry point: flags → config → logging → engine → NATS → serve → drain on SIGTERM."""
+"""Worker entry point: flags → config → logging → NATS → the model (--model-dir, or later over the
+admin subjects) → serve → drain on SIGTERM.
+
+Before anything heavy is imported, threads start reading --model-dir's weight files into the page
+cache (prefetch.py), and torch, the device and the kernels warm up in a thread while NATS connects."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
-from pathlib import Path
+import time
 
 import structlog
 
 from shared.config import NatsConfig, WorkerServiceConfig, env_default, parse_bool
-from shared.gc_tuning import tune_gc
 from shared.logging import setup_logging
 from shared.nats_client import connect_nats
 
@@ -21,8 +25,11 @@ def parse_args(argv):
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
     ap.add_argument("--worker-id", default=env_default("INFERNO_WORKER_ID", None))
     ap.add_argument("--role", choices=["mixed", "prefill", "decode"], default=env_default("INFERNO_ROLE", "mixed"))
-    ap.add_argument("--model-dir", default=env_default("INFERNO_MODEL_DIR", ""))
-    ap.add_argument("--model-name", default=env_default("INFERNO_MODEL_NAME", ""))
+    ap.add_argument("--model-dir", default=env_default("INFERNO_MODEL_DIR", ""),
+                    help="the model to serve from the start; without it the worker waits for one over its admin "
+                         "subject (inferno load-model)")
+    ap.add_argument("--model-name", default=env_default("INFERNO_MODEL_NAME", ""),
+                    help="the id the model is served as (default: the directory's name)")
     ap.add_argument("--device", default=env_default("INFERNO_DEVICE", "cpu"))
     ap.add_argument("--dtype", default=env_default("INFERNO_DTYPE", "auto"))
     ap.add_argument("--num-blocks", type=int, default=env_default("INFERNO_NUM_BLOCKS", None, int))
@@ -66,59 +73,52 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def build_engine(cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool = False):
-    """The real engine, or the model-free emitter; returns (engine, eos ids, max_model_len)."""
-    from services.worker.engine.model_config import ModelConfig
-    from shared.tokenizer import Tokenizer
-
-    model_cfg = ModelConfig.from_path(cfg.model_dir)
-    eos = Tokenizer.from_path(cfg.model_dir).eos_token_ids
-    if cfg.emit_only:
-        from services.worker.emitter import TokenEmitter
-        max_len = min(cfg.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-        return TokenEmitter(model_cfg.vocab_size, max_len, cfg.emit_step_seconds), eos, max_len
-    from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.engine_config import EngineConfig
-
-    engine = LLMEngine(EngineConfig(
-        model_dir=cfg.model_dir, device=cfg.device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
-        block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-        gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
-        cuda_graphs=cuda_graphs, overlap=overlap, cache_key=cfg.model_name, load_format=cfg.load_format,
-        tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size))
-    return engine, eos, engine.max_model_len
-
-
-async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool,
-                overlap: bool = False) -> int:
+async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool, overlap: bool = False,
+                started: float | None = None, prefetch=None) -> int:
+    """Connect, answer heartbeats and the admin subjects, load --model-dir if given, serve until
+    SIGTERM, drain. `started`: the process's start (wall clock), where a start-up load's breakdown
+    counts from."""
+    from services.worker.model_build import ModelSpec, warm_device
+    from services.worker.model_manager import ModelManager
     from services.worker.service import WorkerService
 
     log = structlog.get_logger("worker")
-    engine, eos, max_len = await asyncio.to_thread(build_engine, cfg, cuda_graphs, overlap)
-    tune_gc()  # the engine and its model are built: keep them out of every later collection
+    # torch, the device and the kernels warm up in a thread while NATS connects.
+    warm = asyncio.ensure_future(asyncio.to_thread(warm_device, cfg))
     conn = await connect_nats(nats_cfg, name=cfg.worker_id)
-    service = WorkerService(cfg, conn, engine, nats_cfg.subject_prefix, eos, max_len, cfg.block_size)
+    service = WorkerService(cfg, conn, nats_cfg.subject_prefix)
+    manager = ModelManager(service, cfg, cuda_graphs, overlap, warm)
     await service.start()
+    await manager.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    code = 0
+    if cfg.model_dir:
+        spec = ModelSpec.of(cfg, cfg.model_dir, cfg.model_name)
+        load = asyncio.ensure_future(manager.load(spec, started or time.time(), at_start=True, prefetch=prefetch))
+        await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if load.done() and not load.result().ok:
+            log.error("cannot serve the model", model_dir=cfg.model_dir, error=load.result().error)
+            stop.set()
+            code = 1
     await stop.wait()
     log.info("draining", timeout=cfg.drain_timeout)
     await service.drain(cfg.drain_timeout)
+    await manager.close()
     await conn.drain()
-    close = getattr(engine, "close", None)  # the other ranks of a parallel group stop with it
-    if close is not None:
-        await asyncio.to_thread(close)
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    prefetch = None
+    if args.model_dir and args.load_format == "auto" and not args.emit_only:
+        from services.worker.prefetch import start_prefetch
+        prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
-    model_name = args.model_name or (Path(args.model_dir).name.removesuffix(".gguf") if args.model_dir else "model")
-    kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=model_name, device=args.device,
+    kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
                   dtype=args.dtype, num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -137,7 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
-                             overlap=overlap_default(args.overlap, cfg.device)))
+                             overlap=overlap_default(args.overlap, cfg.device), started=process_started_at(),
+                             prefetch=prefetch))
+
+
+def process_started_at() -> float | None:
+    """When the kernel started this process (wall clock, 10 ms resolution), so a start-up load's
+    breakdown counts the interpreter and the imports too; None where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def max_num_seqs_default(flag, device: str) -> int:

@@ -1,10 +1,12 @@
-"""The worker service: NATS in and out around the step thread that owns the engine."""
+"""The worker service: NATS in and out around the step thread that owns the engine of the model it
+serves (services/worker/model_manager.py attaches and detaches that model)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import defaultdict
+from typing import Callable
 
 import structlog
 
@@ -13,7 +15,7 @@ from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedComm
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
-from shared.handoff_messages import KvHandoffOffer, KvHandoffReady
+from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply
 from shared.kv_transfer import TransferClient
 from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
                              WorkerHeartbeat)
@@ -28,24 +30,30 @@ log = structlog.get_logger("worker")
 # steps go out within the window too, rather than at the next periodic heartbeat.
 PROMPT_UPDATE_WINDOW = 0.01  # seconds
 
+_NOT_SERVING = {"no_model": "the worker has no model loaded", "loading": "the worker is loading its model",
+                "unloading": "the worker is unloading its model"}
+
 
 class WorkerService:
-    def __init__(self, cfg: WorkerServiceConfig, conn, engine, prefix: str, eos_token_ids=(),
-                 max_model_len: int = 0, block_size: int = 16):
+    def __init__(self, cfg: WorkerServiceConfig, conn, prefix: str):
         self.cfg = cfg
         self.conn = conn
         self.prefix = prefix
-        self.max_model_len = max_model_len
-        self.block_size = block_size
+        self.block_size = cfg.block_size
         self.generate_subject = subjects.worker_generate(prefix, cfg.worker_id)
         self.abort_subject = subjects.worker_abort(prefix, cfg.worker_id)
-        self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
         self.handoff_subject = subjects.worker_handoff(prefix, cfg.worker_id)
+        # What the worker serves: set by the model manager through set_state/attach/detach.
+        self.state = "no_model"
+        self.model_name = ""
+        self.max_model_len = 0
+        self.loop_thread: StepLoop | None = None  # the attached model's step thread
         self.sender: HandoffSender | None = None  # prefill role
         self.receiver: HandoffReceiver | None = None  # decode role
         self.transfer_server = None
         self._transfer_client: TransferClient | None = None
         self.cluster_cache = None  # the cluster KV store's client side, when one is used
+        self.on_first_token: Callable[[], None] | None = None  # once, after a model is attached
         self.draining = False
         self.seq = 0
         self.kv_seq = 0
@@ -59,26 +67,98 @@ class WorkerService:
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        await self.conn.subscribe(self.generate_subject, GenerateRequest, self._on_generate)
+        await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
+        if self.cfg.role == "decode":
+            await self.conn.subscribe(self.handoff_subject, KvHandoffOffer, self._on_offer, concurrency=64)
+            await self.conn.subscribe(subjects.worker_handoff_prepare(self.prefix, self.cfg.worker_id),
+                                      GenerateRequest, self._on_prepare)
+        elif self.cfg.role == "prefill":
+            await self.conn.subscribe(subjects.worker_handoff_ready(self.prefix, self.cfg.worker_id),
+                                      KvHandoffReady, self._on_ready)
+        self._tasks.append(asyncio.create_task(self._heartbeats()))
+        log.info("worker started", worker_id=self.cfg.worker_id, subject=self.generate_subject, state=self.state)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking work, let in-flight requests finish, abort what is left at the deadline."""
+        self.draining = True
+        await self._publish_heartbeat()
+        await self.finish_requests(timeout, "the worker is shutting down")
+        await self.detach()
+        for task in self._tasks:
+            task.cancel()
+        if self._transfer_client is not None:
+            await self._transfer_client.close()
+
+    # -- the model (called by the model manager, on the event loop) ------------------------------
+    async def set_state(self, state: str, model_name: str) -> None:
+        """What the heartbeats say; the change goes out at once, so no request is routed here
+        while no model serves, and the first one comes as soon as one does."""
+        changed = (state, model_name) != (self.state, self.model_name)
+        self.state, self.model_name = state, model_name
+        if changed:
+            log.info("worker state", state=state, model=model_name)
+            await self._publish_load()
+
+    def attach(self, engine, eos_token_ids, max_model_len: int, model_name: str,
+               background: Callable[[], bool] | None = None) -> None:
+        """Serve `engine` from a new step thread; `background` runs there between steps until it
+        returns False (the CUDA graphs left to capture)."""
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
+        self.loop_thread.background = background
         self._start_handoff()
         self._start_cluster_cache()
         self.loop_thread.start()
-        await self.conn.subscribe(self.generate_subject, GenerateRequest, self._on_generate)
-        await self.conn.subscribe(self.abort_subject, AbortRequest, self._on_abort)
+        asyncio.ensure_future(self._clear_kv_index())  # the scheduler's view of this worker's cache
+
+    async def finish_requests(self, timeout: float, reason: str) -> None:
+        """Let the model's requests run up to `timeout` seconds (0: none), then end the rest with
+        an error the gateway turns into an OpenAI error for the client."""
+        loop_thread = self.loop_thread
+        if loop_thread is None:
+            return
         if self.receiver is not None:
-            await self.conn.subscribe(self.handoff_subject, KvHandoffOffer, self.receiver.on_offer, concurrency=64)
-            await self.conn.subscribe(subjects.worker_handoff_prepare(self.prefix, self.cfg.worker_id),
-                                      GenerateRequest, self.receiver.on_prepare)
+            self.receiver.accepting = False
+        deadline = time.monotonic() + timeout
+        while loop_thread.engine.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(loop_thread.reply_to)
+        if not left:
+            return
+        log.warning("aborting requests", count=len(left), reason=reason)
+        batches = defaultdict(list)
+        for rid in left:
+            batches[loop_thread.reply_to.get(rid, "")].append(
+                TokenDelta(request_id=rid, finish_reason="abort", error=reason))
+        loop_thread.submit(AbortCommand(left))
         if self.sender is not None:
-            await self.conn.subscribe(subjects.worker_handoff_ready(self.prefix, self.cfg.worker_id),
-                                      KvHandoffReady, self.sender.on_ready)
-        self._tasks.append(asyncio.create_task(self._heartbeats()))
-        log.info("worker ready", worker_id=self.cfg.worker_id, subject=self.generate_subject)
+            await self.sender.forward_aborts(left)
+        for subject, items in batches.items():
+            if subject:
+                await self.conn.publish(subject, TokenBatch.of(self.cfg.worker_id, items))
+
+    async def detach(self) -> None:
+        """Stop the model's step thread and everything built around it; its engine is the
+        caller's to free."""
+        loop_thread, self.loop_thread = self.loop_thread, None
+        if loop_thread is None:
+            return
+        loop_thread.stop()
+        await asyncio.to_thread(loop_thread.join)
+        if self.transfer_server is not None:
+            await self.transfer_server.close()
+        if self.cluster_cache is not None:
+            await self.cluster_cache.close()
+        self.sender = self.receiver = self.transfer_server = self.cluster_cache = None
+        self.max_model_len = 0
+        await self._clear_kv_index()
 
     def _page_layout(self) -> tuple[str, int]:
         from services.worker.engine.kv_pages import page_bytes, page_layout
 
         engine = self.loop_thread.engine
-        return (page_layout(self.cfg.model_name, engine.model_config, self.block_size, engine.dtype),
+        return (page_layout(self.model_name, engine.model_config, self.block_size, engine.dtype),
                 page_bytes(engine.model_config, self.block_size, engine.dtype))
 
     def _transfer(self) -> TransferClient:
@@ -99,11 +179,11 @@ class WorkerService:
         layout, size = self._page_layout()
         on_gpu = self.cfg.device.startswith("cuda")
         self.cluster_cache = ClusterCache(KvStoreClient(self.conn, self._transfer(), self.prefix), layout, size,
-                                          self.block_size, self.cfg.model_name,
+                                          self.block_size, self.model_name,
                                           write_back=self.cfg.kvstore == "on" or not on_gpu, on_gpu=on_gpu)
         self.cluster_cache.start()
         if self.cluster_cache.write_back:  # else the steps need not look at first tokens at all
-            self.loop_thread.engine.prompt_sink = self.cluster_cache
+            engine.prompt_sink = self.cluster_cache
         self.loop_thread.on_step = self.cluster_cache.note_step
 
     def _start_handoff(self) -> None:
@@ -124,41 +204,17 @@ class WorkerService:
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address
 
-    async def drain(self, timeout: float) -> None:
-        """Stop taking work, let in-flight requests finish, abort what is left at the deadline."""
-        self.draining = True
-        if self.receiver is not None:
-            self.receiver.accepting = False
-        await self._publish_heartbeat()
-        deadline = time.monotonic() + timeout
-        while self.loop_thread.engine.has_unfinished() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = list(self.loop_thread.reply_to)
-        if left:
-            log.warning("aborting requests at drain deadline", count=len(left))
-            batches = defaultdict(list)
-            for rid in left:
-                batches[self.loop_thread.reply_to.get(rid, "")].append(
-                    TokenDelta(request_id=rid, finish_reason="abort", error="the worker is shutting down"))
-            self.loop_thread.submit(AbortCommand(left))
-            for subject, items in batches.items():
-                if subject:
-                    await self.conn.publish(subject, TokenBatch.of(self.cfg.worker_id, items))
-        self.loop_thread.stop()
-        for task in self._tasks:
-            task.cancel()
-        if self.transfer_server is not None:
-            await self.transfer_server.close()
-        if self.cluster_cache is not None:
-            await self.cluster_cache.close()
-        if self._transfer_client is not None:
-            await self._transfer_client.close()
-
     # -- NATS handlers (event loop) ---------------------------------------------------------------
     def _on_generate(self, msg: GenerateRequest) -> RouteReply:
         """Acknowledge at once (the scheduler waits for it); the step thread does the rest."""
         if self.draining:
             return RouteReply.rejected(503, "service_unavailable", "the worker is draining", 1.0)
+        loop_thread = self.loop_thread
+        if self.state != "ready" or loop_thread is None:
+            return RouteReply.rejected(503, "service_unavailable", _NOT_SERVING.get(self.state, "not ready"), 1.0)
+        if msg.model and msg.model != self.model_name:  # routed just before a replace: the scheduler retries
+            return RouteReply.rejected(503, "service_unavailable",
+                                       f"the worker serves {self.model_name!r}, not {msg.model!r}", 1.0)
         handoff = bool(msg.decode_worker_id) and self.sender is not None
         if handoff:
             self.sender.remember(msg)
@@ -166,32 +222,46 @@ class WorkerService:
                          msg.cache_salt.encode(), handoff)
         cache = self.cluster_cache
         if cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size:
-            asyncio.ensure_future(self._add_after_fetch(add, msg.cache_salt))
+            asyncio.ensure_future(self._add_after_fetch(loop_thread, cache, add, msg.cache_salt))
         else:
-            self.loop_thread.submit(add)
+            loop_thread.submit(add)
         return RouteReply.accepted(self.cfg.worker_id)
 
-    async def _add_after_fetch(self, add: AddCommand, cache_salt: str) -> None:
+    async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, cache_salt: str) -> None:
         """Fetch the part of the prompt's prefix that the cluster store holds and this worker does
         not (when that is faster than prefilling it), then queue the request."""
         try:
-            hashes = self.cluster_cache.prompt_hashes(add.prompt_token_ids, cache_salt)
-            local = self.loop_thread.engine.block_manager.num_cached_prefix(hashes)
-            fetched = await self.cluster_cache.fetch(hashes, local)
+            hashes = cache.prompt_hashes(add.prompt_token_ids, cache_salt)
+            local = loop_thread.engine.block_manager.num_cached_prefix(hashes)
+            fetched = await cache.fetch(hashes, local)
             if fetched is not None:
-                self.loop_thread.submit(InsertCachedCommand(*fetched))
+                loop_thread.submit(InsertCachedCommand(*fetched))
         except Exception:  # the store is an optimisation: the request goes on without it
             log.exception("prefix fetch failed", request_id=add.request_id)
         finally:
-            self.loop_thread.submit(add)
+            loop_thread.submit(add)
 
     async def _on_abort(self, msg: AbortRequest) -> None:
         rids = list(msg.request_ids)
-        self.loop_thread.submit(AbortCommand(rids))
+        if self.loop_thread is not None:
+            self.loop_thread.submit(AbortCommand(rids))
         if self.receiver is not None:
             self.receiver.abort(rids)
         if self.sender is not None:
             await self.sender.forward_aborts(rids)
+
+    async def _on_offer(self, offer: KvHandoffOffer) -> KvHandoffReply:
+        if self.receiver is None:
+            return KvHandoffReply(accepted=False, reason=_NOT_SERVING.get(self.state, "the decode worker is not ready"))
+        return await self.receiver.on_offer(offer)
+
+    def _on_prepare(self, msg: GenerateRequest) -> None:
+        if self.receiver is not None:
+            self.receiver.on_prepare(msg)
+
+    async def _on_ready(self, msg: KvHandoffReady) -> None:
+        if self.sender is not None:
+            await self.sender.on_ready(msg)
 
     # -- outputs (called on the step thread) ------------------------------------------------------
     def _on_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
@@ -201,13 +271,17 @@ class WorkerService:
 
     def _on_handoff(self, output) -> None:
         """A prefill finished: its first token is in this step's outputs; hand the rest on."""
-        if self.sender is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.sender.send(output)))
+        sender = self.sender
+        if sender is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(sender.send(output)))
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
     def _publish_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
+        if self.on_first_token is not None and any(getattr(o, "new_token_ids", None) for o in outputs):
+            self.on_first_token, first = None, self.on_first_token
+            first()
         if finished:
             self._load_changed()
             if self.sender is not None and self.sender.pending:
@@ -240,17 +314,26 @@ class WorkerService:
             self._events_flush = self._loop.call_later(
                 PROMPT_UPDATE_WINDOW, lambda: asyncio.ensure_future(self._flush_kv_events()))
 
-    async def _flush_kv_events(self) -> None:
+    async def _flush_kv_events(self, cleared: bool = False) -> None:
         if self._events_flush is not None:
             self._events_flush.cancel()
             self._events_flush = None
         stored, removed = self._pending_events
-        if not stored and not removed:
+        if not stored and not removed and not cleared:
             return
         self._pending_events = ([], [])
         self.kv_seq += 1
         await self.conn.publish(subjects.kv_events(self.prefix), KvEvents(
-            worker_id=self.cfg.worker_id, seq=self.kv_seq, stored=stored, removed=removed))
+            worker_id=self.cfg.worker_id, seq=self.kv_seq, stored=stored, removed=removed, cleared=cleared))
+
+    async def _clear_kv_index(self) -> None:
+        """A model came or went: the prefix cache here starts empty (events of the old one still
+        queued go out first, then the clear)."""
+        try:
+            await self._flush_kv_events()
+            await self._flush_kv_events(cleared=True)
+        except Exception:  # NATS down: the scheduler resyncs at the next seq gap
+            log.debug("kv clear not sent", exc_info=True)
 
     # -- heartbeats -------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -267,18 +350,21 @@ class WorkerService:
             log.debug("heartbeat not sent", exc_info=True)
 
     async def _publish_heartbeat(self) -> None:
-        s = self.loop_thread.stats
+        loop_thread = self.loop_thread
         self.seq += 1
-        await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(
-            worker_id=self.cfg.worker_id, role=self.cfg.role, model=self.cfg.model_name,
-            ready=not self.draining, draining=self.draining, generate_subject=self.generate_subject,
-            abort_subject=self.abort_subject, timestamp=time.time(), seq=self.seq,
-            num_running=s.num_running, num_waiting=s.num_waiting + self.loop_thread.commands.qsize(),
-            queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
-            kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks, block_size=self.block_size,
-            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
-            max_model_len=self.max_model_len, **self._handoff_counts()))
+        ready = self.state == "ready" and loop_thread is not None and not self.draining
+        hb = dict(worker_id=self.cfg.worker_id, role=self.cfg.role, model=self.model_name, state=self.state,
+                  ready=ready, draining=self.draining, generate_subject=self.generate_subject,
+                  abort_subject=self.abort_subject, timestamp=time.time(), seq=self.seq,
+                  block_size=self.block_size, max_model_len=self.max_model_len)
+        if loop_thread is not None:
+            s = loop_thread.stats
+            hb.update(num_running=s.num_running, num_waiting=s.num_waiting + loop_thread.commands.qsize(),
+                      queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
+                      kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
+                      num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
+                      prefix_cache_queries=s.prefix_cache_queries, **self._handoff_counts())
+        await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(**hb))
 
     def _handoff_counts(self) -> dict:
         if self.sender is not None:

@@ -89,29 +89,35 @@ class StepLoop(threading.Thread):
         self.on_kv_events = on_kv_events
         self.on_handoff = on_handoff
         self.on_step: Callable[[int, float], None] | None = None  # (tokens computed, seconds), step thread
+        # Work for the step thread between steps, a little per turn, until it returns False (the
+        # CUDA graphs a model left to capture after it became ready).
+        self.background: Callable[[], bool] | None = None
         self.block_manager = getattr(engine, "block_manager", None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.reply_to: dict[str, str] = {}  # request id -> gateway inbox, owned by this thread
         self.stats = engine.stats()
         self._stats_at = 0.0
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
 
     def submit(self, command) -> None:
         self.commands.put(command)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.commands.put(None)
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
+            if self.background is not None and not self._run_background():
+                self.background = None
             idle = not self.engine.has_unfinished()
             if idle:
                 self._refresh_stats(force=True)
             # Reservations waiting for blocks are retried every few ms while nothing runs.
-            rejected = self._drain(block=idle, timeout=0.005 if self._waiting_reserves else 0.5)
+            rejected = self._drain(block=idle and self.background is None,
+                                   timeout=0.005 if self._waiting_reserves else 0.5)
             if rejected:
                 self.on_outputs(rejected, {}, False)
             if self._waiting_reserves:
@@ -149,6 +155,13 @@ class StepLoop(threading.Thread):
                 if self.on_handoff is not None:
                     self.on_handoff(o)
         self.stats = self.engine.stats()
+
+    def _run_background(self) -> bool:
+        try:
+            return self.background()
+        except Exception:  # an optimisation that failed: serving goes on without it
+            log.exception("background work failed")
+            return False
 
     def _drain(self, block: bool, timeout: float = 0.5) -> list[Rejected]:
         rejected: list[Rejected] = []

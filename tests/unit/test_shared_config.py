@@ -25,6 +25,7 @@ def test_defaults():
     assert (w.role, w.block_size, w.heartbeat_interval, w.drain_timeout, w.emit_only) == \
         ("mixed", 16, 1.0, 30.0, False)
     assert WorkerServiceConfig(emit_only=True).model_dir == ""
+    assert WorkerServiceConfig().model_dir == ""  # no model until told over the admin subject
 
 
 def test_configs_are_frozen():
@@ -51,7 +52,6 @@ def test_configs_are_frozen():
     (lambda: RouterConfig(overload_kv_usage=1.5), "overload_kv_usage"),
     (lambda: RouterConfig(max_waiting=2.5), "max_waiting"),
     (lambda: RouterConfig(affinity_bucket="a.b"), "affinity_bucket"),
-    (lambda: WorkerServiceConfig(model_dir=""), "model_dir"),
     (lambda: WorkerServiceConfig(model_dir="d", role="boss"), "role"),
     (lambda: WorkerServiceConfig(model_dir="d", worker_id="w 1"), "worker_id"),
     (lambda: WorkerServiceConfig(model_dir="d", device="tpu"), "device"),

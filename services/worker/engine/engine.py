@@ -125,7 +125,10 @@ class LLMEngine:
     """One process's engine. With tensor/pipeline parallelism the process the worker starts is
     the group's driver (it starts the other ranks); a rank started by it passes its `rank`."""
 
-    def __init__(self, config: EngineConfig, model=None, rank: int | None = None, init_method: str = ""):
+    def __init__(self, config: EngineConfig, model=None, rank: int | None = None, init_method: str = "",
+                 kv_cache: KVCache | None = None):
+        """`kv_cache`: a pool of this model's shape to use instead of sizing and allocating one (a
+        worker replacing its model keeps the old pool: services/worker/model_build.py)."""
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_path(config.model_dir)
@@ -157,10 +160,10 @@ class LLMEngine:
         # the steps in flight (one more than the pipeline's depth).
         self._depth = self.layout.pp - 1 if self.layout.pp > 1 else int(config.overlap)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs)
-        num_blocks = config.num_blocks or self._blocks_from_memory()
+        num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
         if self.group is not None:
             num_blocks = self.group.min_over_ranks(num_blocks)  # one block table for every rank
-        self.kv_cache = KVCache(self.rank_config, num_blocks, config.block_size, dtype, self.device)
+        self.kv_cache = kv_cache or KVCache(self.rank_config, num_blocks, config.block_size, dtype, self.device)
         extra_key = request_block_key(config.cache_key or config.model_dir, "")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, extra_key)
         self.batcher = Batcher(SchedulerConfig(

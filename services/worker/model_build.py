@@ -1,0 +1,234 @@
+"""What a worker serves, built from a model directory: checked first (a bad directory never costs the
+model in place), then the engine — weights, KV pool, CUDA graphs staged around ready — reusing what
+the previous model left where it fits, each part timed for the load breakdown (W5).
+
+Every function here runs off the event loop (asyncio.to_thread): they import torch, touch the
+device and take seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from shared.config import WorkerServiceConfig
+
+log = structlog.get_logger("worker.build")
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ModelCheckError(ValueError):
+    """The model named cannot be served here; the message says why (the worker keeps what it had)."""
+
+
+def default_model_name(model_dir: str) -> str:
+    """The served id when none is given: the directory's name (a .gguf file's, less the suffix)."""
+    return Path(model_dir).name.removesuffix(".gguf") or "model"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model to serve: where it is, the id it is served as, and its per-model settings."""
+
+    model_dir: str
+    model_name: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+
+    @classmethod
+    def of(cls, cfg: WorkerServiceConfig, model_dir: str, model_name: str = "", dtype: str = "",
+           max_model_len: int = 0, load_format: str = "") -> "ModelSpec":
+        """Settings left empty (or 0) take the worker's flags."""
+        return cls(model_dir, model_name or default_model_name(model_dir), dtype or cfg.dtype,
+                   max_model_len or cfg.max_model_len, load_format or cfg.load_format)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedModel:
+    spec: ModelSpec
+    model_config: object  # ModelConfig
+    eos_token_ids: tuple[int, ...]
+    kv_shape: tuple  # (layers, KV heads, head dim, dtype): KV pools of one shape are interchangeable
+    weight_bytes: int
+
+
+def check_model(spec: ModelSpec, cfg: WorkerServiceConfig) -> CheckedModel:
+    """Everything that can be wrong with a model before its memory is needed: the path, config.json
+    (a supported architecture), the tokenizer, and every weight tensor's presence and shape (the
+    safetensors headers). Raises ModelCheckError."""
+    path = Path(spec.model_dir)
+    if not path.exists():
+        raise ModelCheckError(f"{path}: no such model directory or .gguf file")
+    try:
+        from services.worker.engine.model_config import ModelConfig
+        from shared.gguf_file import is_gguf
+        from shared.tokenizer import Tokenizer
+
+        model_config = ModelConfig.from_path(path)
+        eos = tuple(Tokenizer.from_path(path).eos_token_ids)
+        single = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
+        if spec.load_format == "auto" and not cfg.emit_only and single and not is_gguf(path):
+            from services.worker.engine.loader import plan_load
+            plan_load(path, model_config)  # headers only: names, shapes and dtypes of every tensor
+    except ModelCheckError:
+        raise
+    except Exception as e:  # each reader raises its own kind; all mean "not this model"
+        raise ModelCheckError(f"{path}: {e}") from e
+    dtype = serving_dtype(spec, model_config, cfg.device)
+    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype)
+    return CheckedModel(spec, model_config, eos, shape, _weight_bytes(model_config, dtype))
+
+
+def serving_dtype(spec: ModelSpec, model_config, device: str) -> str:
+    """The engine's rule (LLMEngine): the flag, else config.json's on a GPU and float32 on the CPU."""
+    if spec.dtype != "auto":
+        return spec.dtype
+    return model_config.torch_dtype if device.startswith("cuda") else "float32"
+
+
+def _weight_bytes(model_config, dtype: str) -> int:
+    from services.worker.engine.loader import expected_tensors
+
+    elems = sum(math.prod(p.shape) for p in expected_tensors(model_config).values())
+    return elems * DTYPE_BYTES.get(dtype, 2)
+
+
+@dataclass(slots=True)
+class Leftovers:
+    """What an unloaded model leaves for the next one: its KV pool (when the next model's KV has
+    the same shape and its weights are no larger, so the pool's share of memory is still free for
+    it) and its graphs' memory pool."""
+
+    kv_cache: object | None = None
+    graphs: object | None = None  # staged_graphs.GraphMemory
+
+
+@dataclass(slots=True)
+class BuiltModel:
+    checked: CheckedModel
+    engine: object
+    max_model_len: int
+    graphs: object | None = None  # staged_graphs.StagedGraphs: what is left to capture after ready
+    timings: dict = field(default_factory=dict)
+
+
+def warm_device(cfg: WorkerServiceConfig) -> dict:
+    """Before any model: import torch and the engine (its kernels), create the CUDA context and a
+    cuBLAS handle, and leave the loader's pinned staging buffers in torch's pinned-memory cache, so
+    a load pays none of it. Returns wall-clock times (time.time()) of when imports and the device
+    were done."""
+    import torch
+
+    from services.worker.engine import engine  # noqa: F401  (the model, kernels and Triton with it)
+    from services.worker.engine.engine_config import EngineConfig
+    from services.worker.engine.loader import STAGING_BYTES
+
+    imported = time.time()
+    if cfg.device.startswith("cuda") and not cfg.emit_only:
+        device = torch.device(cfg.device)
+        a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        copiers = EngineConfig(model_dir="").load_threads  # each reads through two buffers
+        staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2 * copiers)]
+        del staging  # freed into the cache the loader's copiers allocate from
+        torch.cuda.synchronize(device)
+    return {"imported_at": imported, "device_at": time.time()}
+
+
+def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,
+                leftovers: Leftovers | None = None) -> BuiltModel:
+    """The engine of a checked model. A single-GPU engine captures only the graphs needed before
+    ready (staged_graphs.py); the rest are the step thread's to capture."""
+    spec, mc = checked.spec, checked.model_config
+    leftovers = leftovers or Leftovers()
+    if cfg.emit_only:
+        from services.worker.emitter import TokenEmitter
+        max_len = min(spec.max_model_len or mc.max_model_len, mc.max_model_len)
+        return BuiltModel(checked, TokenEmitter(mc.vocab_size, max_len, cfg.emit_step_seconds), max_len)
+    import torch
+
+    from services.worker.engine.engine import LLMEngine
+    from services.worker.engine.engine_config import EngineConfig
+    from services.worker.engine.staged_graphs import StagedGraphs
+
+    t0 = time.perf_counter()
+    single = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
+    staged = cuda_graphs and cfg.device.startswith("cuda") and single
+    config = EngineConfig(
+        model_dir=spec.model_dir, device=cfg.device, dtype=None if spec.dtype == "auto" else spec.dtype,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+        gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,
+        cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
+        load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
+        pipeline_parallel_size=cfg.pipeline_parallel_size)
+    kv = leftovers.kv_cache
+    if kv is not None:
+        kv.pool.zero_()  # as a new pool: padded graph rows read block 0
+    engine = LLMEngine(config, kv_cache=kv)
+    engine_s = time.perf_counter() - t0
+    graphs, graphs_s = None, engine.graph_capture_seconds
+    if staged:
+        graphs = StagedGraphs(engine, leftovers.graphs)
+        graphs_s = graphs.capture_ready()
+    elif leftovers.graphs is not None:
+        leftovers.graphs.release()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    weights_gb = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9
+    timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb,
+               "kv_s": engine_s - engine.load_seconds - engine.graph_capture_seconds, "kv_reused": kv is not None,
+               "graphs_s": graphs_s, "graphs_deferred": len(graphs.backlog) if graphs is not None else 0}
+    return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
+
+
+def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:
+    """Free a model's memory, keeping what `next_model` can reuse. The model's step thread has
+    stopped; `built` is emptied so no reference keeps its tensors alive."""
+    engine, graphs = built.engine, built.graphs
+    built.engine = built.graphs = None
+    leftovers = Leftovers()
+    if next_model is not None and _kv_fits(engine, built.checked, next_model, cfg):
+        leftovers.kv_cache = engine.kv_cache
+    if next_model is not None and graphs is not None:
+        leftovers.graphs = graphs.graph_memory()
+    close = getattr(engine, "close", None)  # the other ranks of a parallel group stop with it
+    if close is not None:
+        close()
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", "") == "cuda":
+        import torch
+        # Its last steps may still run: the next model's weights are copied on other streams.
+        torch.cuda.synchronize(device)
+    del engine, graphs
+    free_memory(device, keep_cache=leftovers.kv_cache is not None)
+    return leftovers
+
+
+def _kv_fits(engine, checked: CheckedModel, next_model: CheckedModel, cfg: WorkerServiceConfig) -> bool:
+    kv = getattr(engine, "kv_cache", None)
+    if kv is None or not getattr(engine, "holds_whole_kv", False):
+        return False
+    pool = kv.pool
+    shape = (pool.shape[0], pool.shape[4], pool.shape[5], str(pool.dtype).removeprefix("torch."))
+    # A pool sized from memory left room for its model's weights only.
+    return shape == next_model.kv_shape and (cfg.num_blocks is not None
+                                             or next_model.weight_bytes <= checked.weight_bytes)
+
+
+def free_memory(device=None, keep_cache: bool = False) -> None:
+    """Collect what nothing references any more (start-up froze it out of the collector's sight:
+    shared/gc_tuning.py) and, unless the next model reuses the allocator's cached blocks, hand
+    them back to the device, so the next KV pool is sized against the memory truly free."""
+    gc.unfreeze()
+    gc.collect()
+    if getattr(device, "type", "") == "cuda" and not keep_cache:
+        import torch
+        torch.cuda.empty_cache()
