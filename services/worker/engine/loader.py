@@ -205,7 +205,7 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     with torch.device("meta"):
         model = DecoderLM(build_cfg or cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype.
-    model = model.to(dtype).to_empty(device=device)
+    model = _materialize(model.to(dtype), device)
     params = dict(model.named_parameters())
 
     def flat_target(place: Placement) -> torch.Tensor:
@@ -227,6 +227,21 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
             _zero_unloaded_rows(params, shards)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
+
+
+def _materialize(model: DecoderLM, device: torch.device) -> DecoderLM:
+    """Module.to_empty() without its empty_like() of meta tensors, whose first call imports sympy
+    (through torch.fx.experimental.symbolic_shapes): 0.4 s of a process's first load on the CPU VM,
+    more on the GPU VM's slower imports."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model
 
 
 def _zero_unloaded_rows(params: dict, shards: dict[str, ShardedTensor]) -> None:
