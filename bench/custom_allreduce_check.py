@@ -75,7 +75,7 @@ class Counts:
 
 
 # -- one process per rank ----------------------------------------------------------------------
-def rank_main(rank: int, world: int, port: int, gpus: int, queue) -> None:
+def rank_main(rank: int, world: int, port: int, gpus: int) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = torch.device("cuda", rank % gpus)
     torch.cuda.set_device(device)
@@ -93,19 +93,23 @@ def rank_main(rank: int, world: int, port: int, gpus: int, queue) -> None:
     per_call = timed(lambda: ar.all_reduce(probe), 5)
     counts = Counts(slow=per_call > 200)
     if rank == 0:
-        queue.put({"mode": "procs", "ranks": world, "gpus": gpus, "device": torch.cuda.get_device_name(device),
+        emit({"mode": "procs", "ranks": world, "gpus": gpus, "device": torch.cuda.get_device_name(device),
                    "mps": bool(os.environ.get("MPS_ON")), "setup_s": round(setup_s, 3),
                    "probe_us": round(per_call, 1), "reduced_counts": counts.eager_timed < 200})
+    failed = 0
     for dtype in DTYPES:
         for nbytes in SIZES:
             row = check_and_time(ar, nccl, group, rank, world, device, dtype, nbytes, counts)
+            failed += row["ranks_failed"]
             if rank == 0:
-                queue.put(row)
+                emit(row)
     dist.barrier(group)
-    if rank == 0:
-        queue.put(None)
     sys.stdout.flush()
-    os._exit(0)  # no teardown: IPC mappings and NCCL state go with the process
+    os._exit(1 if failed else 0)  # no teardown: IPC mappings and NCCL state go with the process
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
 
 
 def check_and_time(ar, nccl, group, rank, world, device, dtype, nbytes, counts: Counts) -> dict:
@@ -194,28 +198,24 @@ def run_procs(world: int) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, gpus, queue)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, gpus)) for r in range(world)]
     for p in procs:
         p.start()
-    ok = True
-    while True:
-        try:
-            row = queue.get(timeout=240)
-        except Exception:  # noqa: BLE001 - a rank died or hung
-            print(json.dumps({"mode": "procs", "ranks": world, "error": "no result within 240 s",
-                              "exit_codes": [p.exitcode for p in procs]}), flush=True)
-            ok = False
-            break
-        if row is None:
-            break
-        ok = ok and not row.get("ranks_failed")
-        print(json.dumps(row), flush=True)
+    deadline = time.monotonic() + 240
+    while any(p.exitcode is None for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            break  # a rank failed (the others may wait for it for ever) or all hang
+        time.sleep(0.5)
+    codes = [p.exitcode for p in procs]
     for p in procs:
-        p.join(timeout=10)
         if p.is_alive():
             p.kill()
-    return 0 if ok else 1
+            p.join()
+    if codes != [0] * world:
+        emit({"mode": "procs", "ranks": world, "error": "a rank failed, found a wrong sum, or hung",
+              "exit_codes": codes})
+        return 1
+    return 0
 
 
 # -- every rank in one process, one stream each ------------------------------------------------
@@ -264,10 +264,9 @@ def run_streams(world: int) -> int:
             graph.replay()
             torch.cuda.synchronize()
             graph_us = timed(graph.replay, 20) / PER_GRAPH
-            row = {"mode": "streams", "ranks": world, "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
-                   "graph_max_err": worst, "graph_us": round(graph_us, 2)}
             ok = ok and worst == 0.0
-            print(json.dumps(row), flush=True)
+            emit({"mode": "streams", "ranks": world, "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
+                  "graph_max_err": worst, "graph_us": round(graph_us, 2)})
     return 0 if ok else 1
 
 
