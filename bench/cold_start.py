@@ -1,41 +1,72 @@
-"""W5: process start → engine ready → first token, for a model directory on the GPU.
+"""W5b: `inferno worker --model-dir DIR` from process start → ready → first token.
 
-Run as a fresh process with START_NS set by the shell just before (`START_NS=$(date +%s%N)`), so
-interpreter start and imports count too.
+The clock starts just before the worker process is spawned (a nats-server is up already); ready is
+its first heartbeat in state "ready"; the first token is that of a 128-token prompt sent straight to
+the worker. The worker's own breakdown (imports, device, weights, KV, graphs, first token) comes
+from its log. --drop-caches empties the page cache first (root): the weights come from the drive.
+
+  python bench/cold_start.py MODEL_DIR [--max-num-seqs 256] [--drop-caches] [worker flags ...]
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-t_proc = int(os.environ.get("START_NS", time.time_ns())) / 1e9
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from bench.worker_probe import Probe  # noqa: E402
 
-from services.worker.engine.engine import LLMEngine  # noqa: E402
-from services.worker.engine.engine_config import EngineConfig  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+async def measure(args, extra: list[str]) -> dict:
+    probe = Probe(Path(tempfile.mkdtemp(prefix="w5b-")))
+    try:
+        await probe.connect()
+        if args.drop_caches:
+            drop_caches()
+        t0 = time.time()
+        probe.start_worker("cold", "--model-dir", args.model_dir, "--device", args.device,
+                           "--max-num-seqs", str(args.max_num_seqs), *extra)
+        t_ready = await probe.wait_state("cold", "ready", timeout=600)
+        t_first, _ = await probe.first_token("cold")
+        await asyncio.sleep(0.2)  # the breakdown line is written at the first token
+        lines = probe.log_lines("cold", ("model load breakdown", "kv pool sized from memory"))
+    finally:
+        await probe.close()
+    breakdown = next((r for r in lines if r["event"] == "model load breakdown"), {})
+    memory = next((r for r in lines if r["event"] == "kv pool sized from memory"), {})
+    return {
+        "start_to_ready_s": t_ready - t0, "start_to_first_token_s": t_first - t0,
+        "imports_s": breakdown.get("imports_s"), "device_s": breakdown.get("device_s"),
+        "load_weights_s": breakdown.get("weights_s"), "kv_s": breakdown.get("kv_s"),
+        "graph_capture_s": breakdown.get("graphs_s"), "graphs_deferred": breakdown.get("graphs_deferred"),
+        "prefetch_s": breakdown.get("prefetch_s"), "page_cache": "dropped" if args.drop_caches else "warm",
+        "max_num_seqs": args.max_num_seqs, "memory": {k: memory[k] for k in ("kv_gib", "kv_tokens") if k in memory},
+        "breakdown": breakdown,
+    }
 
 
 def main() -> int:
-    model_dir = sys.argv[1]
-    max_num_seqs = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    t_import = time.time()
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cuda", max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=8192))
-    torch.cuda.synchronize()
-    t_ready = time.time()
-    engine.generate([list(range(100, 228))], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    t_first = time.time()
-    print(json.dumps({
-        "imports_s": t_import - t_proc, "load_weights_s": engine.load_seconds,
-        "graph_capture_s": engine.graph_capture_seconds, "start_to_ready_s": t_ready - t_proc,
-        "start_to_first_token_s": t_first - t_proc, "memory": engine.memory_report,
-        "max_num_seqs": max_num_seqs,
-    }))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--drop-caches", action="store_true")
+    args, extra = ap.parse_known_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    print(json.dumps(asyncio.run(measure(args, extra))))
     return 0
 
 

@@ -3,7 +3,9 @@
 # kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4, smol)
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4, smol, w5a)
+# w5: process start → first token (bench/cold_start.py; W5_COLD=0 skips the run with the page cache dropped);
+# w5a: a model loaded on a running worker → first token, and a replace (bench/hot_load.py).
 # smol: the real demo model (SMOL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf), check + W1 + W2 shapes.
 # pd: 1 prefill + 1 decode against 2 mixed workers, W3 and a long-prompt mix, the hand-off timeline
 #     (needs the UCX wheels: ../shared/tools/gpu-wheels.sh without WITH_UCX=0).
@@ -51,10 +53,15 @@ if has w1x; then  # W1 with overlapped steps, for comparison
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
     --overlap | tee "$OUT/w1_overlap.json"
 fi
-if has w5; then
+if has w5; then  # W5b: `inferno worker --model-dir` from process start to its first token
   for run in 1 2; do  # the first start compiles Triton kernels into the on-disk cache; the second reuses it
-    START_NS=$(date +%s%N) python3 bench/cold_start.py "$MODEL" 256 | tee "$OUT/w5_run$run.json"
+    python3 bench/cold_start.py "$MODEL" --max-num-seqs 256 | tee "$OUT/w5_run$run.json"
   done
+  [ "${W5_COLD:-1}" = 1 ] && python3 bench/cold_start.py "$MODEL" --max-num-seqs 256 --drop-caches \
+    | tee "$OUT/w5_cold.json"  # the weights from the drive, read ahead while torch is imported
+fi
+if has w5a; then  # W5a: a running worker with no model told to load the 8B directory (then to replace it)
+  python3 bench/hot_load.py "$MODEL" | tee "$OUT/w5a.json"
 fi
 if has sweep; then
   for b in 16 64 256; do
