@@ -21,6 +21,7 @@ from shared.admin_messages import (FINISH_MODES, LoadModelRequest, UnloadModelRe
                                    WorkerStatusRequest)
 from shared.config import NatsConfig, env_default
 from shared.errors import ServiceError
+from shared.logging import setup_logging
 from shared.nats_client import NatsConnection, connect_nats
 
 LOAD_TIMEOUT = 600.0  # seconds: a 70B model read from a cold drive takes minutes
@@ -106,4 +107,6 @@ async def run(verb: str, args: argparse.Namespace) -> int:
 
 
 def main(verb: str, argv: list[str]) -> int:
-    return asyncio.run(run(verb, parse_args(verb, argv)))
+    args = parse_args(verb, argv)
+    setup_logging("inferno-admin", json=False, level="WARNING")  # stdout is the reply's alone
+    return asyncio.run(run(verb, args))
