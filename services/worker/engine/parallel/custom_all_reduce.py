@@ -201,7 +201,7 @@ class CustomAllReduce:
                     if peer["device"] != device.index and not torch.cuda.can_device_access_peer(device, peer["device"]):
                         raise RuntimeError(f"cuda:{device.index} cannot reach cuda:{peer['device']} (no peer access)")
                     buffers.append(_open_ipc_handle(peer["data"], device))
-                    signals.append(_open_ipc_handle(peer["signal"], device))
+                    signals.append(_open_ipc_handle(peer["signal"], device).view(torch.int64))
             except Exception as e:  # noqa: BLE001
                 error = f"rank {rank}: {type(e).__name__}: {e}"
         failures = [m.decode() for m in _all_gather_bytes(error.encode(), group) if m]
