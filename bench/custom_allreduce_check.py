@@ -228,6 +228,8 @@ def run_streams(world: int) -> int:
            for r in range(world)]
     streams = [torch.cuda.Stream() for _ in range(world)]
     preload(world, device)
+    if world == 2:
+        launch_cost(device)
     ok = True
     for dtype in DTYPES:
         for nbytes in SIZES:
@@ -269,6 +271,26 @@ def run_streams(world: int) -> int:
             emit({"mode": "streams", "ranks": world, "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
                   "graph_max_err": worst, "graph_us": round(graph_us, 2)})
     return 0 if ok else 1
+
+
+def launch_cost(device) -> None:
+    """Host time per eager call, on an instance whose flags are already set (nothing waits):
+    what an eager all-reduce costs the CPU, the wrapper and Triton's launch together."""
+    data = [torch.zeros(2 * MAX_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+    signals = [torch.full((MAX_RANKS * MAX_BLOCKS,), 1 << 62, dtype=torch.int64, device=device) for _ in range(2)]
+    ar = CustomAllReduce(0, data, signals, torch.zeros(2, dtype=torch.int64, device=device), MAX_BYTES)
+    x = torch.zeros(4096, dtype=torch.bfloat16, device=device)
+    row = {"mode": "launch"}
+    for name, fn in (("all_reduce", lambda: ar.all_reduce(x)), ("serves", lambda: ar.serves(x)),
+                     ("torch_add", lambda: x.add_(0))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        row[f"{name}_host_us"] = round((time.perf_counter() - t0) / 2000 * 1e6, 2)
+        torch.cuda.synchronize()
+    emit(row)
 
 
 def preload(world: int, device) -> None:

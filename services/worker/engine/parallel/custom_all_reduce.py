@@ -7,8 +7,8 @@ peer's. One kernel per call, every rank making the same calls in the same order:
   state = [calls, done] lives in the rank's own memory; the call reads calls = c, so its flag is
   c + 1 and its half h = c % 2. Block b of the grid
     1. copies its tiles of x into half h of this rank's data buffer,
-    2. writes the flag into slot [rank, b] of every rank's signal buffer (release, system scope),
-    3. waits until slot [p, b] of its own signal buffer holds at least the flag for every rank p
+    2. writes the flag into slot [rank, b] of every peer's signal buffer (release, system scope),
+    3. waits until slot [p, b] of its own signal buffer holds at least the flag for every peer p
        (acquire, system scope): peer p's block b has copied its tiles,
     4. sums those tiles of half h of every rank's buffer, in rank order and in fp32, into x;
   the last block to finish (it counts itself in `done`) resets `done` and stores calls = c + 1.
@@ -101,13 +101,15 @@ def _one_shot_all_reduce_kernel(
     # Every thread's copy is done before the release below publishes it.
     tl.debug_barrier()
     for p in tl.static_range(WORLD):
-        sig = _nth(p, s0, s1, s2, s3, s4, s5, s6, s7)
-        tl.atomic_xchg(sig + RANK * SLOTS + pid, flag, sem="release", scope="sys")
+        if p != RANK:  # this block's own copy needs no flag: the barrier above ordered it
+            sig = _nth(p, s0, s1, s2, s3, s4, s5, s6, s7)
+            tl.atomic_xchg(sig + RANK * SLOTS + pid, flag, sem="release", scope="sys")
     inbox = _nth(RANK, s0, s1, s2, s3, s4, s5, s6, s7) + pid
     for p in tl.static_range(WORLD):
-        seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
-        while seen < flag:
+        if p != RANK:
             seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
+            while seen < flag:
+                seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     for start in range(pid * BLOCK, n, grid * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -148,8 +150,16 @@ class CustomAllReduce:
         self.rank, self.world, self.max_bytes = rank, world, max_bytes
         self.state = state
         pad = MAX_RANKS - world
-        self._signals = list(signals) + [signals[rank]] * pad
-        self._buffers = {dt: [b.view(dt) for b in buffers] + [buffers[rank].view(dt)] * pad for dt in DTYPES}
+        sigs = tuple(signals) + (signals[rank],) * pad
+        # Per dtype: the launch's pointer arguments and constants, built once (eager calls pay
+        # Triton's launch on the host every time).
+        self._launch = {}
+        for dt in DTYPES:
+            size = torch.empty((), dtype=dt).element_size()
+            bufs = tuple(b.view(dt) for b in buffers) + (buffers[rank].view(dt),) * pad
+            self._launch[dt] = (TILE_BYTES // size, bufs + sigs + (state,),
+                                dict(WORLD=world, RANK=rank, HALF=max_bytes // size, SLOTS=MAX_BLOCKS,
+                                     BLOCK=TILE_BYTES // size, num_warps=NUM_WARPS))
         self._mappings = (buffers, signals)  # the peers' mappings live as long as this object
 
     def serves(self, x: torch.Tensor) -> bool:
@@ -162,12 +172,8 @@ class CustomAllReduce:
             raise ValueError(f"the one-shot all-reduce does not serve {x.dtype} {tuple(x.shape)} on {x.device} "
                              f"(contiguous {self.device} {DTYPES}, up to {self.max_bytes} bytes)")
         n = x.numel()
-        block = TILE_BYTES // x.element_size()
-        grid = (min(triton.cdiv(n, block), MAX_BLOCKS),)
-        _one_shot_all_reduce_kernel[grid](
-            x, n, *self._buffers[x.dtype], *self._signals, self.state,
-            WORLD=self.world, RANK=self.rank, HALF=self.max_bytes // x.element_size(), SLOTS=MAX_BLOCKS,
-            BLOCK=block, num_warps=NUM_WARPS)
+        block, args, consts = self._launch[x.dtype]
+        _one_shot_all_reduce_kernel[(min(triton.cdiv(n, block), MAX_BLOCKS),)](x, n, *args, **consts)
         return x
 
     @classmethod
