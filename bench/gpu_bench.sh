@@ -60,8 +60,9 @@ if has w5; then  # W5b: `inferno worker --model-dir` from process start to its f
   [ "${W5_COLD:-1}" = 1 ] && python3 bench/cold_start.py "$MODEL" --max-num-seqs 256 --drop-caches \
     | tee "$OUT/w5_cold.json"  # the weights from the drive, read ahead while torch is imported
 fi
-if has w5a; then  # W5a: a running worker with no model told to load the 8B directory (then to replace it)
-  python3 bench/hot_load.py "$MODEL" | tee "$OUT/w5a.json"
+if has w5a; then  # W5a: a running worker with no model told to load the 8B directory (then to replace it);
+  # 256 running requests as w5, whose runs leave the Triton kernels of that shape in the on-disk cache
+  python3 bench/hot_load.py "$MODEL" --max-num-seqs 256 | tee "$OUT/w5a.json"
 fi
 if has sweep; then
   for b in 16 64 256; do

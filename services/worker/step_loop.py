@@ -19,6 +19,9 @@ from shared.sampling_params import SamplingParams
 log = structlog.get_logger("worker.step_loop")
 
 STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
+# Background work (a CUDA graph capture, ~50 ms for the 8B shape) runs whenever nothing else is to
+# do, and while requests run at most once per this many seconds: they never wait long on it.
+BACKGROUND_PERIOD = 0.2
 FINISH_STATS_GAP = 0.01  # ... but a step that finished requests refreshes it sooner
 
 
@@ -109,9 +112,13 @@ class StepLoop(threading.Thread):
         self.commands.put(None)
 
     def run(self) -> None:
+        background_due = 0.0
         while not self._stopping.is_set():
-            if self.background is not None and not self._run_background():
-                self.background = None
+            if self.background is not None and (not self.engine.has_unfinished()
+                                                or time.monotonic() >= background_due):
+                if not self._run_background():
+                    self.background = None
+                background_due = time.monotonic() + BACKGROUND_PERIOD
             idle = not self.engine.has_unfinished()
             if idle:
                 self._refresh_stats(force=True)

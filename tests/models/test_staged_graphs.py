@@ -1,6 +1,7 @@
-"""CUDA graphs captured in two stages (some before ready, the rest between steps) give the eager
-path's tokens while the buckets fill in. On the CPU the graphs are stand-ins that rerun the forward
-on the same static buffers, so every line of the staging path runs."""
+"""CUDA graphs captured after ready, one bucket between two steps, give the eager path's tokens
+while they come in: a kind's steps run eagerly until all its buckets are captured, then replay
+them. On the CPU the graphs are stand-ins that rerun the forward on the same static buffers, so
+every line of the staging path runs."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import pytest
 
 from services.worker.engine.cuda_graphs import graph_buckets
 from services.worker.engine.mixed_graphs import token_buckets
-from services.worker.engine.staged_graphs import READY_DECODE_ROWS, StagedGraphs
+from services.worker.engine.staged_graphs import StagedGraphs
 from shared.sampling_params import SamplingParams
 from tests.models.conftest import make_engine, random_prompt
 
 ARCH = "LlamaForCausalLM"
+KW = dict(max_num_seqs=80, max_num_batched_tokens=300)
+DECODE, MIXED = graph_buckets(80), token_buckets(300)
 
 
-def staggered_with_backlog(engine, graphs: StagedGraphs, prompts, params):
+def staggered_with_backlog(engine, graphs, prompts, params):
     """Requests join every other step; one bucket is captured between any two steps, as the
     worker's step thread does."""
     out = {f"r{i}": [] for i in range(len(prompts))}
@@ -27,44 +30,63 @@ def staggered_with_backlog(engine, graphs: StagedGraphs, prompts, params):
             engine.add_request(f"r{i}", p, sp)
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
-        graphs.capture_next()
+        if graphs is not None:
+            graphs.capture_next()
         step += 1
     return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def workload(vocab):
+    prompts = [random_prompt(n, vocab, seed=700 + n) for n in (9, 70, 4, 33, 120, 2, 47, 15, 260, 8)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (20, 7, 33, 12, 25, 40, 3, 30, 9, 35)]
+    params[3] = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=8)
+    return prompts, params
+
+
+def counting(graphs):
+    """Which kind of graph each step replayed, in order."""
+    used = []
+    for kind, runner in (("decode", graphs.decode), ("mixed", graphs.mixed)):
+        def counted(step, *args, launch=runner.launch, kind=kind):
+            used.append(kind)
+            return launch(step, *args)
+        runner.launch = counted
+    return used
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_graphs_captured_between_steps_match_eager(overlap, model_dirs):
     model_dir = model_dirs[ARCH]
-    kw = dict(max_num_seqs=80, max_num_batched_tokens=300)
-    vocab = make_engine(model_dir).model_config.vocab_size
-    prompts = [random_prompt(n, vocab, seed=700 + n) for n in (9, 70, 4, 33, 120, 2, 47)]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (20, 7, 33, 12, 25, 40, 3)]
-    params[3] = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=8)
-    eager_engine = make_engine(model_dir, **kw)
-    eager = staggered_with_backlog(eager_engine, _NoGraphs(), prompts, params)
+    prompts, params = workload(make_engine(model_dir).model_config.vocab_size)
+    eager = staggered_with_backlog(make_engine(model_dir, **KW), None, prompts, params)
 
-    engine = make_engine(model_dir, overlap=overlap, **kw)
+    engine = make_engine(model_dir, overlap=overlap, **KW)
     graphs = StagedGraphs(engine)
-    graphs.capture_ready()
-    assert graphs.decode.buckets == sorted({*READY_DECODE_ROWS, 80}) and graphs.mixed.buckets == [256, 300]
-    assert engine.runner.graphs is graphs.decode and engine.runner.mixed_graphs is graphs.mixed
-    pending = len(graphs.backlog)
-    assert pending == len(graph_buckets(80)) - 4 + len(token_buckets(300)) - 2
-    used = {"decode": [], "mixed": []}
-    for kind, runner in (("decode", graphs.decode), ("mixed", graphs.mixed)):
-        def counted(step, *args, launch=runner.launch, kind=kind, runner=runner):
-            used[kind].append(list(runner.buckets))
-            return launch(step, *args)
-        runner.launch = counted
+    graphs.capture_ready()  # nothing before ready by default
+    assert graphs.count == 0 and engine.runner.graphs is None and engine.runner.mixed_graphs is None
+    # The largest bucket of each kind first (it sizes the pool), then the others ascending.
+    assert graphs.backlog == ([(graphs.decode, 80)] + [(graphs.decode, b) for b in DECODE[:-1]]
+                              + [(graphs.mixed, 300)] + [(graphs.mixed, t) for t in MIXED[:-1]])
+    used = counting(graphs)
     assert staggered_with_backlog(engine, graphs, prompts, params) == eager
-    # Steps replayed graphs while the buckets were still coming in, and after.
-    assert len(used["decode"]) > 20 and len(used["mixed"]) > 4
-    assert used["decode"][0] != used["decode"][-1] and used["mixed"][0] != used["mixed"][-1]
-    # Every bucket came in, in order, while requests ran on the buckets already there.
-    assert not graphs.backlog and graphs.decode.buckets == graph_buckets(80)
-    assert graphs.mixed.buckets == token_buckets(300) and graphs.count == len(graph_buckets(80)) + len(token_buckets(300))
-    assert set(graphs.decode.graphs) == set(graph_buckets(80))
+    assert not graphs.backlog and graphs.decode.buckets == DECODE and graphs.mixed.buckets == MIXED
+    assert engine.runner.graphs is graphs.decode and engine.runner.mixed_graphs is graphs.mixed
+    assert set(graphs.decode.graphs) == set(DECODE) and graphs.count == len(DECODE) + len(MIXED)
+    # Steps ran eagerly, then replayed decode graphs once all were there, then mixed ones too.
+    assert "decode" in used and "mixed" in used and used.index("decode") < used.index("mixed")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_graphs_captured_before_ready_serve_from_the_start(model_dirs):
+    engine = make_engine(model_dirs[ARCH], **KW)
+    graphs = StagedGraphs(engine, before_ready=len(DECODE))
+    graphs.capture_ready()
+    assert engine.runner.graphs is graphs.decode and graphs.decode.buckets == DECODE
+    assert engine.runner.mixed_graphs is None and len(graphs.backlog) == len(MIXED)
+    used = counting(graphs)
+    prompts, params = workload(engine.model_config.vocab_size)
+    staggered_with_backlog(engine, None, prompts[:3], params[:3])
+    assert used and set(used) == {"decode"}
 
 
 def test_capture_next_leaves_the_kv_cache_alone(model_dirs):
@@ -72,9 +94,7 @@ def test_capture_next_leaves_the_kv_cache_alone(model_dirs):
     finished request is still served from the cache, with the same tokens."""
     engine = make_engine(model_dirs[ARCH], max_num_seqs=16)
     graphs = StagedGraphs(engine)
-    graphs.capture_ready()
-    vocab = engine.model_config.vocab_size
-    prompt = random_prompt(64, vocab, seed=3)
+    prompt = random_prompt(64, engine.model_config.vocab_size, seed=3)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     first = engine.generate([prompt], greedy)[0]
     pool_before = engine.kv_cache.pool.clone()
@@ -85,8 +105,3 @@ def test_capture_next_leaves_the_kv_cache_alone(model_dirs):
     while not r.status.finished:
         engine.step()
     assert r.output_token_ids == first and r.num_cached_tokens == 48
-
-
-class _NoGraphs:
-    def capture_next(self) -> bool:
-        return False

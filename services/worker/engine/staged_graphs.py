@@ -1,12 +1,14 @@
-"""The engine's CUDA graphs in two stages: before a worker says it is ready, the buckets its first
-steps need; after, the others, one per turn of the step thread, between steps.
+"""When the engine's CUDA graphs are captured: a worker that loads a model says it is ready first,
+and its step thread captures the graphs afterwards, one bucket per turn between steps.
 
-Capturing every bucket (32 decode batch sizes and 10 mixed-step token counts at the GPU defaults)
-took 1.4–2.3 s of an 8B model's start on the H100, most of the 2.5 s a load on a running worker may
-take to its first token. Until a bucket is captured its steps replay the next larger one (padded
-rows cost little next to the weights every step reads), so nothing runs eagerly that would not.
-The graphs, their static buffers and their order are the engine's own (cuda_graphs.py,
-mixed_graphs.py); this file only decides when each bucket is captured.
+Measured on the H100 (8B, 2026-11-24): capturing every bucket (32 decode batch sizes and 10 mixed
+token counts at the GPU defaults) takes ~2.6 s; six of them before ready (the largest of each kind
+and a few small ones) took 0.57–0.61 s of a start whose target is 2.5 s (a load on a running worker)
+or 8 s (a process start); the other 36 took 2.0 s after. So by default none is captured before ready:
+steps run eagerly until a kind's buckets are all captured (the largest first, which sizes the memory
+pool the others share), then replay them. The graphs, their static buffers and their capture order
+are the engine's own (cuda_graphs.py, mixed_graphs.py); this file only decides when each bucket is
+captured.
 """
 
 from __future__ import annotations
@@ -21,16 +23,10 @@ from services.worker.engine.mixed_graphs import MixedGraphRunner
 
 log = structlog.get_logger("worker.graphs")
 
-# Captured before ready, besides the largest bucket of each kind (captured first: it sizes the memory
-# pool every other graph shares, and every step fits it): the batch sizes of light traffic, and the
-# token count of one short prompt beside a few decodes.
-READY_DECODE_ROWS = (1, 8, 64)
-READY_MIXED_TOKENS = (256,)
-
 
 class GraphMemory:
     """The memory pool of a model's graphs, kept for the next model's: the old graphs hold it (a
-    pool lives while a graph captured into it does) until the new ones are captured into it."""
+    pool lives while a graph captured into it does) until a new one is captured into it."""
 
     def __init__(self, pool, graphs: list):
         self.pool = pool
@@ -41,10 +37,12 @@ class GraphMemory:
 
 
 class StagedGraphs:
-    """The decode and mixed-step graphs of one engine (as LLMEngine builds them), captured in two
-    stages: capture_ready() before serving, capture_next() one bucket at a time afterwards."""
+    """The decode and mixed-step graphs of one engine (as LLMEngine builds them). capture_ready()
+    captures the first `before_ready` buckets of the backlog; capture_next() the next one. A kind's
+    runner is handed to the engine once all its buckets are captured (with only some, a small batch
+    would replay a large padded graph, slower than running eagerly)."""
 
-    def __init__(self, engine, memory: GraphMemory | None = None):
+    def __init__(self, engine, memory: GraphMemory | None = None, before_ready: int = 0):
         cfg = engine.config
         max_len = min(engine.max_model_len, cfg.max_graph_len)
         self.engine = engine
@@ -54,7 +52,15 @@ class StagedGraphs:
                                        max_len, engine.device) if cfg.mixed_graphs else None)
         self.memory = memory
         self.pool = memory.pool if memory is not None else None
-        self.backlog: list[tuple[object, int]] = []  # (runner, bucket) still to capture, in order
+        self.before_ready = before_ready
+        # Largest first (the pool's size, every step of its kind fits it), then the rest ascending.
+        self.backlog: list[tuple[object, int]] = []
+        self.total: dict[int, int] = {}
+        for runner in (self.decode, self.mixed):
+            if runner is not None:
+                sizes, runner.buckets = list(runner.buckets), []  # buckets: those captured so far
+                self.backlog += [(runner, sizes[-1])] + [(runner, b) for b in sizes[:-1]]
+                self.total[id(runner)] = len(sizes)
         self.ready_seconds = 0.0
         self.later_seconds = 0.0
         self._stream = None
@@ -65,27 +71,10 @@ class StagedGraphs:
         return len(self.decode.buckets) + (len(self.mixed.buckets) if self.mixed is not None else 0)
 
     def capture_ready(self) -> float:
-        """The largest bucket of each kind and the READY_* ones; the runner replays them from now on."""
         t0 = time.perf_counter()
-        decode, mixed = self.decode, self.mixed
-        all_rows = decode.buckets
-        decode.buckets = _ready_subset(all_rows, READY_DECODE_ROWS)
-        decode.pool = self.pool
-        decode.capture()
-        self.pool = decode.pool
-        # Small buckets first: light traffic gains most from its own graph.
-        self.backlog = [(decode, b) for b in all_rows if b not in decode.buckets]
-        if mixed is not None:
-            all_tokens = mixed.buckets
-            mixed.buckets = _ready_subset(all_tokens, READY_MIXED_TOKENS)
-            mixed.capture(self.pool)
-            self.backlog += [(mixed, t) for t in all_tokens if t not in mixed.buckets]
-        if self.memory is not None:  # the new graphs hold the pool now
-            self.memory.release()
-            self.memory = None
-        runner = self.engine.runner
-        runner.graphs, runner.mixed_graphs = decode, mixed
-        self.ready_seconds = time.perf_counter() - t0
+        for _ in range(min(self.before_ready, len(self.backlog))):
+            self.capture_next()
+        self.ready_seconds, self.later_seconds = time.perf_counter() - t0, 0.0
         return self.ready_seconds
 
     @torch.inference_mode()
@@ -99,12 +88,11 @@ class StagedGraphs:
             return False
         t0 = time.perf_counter()
         runner, size = self.backlog.pop(0)
+        runner.dev.zero_()
         if runner is self.decode:
-            runner.dev.zero_()
             runner.d_slots.fill_(-1)
             runner.d_seq_lens.fill_(1)
         else:
-            runner.dev.zero_()
             runner.d["slots"].fill_(-1)
             runner.d["tiles"].fill_(-1)
         if self.cuda:
@@ -115,16 +103,22 @@ class StagedGraphs:
             if runner is self.decode:  # the CPU's stand-in replays the forward into the same output
                 runner.graphs[size] = _Rerun(runner._forward, size, runner.outputs[size])
         runner.buckets = sorted([*runner.buckets, size])
+        if len(runner.buckets) == self.total[id(runner)]:  # complete: its steps replay graphs from now on
+            if runner is self.decode:
+                self.engine.runner.graphs = runner
+            else:
+                self.engine.runner.mixed_graphs = runner
         self.later_seconds += time.perf_counter() - t0
         if not self.backlog:
-            log.info("graphs captured", graphs=self.count, before_ready_s=round(self.ready_seconds, 3),
-                     after_ready_s=round(self.later_seconds, 3))
+            log.info("graphs captured", graphs=self.count, before_ready=self.before_ready,
+                     before_ready_s=round(self.ready_seconds, 3), after_ready_s=round(self.later_seconds, 3))
         return bool(self.backlog)
 
     def _capture(self, runner, size: int):
         """One graph into the shared pool. Not torch.cuda.graph(): that empties the allocator's
-        caches (device and pinned host) before each capture, which costs the steps around it; and
-        here only this thread's calls may break a capture (the event loop's may touch the device)."""
+        caches (device, and the pinned host memory the next load's staging would reuse) before each
+        capture, which costs the steps around it; and here only this thread's calls may break a
+        capture (the event loop's may touch the device)."""
         current = torch.cuda.current_stream(self.engine.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.engine.device)
@@ -138,6 +132,11 @@ class StagedGraphs:
             finally:
                 graph.capture_end()
         current.wait_stream(stream)
+        if self.pool is None:
+            self.pool = graph.pool()
+        if self.memory is not None:  # a graph of this engine holds the pool now
+            self.memory.release()
+            self.memory = None
         return graph
 
     def graph_memory(self) -> GraphMemory | None:
@@ -146,10 +145,6 @@ class StagedGraphs:
             return None
         graphs = [*self.decode.graphs.values(), *(self.mixed.graphs.values() if self.mixed is not None else ())]
         return GraphMemory(self.pool, [g for g in graphs if isinstance(g, torch.cuda.CUDAGraph)])
-
-
-def _ready_subset(buckets: list[int], wanted: tuple[int, ...]) -> list[int]:
-    return sorted({b for b in buckets if b in wanted} | {buckets[-1]})
 
 
 class _Rerun:
