@@ -130,16 +130,20 @@ def warm_device(cfg: WorkerServiceConfig) -> dict:
     from services.worker.engine.engine_config import EngineConfig
     from services.worker.engine.loader import STAGING_BYTES
 
-    imported = time.time()
+    marks = {"imported_at": time.time()}
     if cfg.device.startswith("cuda") and not cfg.emit_only:
         device = torch.device(cfg.device)
+        torch.empty(1, device=device)
+        marks["context_at"] = time.time()
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         (a @ a).sum().item()
+        marks["cublas_at"] = time.time()
         copiers = EngineConfig(model_dir="").load_threads  # each reads through two buffers
         staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2 * copiers)]
         del staging  # freed into the cache the loader's copiers allocate from
         torch.cuda.synchronize(device)
-    return {"imported_at": imported, "device_at": time.time()}
+    marks["device_at"] = time.time()
+    return marks
 
 
 def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,

@@ -121,7 +121,7 @@ class ModelManager:
                 await self.service.set_state("no_model", "")
                 return self._reply("load_failed", error)
             breakdown = self._breakdown(built, started, marks, unload_s)
-            self._attach(built, breakdown, started, at_start, prefetch)
+            self._attach(built, breakdown, started, at_start, prefetch, marks)
             await self.service.set_state("ready", spec.model_name)
             log.info("model ready", model=spec.model_name, model_dir=spec.model_dir, ready_s=round(breakdown.ready_s, 3))
             return self._reply(load=breakdown)
@@ -140,7 +140,7 @@ class ModelManager:
                  kv_kept=self.leftovers.kv_cache is not None)
 
     def _attach(self, built: BuiltModel, breakdown: LoadBreakdown, started: float, at_start: bool,
-                prefetch) -> None:
+                prefetch, marks: dict) -> None:
         self.built = built
         tune_gc()  # the new model's objects out of every later collection, as at start
         graphs = built.graphs
@@ -151,6 +151,10 @@ class ModelManager:
         fields = {k: round(v, 3) if isinstance(v, float) else v for k, v in _fields(breakdown).items()}
         if prefetch is not None:
             fields.update(prefetch.report())
+        if at_start and "cublas_at" in marks:  # the device's share: context, cuBLAS, pinned staging
+            fields.update(context_s=round(marks["context_at"] - marks["imported_at"], 3),
+                          cublas_s=round(marks["cublas_at"] - marks["context_at"], 3),
+                          staging_s=round(marks["device_at"] - marks["cublas_at"], 3))
 
         def first_token() -> None:
             log.info("model load breakdown", model=spec.model_name, since="process start" if at_start

@@ -19,8 +19,10 @@ from shared.sampling_params import SamplingParams
 log = structlog.get_logger("worker.step_loop")
 
 STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
-# Background work (a CUDA graph capture, ~50 ms for the 8B shape) runs whenever nothing else is to
-# do, and while requests run at most once per this many seconds: they never wait long on it.
+# Background work (a CUDA graph capture, ~50 ms for the 8B shape) starts a moment after the loop
+# does (the requests that waited for a model to load come first), then runs whenever nothing else
+# is to do, and while requests run at most once per BACKGROUND_PERIOD: they never wait long on it.
+BACKGROUND_GRACE = 0.2
 BACKGROUND_PERIOD = 0.2
 FINISH_STATS_GAP = 0.01  # ... but a step that finished requests refreshes it sooner
 
@@ -112,19 +114,21 @@ class StepLoop(threading.Thread):
         self.commands.put(None)
 
     def run(self) -> None:
-        background_due = 0.0
+        background_due = time.monotonic() + BACKGROUND_GRACE
         while not self._stopping.is_set():
-            if self.background is not None and (not self.engine.has_unfinished()
-                                                or time.monotonic() >= background_due):
+            if self.background is not None and time.monotonic() >= background_due:
                 if not self._run_background():
                     self.background = None
-                background_due = time.monotonic() + BACKGROUND_PERIOD
+                busy = self.engine.has_unfinished()
+                background_due = time.monotonic() + (BACKGROUND_PERIOD if busy else 0.0)
             idle = not self.engine.has_unfinished()
             if idle:
                 self._refresh_stats(force=True)
             # Reservations waiting for blocks are retried every few ms while nothing runs.
-            rejected = self._drain(block=idle and self.background is None,
-                                   timeout=0.005 if self._waiting_reserves else 0.5)
+            timeout = 0.005 if self._waiting_reserves else 0.5
+            if self.background is not None:
+                timeout = max(0.0, min(timeout, background_due - time.monotonic()))
+            rejected = self._drain(block=idle, timeout=timeout)
             if rejected:
                 self.on_outputs(rejected, {}, False)
             if self._waiting_reserves:
