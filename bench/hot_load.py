@@ -59,6 +59,8 @@ async def measure(args, extra: list[str]) -> dict:
         warm_s = time.time() - t_spawn
         first = await load_and_serve(probe, admin, args.model_dir, "first")
         await asyncio.sleep(args.settle)  # the graphs left after ready are captured meanwhile
+        t_first, t_last = await probe.first_token("hot", max_tokens=32)
+        first["settled_decode_31_tokens_s"] = t_last - t_first  # replaying graphs by now
         replace = await load_and_serve(probe, admin, args.model_dir, "replaced", mode="abort")
         await asyncio.sleep(0.5)
         lines = probe.log_lines("hot", ("model load breakdown", "graphs captured", "kv pool sized from memory",
