@@ -22,6 +22,11 @@ every rank the same bits, which tensor parallelism needs (the ranks' hidden stat
 
 Setup is collective over a process group: the ranks exchange their buffers' IPC handles (plain
 bytes, msgpack) and agree that every one of them could map every other's; otherwise none uses it.
+
+Waiting is a spin on the GPU with no deadline: a rank that dies mid-call leaves its peers
+spinning until the group's watchdog ends them (as NCCL would hang). Ranks must be processes of
+their own: CUDA loads a kernel at its first launch and loading waits for the context's kernels
+in flight, so two ranks sharing one context can wait on each other for ever.
 """
 
 from __future__ import annotations
