@@ -180,6 +180,7 @@ class WorkerServiceConfig:
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
     pipeline_parallel_size: int = 1  # stages the layers are split into
+    custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs)
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")

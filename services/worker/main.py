@@ -62,6 +62,10 @@ def parse_args(argv):
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int,
                     default=env_default("INFERNO_PIPELINE_PARALLEL_SIZE", 1, int),
                     help="split the layers into this many stages, each on its own tensor-parallel group")
+    ap.add_argument("--custom-all-reduce", action=argparse.BooleanOptionalAction,
+                    default=env_default("INFERNO_CUSTOM_ALL_REDUCE", True, parse_bool),
+                    help="tensor parallelism on GPUs: small all-reduces in one kernel over the peers' memory "
+                         "(CUDA IPC), larger ones through NCCL; --no-custom-all-reduce: NCCL for all")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
-                  pipeline_parallel_size=args.pipeline_parallel_size)
+                  pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

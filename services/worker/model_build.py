@@ -172,7 +172,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,
         cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
-        pipeline_parallel_size=cfg.pipeline_parallel_size)
+        pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce)
     kv = leftovers.kv_cache
     if kv is not None:
         kv.pool.zero_()  # as a new pool: padded graph rows read block 0

@@ -31,6 +31,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights drawn on the device, no files read
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over
     pipeline_parallel_size: int = 1  # stages the layers are split into, one per process group
+    custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs), else NCCL
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -82,7 +82,8 @@ def rank_device(base: str, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def join_group(layout: ParallelLayout, init_method: str, device: torch.device) -> RankGroup:
+def join_group(layout: ParallelLayout, init_method: str, device: torch.device,
+               peer_all_reduce: bool = True) -> RankGroup:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -91,8 +92,9 @@ def join_group(layout: ParallelLayout, init_method: str, device: torch.device) -
     # Every rank creates every group, in the same order.
     messages = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
+    stage_hosts = [dist.new_group(layout.stage_ranks(s), backend="gloo") for s in range(layout.pp)]
     return RankGroup(layout, device, StepChannel(messages, layout.driver_rank),
-                     TensorGroup(stage_groups[layout.stage], layout.tp))
+                     TensorGroup(stage_groups[layout.stage], layout.tp, peer_all_reduce, stage_hosts[layout.stage]))
 
 
 def start_group(config, layout: ParallelLayout) -> RankGroup:
@@ -109,7 +111,7 @@ def start_group(config, layout: ParallelLayout) -> RankGroup:
                "--rank", str(rank), "--init-method", init_method, "--config", blob]
         followers.append(subprocess.Popen(cmd))
     try:
-        group = join_group(layout, init_method, rank_device(config.device, layout.rank))
+        group = join_group(layout, init_method, rank_device(config.device, layout.rank), config.custom_all_reduce)
     except Exception:
         for proc in followers:
             proc.kill()

@@ -8,8 +8,6 @@ MLP; the embedding and the LM head are split by vocabulary rows. Norms are repli
 
 from __future__ import annotations
 
-import os
-
 import structlog
 import torch
 import torch.distributed as dist
@@ -21,9 +19,6 @@ from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.parallel.layout import ParallelLayout
 
 log = structlog.get_logger("worker.parallel")
-
-# "0" turns the one-shot all-reduce over peer memory off (every all-reduce then goes through NCCL).
-PEER_ALL_REDUCE_ENV = "INFERNO_CUSTOM_ALL_REDUCE"
 
 
 def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, ShardedTensor]:
@@ -90,12 +85,13 @@ class TensorGroup:
     """The collectives of one stage's tensor-parallel ranks. On GPUs, all-reduces small enough go
     through the one-shot kernel over peer memory (custom_all_reduce.py), set up here when every
     rank can map the others' memory; larger ones, and everything on the CPU, through the group's
-    backend. `peer_all_reduce` None: on unless the environment says INFERNO_CUSTOM_ALL_REDUCE=0."""
+    backend (`peer_all_reduce` False: always the backend)."""
 
-    def __init__(self, group, size: int, peer_all_reduce: bool | None = None):
+    def __init__(self, group, size: int, peer_all_reduce: bool = True, host_group=None):
+        """host_group: a gloo group of the same ranks, for the setup's small host messages."""
         self.group = group
         self.size = size
-        self.peer = _setup_peer_all_reduce(group, size, peer_all_reduce)
+        self.peer = _setup_peer_all_reduce(group, size, peer_all_reduce, host_group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.peer is not None and self.peer.serves(x):
@@ -110,26 +106,26 @@ class TensorGroup:
         return out.view(self.size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
 
 
-def _setup_peer_all_reduce(group, size: int, wanted: bool | None):
-    """Collective over an NCCL group (every rank builds its TensorGroup at the same point); None
-    on the CPU, for one rank, or when any rank cannot or will not take part."""
+def _setup_peer_all_reduce(group, size: int, wanted: bool, host_group=None):
+    """Collective over the group (every rank builds its TensorGroup at the same point); None on
+    the CPU, for one rank, or when any rank cannot or will not take part."""
     if size < 2 or group is None or dist.get_backend(group) != "nccl":
         return None
-    if wanted is None:
-        wanted = os.environ.get(PEER_ALL_REDUCE_ENV, "1") != "0"
     try:
         from services.worker.engine.parallel.custom_all_reduce import CustomAllReduce, PeerMemoryUnavailable
     except ImportError as e:  # no Triton
         log.warning("one-shot all-reduce unavailable", error=str(e))
         wanted = False
     device = torch.device("cuda", torch.cuda.current_device())
+    exchange = host_group if host_group is not None else group
     # Setup is collective, so the ranks first agree whether all of them take part.
-    agree = torch.tensor([int(bool(wanted))], dtype=torch.int32, device=device)
-    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+    agree = torch.tensor([int(bool(wanted))], dtype=torch.int32,
+                         device="cpu" if host_group is not None else device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=exchange)
     if not agree.item():
         return None
     try:
-        peer = CustomAllReduce.setup(group, device)
+        peer = CustomAllReduce.setup(exchange, device)
     except PeerMemoryUnavailable as e:
         log.warning("one-shot all-reduce unavailable; all-reduces go through NCCL", reason=str(e))
         return None
