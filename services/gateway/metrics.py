@@ -99,6 +99,8 @@ class WorkerStatsCollector:
                                 usage)
         yield GaugeMetricFamily("inferno:num_workers_live", "Workers heard from within the heartbeat TTL.",
                                 len(live))
+        yield GaugeMetricFamily("inferno:num_workers_ready", "Live workers serving a model and taking requests "
+                                "(not loading, unloading or draining).", sum(hb.ready and not hb.draining for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_hits", "Prompt tokens found in the prefix caches.",
                                   sum(hb.prefix_cache_hits for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",

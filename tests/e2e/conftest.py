@@ -31,10 +31,40 @@ def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), sch
     try:
         stack.wait_ready(timeout=120)
         wait_workers(stack, workers + prefill_workers + decode_workers)
+        if cfg.kvstore_capacity_gb > 0:
+            wait_kvstore(stack)
     except Exception:
         stack.stop()
         raise
     return stack
+
+
+def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:
+    """Until the stack's kvstore answers (workers may be ready before it: they no longer wait for
+    their engine before they connect)."""
+    import asyncio
+
+    import nats
+
+    from shared.kvstore_messages import KvStatsRequest
+    from shared.subjects import Subjects
+    from shared.wire import encode
+
+    async def answers() -> bool:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            await nc.request(Subjects().kvstore("stats"), encode(KvStatsRequest()), timeout=1)
+            return True
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout
+    while not asyncio.run(answers()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the kvstore did not answer within {timeout} s")
+        time.sleep(0.2)
 
 
 def heartbeats(stack: Stack, seconds: float = 1.2) -> dict:
@@ -77,13 +107,14 @@ def metrics(stack: Stack) -> dict[str, float]:
 
 
 def wait_workers(stack: Stack, n: int, timeout: float = 60.0) -> None:
-    """Until the gateway sees n live workers (their heartbeats feed its metrics)."""
+    """Until the gateway sees n ready workers (their heartbeats feed its metrics; a worker sends
+    them from its start, saying "loading" until its model serves)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metrics(stack).get("inferno:num_workers_live", 0) >= n:
+        if metrics(stack).get("inferno:num_workers_ready", 0) >= n:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"{n} workers did not register within {timeout} s")
+    raise TimeoutError(f"{n} workers were not ready within {timeout} s")
 
 
 @pytest.fixture(scope="module")
