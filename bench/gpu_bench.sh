@@ -79,6 +79,9 @@ if has w2 || has w3; then
   UP=$!
   for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
   curl -s localhost:8000/ready; echo
+  # A worker is ready before its CUDA graphs are all captured (they follow on the step thread):
+  # W2 and W3 measure the steady state, so they start once the last one is in.
+  for i in $(seq 1 120); do grep -q "graphs captured" /tmp/inferno-run/worker-0.log 2>/dev/null && break; sleep 0.5; done
   if has w2; then
     python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
       --pids-file /tmp/inferno-run/pids.json --out "$OUT/w2.json" 2>&1 | tail -25
