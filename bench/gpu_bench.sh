@@ -73,6 +73,7 @@ if has sweep; then
     --max-num-batched-tokens 8192 --json --overlap | tee "$OUT/engine_b256_overlap.json"
 fi
 if has w2 || has w3; then
+  rm -rf /tmp/inferno-run  # a warm machine keeps the last run's logs; the waits below read this one's
   python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
     --run-dir /tmp/inferno-run --log-format json \
     --worker-arg "${WORKER_ARGS:-}" > "$OUT/up.log" 2>&1 &
