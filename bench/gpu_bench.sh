@@ -219,3 +219,7 @@ if has smol; then  # the real demo model: SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_
   done
 fi
 python3 bench/summarize.py "$OUT"
+# The device tool brings back at most 8 files: everything but the summary (and a caller's log) in one archive.
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && files=$(ls | grep -v '^summary.json$\|^bench.log$\|^all.tgz$') && [ -n "$files" ] && tar czf all.tgz --remove-files $files)
+fi
