@@ -156,6 +156,7 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
       --out "$OUT/w2_$tag.json" 2>&1 | tail -14
     kill -INT $UP; wait $UP
     grep -h -i "error\|traceback" /tmp/inferno-run-$tag/worker-0.log | head -5
+    tail -c 2000000 /tmp/inferno-run-$tag/worker-0.log > "$OUT/worker_$tag.log"
   done
 fi
 if has x4; then  # issue 11 on nvidia-h200-x4: 70B TP=4 and TP=2×PP=2, 2P+2D vs 4 mixed, scaling 1/2/4 workers
