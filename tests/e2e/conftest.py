@@ -43,6 +43,7 @@ def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:
     """Until the stack's kvstore answers (workers may be ready before it: they no longer wait for
     their engine before they connect)."""
     import asyncio
+    import concurrent.futures
 
     import nats
 
@@ -60,8 +61,13 @@ def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:
         finally:
             await nc.close()
 
+    def ask() -> bool:
+        # Its own thread: start_stack is also called from async tests, whose loop is running here.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, answers()).result()
+
     deadline = time.monotonic() + timeout
-    while not asyncio.run(answers()):
+    while not ask():
         if time.monotonic() > deadline:
             raise TimeoutError(f"the kvstore did not answer within {timeout} s")
         time.sleep(0.2)
