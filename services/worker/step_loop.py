@@ -10,6 +10,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 from typing import Callable
 
 import structlog
@@ -25,6 +27,7 @@ STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
 BACKGROUND_GRACE = 0.2
 BACKGROUND_PERIOD = 0.2
 FINISH_STATS_GAP = 0.01  # ... but a step that finished requests refreshes it sooner
+_REQUEST_ID = attrgetter("request_id")
 
 
 @dataclass(slots=True)
@@ -143,29 +146,34 @@ class StepLoop(threading.Thread):
                 continue
             if self.on_step is not None:
                 self.on_step(getattr(self.engine, "last_step_tokens", 0), time.perf_counter() - started)
-            routes = {o.request_id: self.reply_to.get(o.request_id, "") for o in outputs}
-            finished = False
-            handoffs = []
-            for o in outputs:
-                if o.finished or o.handoff is not None:
-                    finished = True
-                    self.reply_to.pop(o.request_id, None)
-                    if o.handoff is not None:
-                        handoffs.append(o)
-            # A finish frees load the scheduler should see at once (the service sends it).
-            self._refresh_stats(force=finished and time.monotonic() - self._stats_at >= FINISH_STATS_GAP)
-            # KV events first: the service sends them ahead of the tokens that end a request.
-            if self.on_kv_events and self.block_manager is not None:
-                stored, removed = self.block_manager.take_events()
-                if stored or removed:
-                    self.on_kv_events(stored, removed)
-            if outputs:
-                self.on_outputs(outputs, routes, finished)
-            # After the outputs: the first token reaches the gateway before the KV moves on.
-            for o in handoffs:
-                if self.on_handoff is not None:
-                    self.on_handoff(o)
+            self.hand_over(outputs)
         self.stats = self.engine.stats()
+
+    def hand_over(self, outputs: list) -> None:
+        """A step's outputs (and the KV events and hand-offs behind them) to the service."""
+        reply_to = self.reply_to
+        rids = list(map(_REQUEST_ID, outputs))
+        routes = dict(zip(rids, map(reply_to.get, rids, repeat(""))))
+        handoffs = []
+        ended = [o for o in outputs if o.finish_reason is not None or o.handoff is not None]
+        finished = bool(ended)
+        for o in ended:
+            reply_to.pop(o.request_id, None)
+            if o.handoff is not None:
+                handoffs.append(o)
+        # A finish frees load the scheduler should see at once (the service sends it).
+        self._refresh_stats(force=finished and time.monotonic() - self._stats_at >= FINISH_STATS_GAP)
+        # KV events first: the service sends them ahead of the tokens that end a request.
+        if self.on_kv_events and self.block_manager is not None:
+            stored, removed = self.block_manager.take_events()
+            if stored or removed:
+                self.on_kv_events(stored, removed)
+        if outputs:
+            self.on_outputs(outputs, routes, finished)
+        # After the outputs: the first token reaches the gateway before the KV moves on.
+        for o in handoffs:
+            if self.on_handoff is not None:
+                self.on_handoff(o)
 
     def _run_background(self) -> bool:
         try:

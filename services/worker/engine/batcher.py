@@ -184,30 +184,31 @@ class Batcher:
         micro = self.config.micro_batches
         # A micro-batch takes its share of the running set; requests in a step still in flight wait.
         cap = -(-len(self._running) // micro) if micro > 1 else len(self._running)
-        while index < len(self._running) and budget > 0 and len(scheduled) < cap:
-            request = self._running[index]
-            if micro > 1 and request.num_pending_tokens:
+        running = self._running
+        append = scheduled.append
+        while index < len(running) and budget > 0 and len(scheduled) < cap:
+            request = running[index]
+            pending = request.num_pending_tokens
+            if micro > 1 and pending:
                 index += 1
                 continue
             start = request.num_computed_tokens + request.num_inflight_tokens
-            total = len(request.all_token_ids) + request.num_pending_tokens
-            if request.num_pending_tokens and (
-                    request.num_output_tokens + request.num_pending_tokens >= request.sampling_params.max_tokens
-                    or total >= max_model_len or request.handoff):
+            known = len(request.all_token_ids)
+            total = known + pending
+            if pending and (total >= request.token_limit or total >= max_model_len or request.handoff):
                 index += 1  # the token in flight is its last: nothing more to compute
                 continue
             if start + 1 == total and start < len(request.block_ids) * block_size:
                 # A decode whose slot is already in its last block: the common case, kept cheap.
-                scheduled.append(ScheduledRequest(request, 1, start, True,
-                                                  start == len(request.all_token_ids)))
+                append(ScheduledRequest(request, 1, start, True, start == known))
                 request.num_inflight_tokens += 1
-                request.num_pending_tokens += 1
+                request.num_pending_tokens = pending + 1
                 budget -= 1
                 index += 1
                 continue
             num_new = min(total - start, budget, self.config.max_tokens_per_request_step)
             while not bm.allocate_slots(request, request.num_inflight_tokens + num_new):
-                victim = self._running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is request:
@@ -269,36 +270,40 @@ class Batcher:
         updated in the order they were scheduled."""
         finished: list[Request] = []
         block_size = self.block_manager.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         max_model_len = self.config.max_model_len
+        get = sampled.get
         for item in plan.scheduled:
             request = item.request
             status = request.status
+            samples = item.samples
             if status is running:
-                request.num_inflight_tokens -= item.num_new_tokens
+                n = item.num_new_tokens
+                request.num_inflight_tokens -= n
                 before = request.num_computed_tokens
-                request.num_computed_tokens = after = before + item.num_new_tokens
-            elif not (status is preempted and item.samples):
+                request.num_computed_tokens = after = before + n
+            elif not (status is preempted and samples):
                 continue  # aborted, failed, or finished by the token of an earlier step
-            if item.samples:
+            if samples:
                 request.num_pending_tokens -= 1
-                token = sampled.get(request.request_id)
+                token = get(request.request_id)
                 if token is None:
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = "the engine returned no sampled token for this request"
                 else:
                     tokens = request.all_token_ids
                     tokens.append(token)
-                    num_output = request.num_output_tokens
-                    params = request.sampling_params
-                    if token in request.stop_ids and num_output >= params.min_tokens:
+                    known = len(tokens)
+                    if token in request.stop_ids and (
+                            known - len(request.prompt_token_ids) >= request.sampling_params.min_tokens):
                         request.status = RequestStatus.FINISHED_STOPPED
-                    elif num_output >= params.max_tokens or len(tokens) >= max_model_len:
+                    elif known >= request.token_limit or known >= max_model_len:
                         request.status = RequestStatus.FINISHED_LENGTH
                     elif request.handoff:
                         request.status = RequestStatus.HANDED_OFF
             if status is running and after // block_size != before // block_size:
-                self.block_manager.cache_full_blocks(request)  # a block filled up: make it findable
+                cache_full_blocks(request)  # a block filled up: make it findable
             if request.status is not status:  # it finished just now
                 finished.append(request)
                 if status is preempted:  # preempted after its step was launched

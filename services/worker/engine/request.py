@@ -64,11 +64,14 @@ class Request:
     needs_token_history: bool = False
     stop_ids: frozenset[int] = frozenset()  # the ids that stop it (stop_token_ids, and eos unless ignored)
     handoff: bool = False  # a prefill worker's request: stops after its first token, its KV moves on
+    # len(all_token_ids) at which max_tokens is reached: one comparison per step on the hot path
+    token_limit: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
+        self.token_limit = len(self.prompt_token_ids) + p.max_tokens
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         self.needs_token_history = (p.repetition_penalty != 1.0 or bool(p.presence_penalty)
                                     or bool(p.frequency_penalty))
