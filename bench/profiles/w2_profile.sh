@@ -51,14 +51,17 @@ for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sle
 for i in $(seq 1 120); do grep -q "graphs captured" $RUN/worker-0.log 2>/dev/null && break; sleep 0.5; done
 WPID=$(python3 -c "import json; print(json.load(open('$RUN/pids.json'))['worker-0'])")
 GPID=$(python3 -c "import json; print(json.load(open('$RUN/pids.json'))['gateway'])")
-bench() {
+bench() {  # label seed: each run draws its own prompts (the same seed twice would hit the prefix cache)
   python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
-    --pids-file $RUN/pids.json --out "$OUT/w2_$1.json" 2>&1 | tail -6
+    --seed $2 --pids-file $RUN/pids.json --out "$OUT/w2_$1.json" 2>&1 | tail -6
 }
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_0.txt"
-bench run1
+nvidia-smi --query-gpu=timestamp,utilization.gpu,power.draw --format=csv,noheader -lms 100 > "$OUT/gpu_util_run1.csv" &
+SMI=$!
+bench run1 1
+kill $SMI
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_1.txt"
-bench run2
+bench run2 2
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_2.txt"
 py-spy dump --pid $WPID > "$OUT/worker_dump.txt" 2>&1
 py-spy dump --pid $GPID > "$OUT/gateway_dump.txt" 2>&1
@@ -67,12 +70,14 @@ PW=$!
 py-spy record --pid $GPID --rate 200 --output "$OUT/gateway_w2.svg" > "$OUT/pyspy_gateway.log" 2>&1 &
 PG=$!
 sleep 1
-bench run3_pyspy
+bench run3_pyspy 3
 kill -INT $PW $PG; wait $PW $PG
-py-spy record --pid $WPID --rate 200 --format raw --output "$OUT/worker_w2_raw.txt" > /dev/null 2>&1 &
+py-spy record --pid $WPID --native --rate 200 --format raw --output "$OUT/worker_w2_raw.txt" > /dev/null 2>&1 &
 PW=$!
-bench run4_pyspy_raw
-kill -INT $PW; wait $PW
+py-spy record --pid $GPID --rate 200 --format raw --output "$OUT/gateway_w2_raw.txt" > /dev/null 2>&1 &
+PG=$!
+bench run4_pyspy_raw 4
+kill -INT $PW $PG; wait $PW $PG
 kill -INT $UP; wait $UP
 python3 - "$OUT" <<'EOF'
 import json, sys, pathlib
@@ -97,5 +102,7 @@ print(json.dumps({"w2": rows, "thread_cpu_s": per_thread}, indent=1))
 (out / "summary.json").write_text(json.dumps({"w2": rows, "thread_cpu_s": per_thread}, indent=1))
 EOF
 cp $RUN/worker-0.log "$OUT/worker-0.log" 2>/dev/null
+grep -h triton_compile $RUN/*.log | cut -c1-160 | tail -40
+grep -h triton_compile $RUN/*.log > "$OUT/compiles.txt"
 (cd "$OUT" && tar czf all.tgz --remove-files $(ls | grep -v '^summary.json$\|\.svg$\|^all.tgz$'))
 ls -la "$OUT"

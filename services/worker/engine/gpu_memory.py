@@ -9,6 +9,7 @@ import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
+from services.worker.kernels.extend_attention import query_tiles
 
 log = structlog.get_logger("worker.memory")
 
@@ -30,7 +31,10 @@ def dry_run_peak_bytes(engine) -> int:
         block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        max_query_len=tokens, max_seq_len=tokens)
+        max_query_len=tokens, max_seq_len=tokens,
+        # The tiled launch, as every eager step has (step_inputs.py): its kernel variant is
+        # compiled here, before ready, not by the first request's step.
+        tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
     ids = torch.randint(0, mc.vocab_size, (tokens,), device=device)
     hidden = engine.model(ids, torch.arange(tokens, device=device), scratch.layers, meta)
     if hidden is not None:  # None on a pipeline stage before the last: no logits there

@@ -23,6 +23,10 @@ from services.worker.kernels.extend_attention import TILE_TOKENS
 MAX_GRAPH_TOKENS = 2048
 
 
+def _align(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     sizes = [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
     limit = min(max_tokens, MAX_GRAPH_TOKENS)
@@ -47,7 +51,11 @@ class MixedGraphRunner:
         self.max_graph_len = self.width * self.block_size
         self.max_tiles = T // TILE_TOKENS + S
         W, NT = self.width, self.max_tiles
-        n64, n32 = 3 * T + 3 * S, (S + 1) + S + 2 * NT + S * W
+        # Every region starts on a 16-byte boundary, as HostStep's parts do, so the kernels see
+        # the pointer alignment of eager steps and one compiled variant serves both.
+        self.cuts64 = np.cumsum([0, *(_align(n, 2) for n in (T, T, T, S, S, S))])
+        self.cuts32 = np.cumsum([0, *(_align(n, 4) for n in (S + 1, S, 2 * NT, S * W))])
+        n64, n32 = int(self.cuts64[-1]), int(self.cuts32[-1])
         self.n64 = n64
         self.nbytes = 8 * n64 + 4 * n32
         self.cuda = device.type == "cuda"
@@ -72,11 +80,11 @@ class MixedGraphRunner:
             b64, b32 = buf[:8 * self.n64].view(np.int64), buf[8 * self.n64:].view(np.int32)
         else:
             b64, b32 = buf[:8 * self.n64].view(torch.int64), buf[8 * self.n64:].view(torch.int32)
-        cuts64 = np.cumsum([0, T, T, T, S, S, S])
-        cuts32 = np.cumsum([0, S + 1, S, 2 * NT, S * W])
-        v = {name: b64[cuts64[i]:cuts64[i + 1]]
-             for i, name in enumerate(("tokens", "pos", "slots", "logits", "feed_dst", "feed_src"))}
-        v.update({name: b32[cuts32[i]:cuts32[i + 1]] for i, name in enumerate(("qsl", "seq_lens", "tiles", "tables"))})
+        cuts64, cuts32 = self.cuts64, self.cuts32
+        v = {name: b64[cuts64[i]:cuts64[i] + n] for i, (name, n) in enumerate(
+            (("tokens", T), ("pos", T), ("slots", T), ("logits", S), ("feed_dst", S), ("feed_src", S)))}
+        v.update({name: b32[cuts32[i]:cuts32[i] + n] for i, (name, n) in enumerate(
+            (("qsl", S + 1), ("seq_lens", S), ("tiles", 2 * NT), ("tables", S * W)))})
         v["tiles"] = v["tiles"].reshape(2, NT) if isinstance(buf, np.ndarray) else v["tiles"].view(2, NT)
         v["tables"] = v["tables"].reshape(S, W) if isinstance(buf, np.ndarray) else v["tables"].view(S, W)
         v["tables_at"] = 8 * self.n64 + 4 * int(cuts32[3])
@@ -114,8 +122,7 @@ class MixedGraphRunner:
 
     def launch(self, step: HostStep, last_ids: torch.Tensor | None = None):
         """Write the step into the static buffers, feed the tokens still on the device, replay."""
-        offs = np.cumsum((0, *step.lens))
-        part = [step.flat[offs[i]:offs[i + 1]] for i in range(len(step.lens))]
+        part = step.parts()
         T, n, nb = step.lens[0], step.n_seq, step.max_blocks
         t = next(x for x in self.buckets if x >= T)
         h, host = self.stages[self.turn], self.hosts[self.turn]

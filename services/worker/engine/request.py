@@ -66,6 +66,11 @@ class Request:
     handoff: bool = False  # a prefill worker's request: stops after its first token, its KV moves on
     # len(all_token_ids) at which max_tokens is reached: one comparison per step on the hot path
     token_limit: int = 0
+    # The sampler's logits processors: bias and penalties apply on every step; min_tokens only
+    # while outputs < min_tokens_masked, which is 0 when there are no stop ids to hide (a
+    # benchmark's ignore_eos + min_tokens must not cost a pass over the logits per step).
+    processes_logits: bool = False
+    min_tokens_masked: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -75,6 +80,8 @@ class Request:
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         self.needs_token_history = (p.repetition_penalty != 1.0 or bool(p.presence_penalty)
                                     or bool(p.frequency_penalty))
+        self.processes_logits = bool(p.logit_bias) or self.needs_token_history
+        self.min_tokens_masked = p.min_tokens if self.stop_ids else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -112,9 +112,7 @@ class Sampler:
     @staticmethod
     def _needs_processing(requests: list[Request]) -> bool:
         for r in requests:
-            p = r.sampling_params
-            if (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                    or (p.min_tokens and r.next_output_index < p.min_tokens)):
+            if r.processes_logits or (r.min_tokens_masked and r.next_output_index < r.min_tokens_masked):
                 return True
         return False
 
@@ -126,10 +124,8 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[row].index_add_(0, ids, bias)
-            if p.min_tokens and r.next_output_index < p.min_tokens:
-                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-                if stop:
-                    logits[row, torch.tensor(sorted(stop), device=logits.device)] = float("-inf")
+            if r.next_output_index < r.min_tokens_masked:
+                logits[row, torch.tensor(sorted(r.stop_ids), device=logits.device)] = float("-inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=logits.device)
                 vals = logits[row, seen]

@@ -36,6 +36,18 @@ class HostStep:
     max_query_len: int
     max_seq_len: int
 
+    def offsets(self) -> np.ndarray:
+        """Where each part starts in `flat`: on a 16-byte boundary (odd parts are padded), so a
+        kernel handed a view sees the same pointer alignment every step. Triton specialises on
+        it, and a new alignment would compile a kernel variant in the middle of serving."""
+        return np.cumsum((0, *((n + 1) & ~1 for n in self.lens)))
+
+    def parts(self, buf=None) -> list:
+        """The parts as views of `buf` (default: flat), in the order of `lens`."""
+        buf = self.flat if buf is None else buf
+        offs = self.offsets()
+        return [buf[offs[i]:offs[i] + n] for i, n in enumerate(self.lens)]
+
     def fields(self) -> list[int]:
         return [self.n_seq, self.max_blocks, self.max_query_len, self.max_seq_len, *self.lens]
 
@@ -94,7 +106,9 @@ def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | Non
     tiles = query_tiles(counts).reshape(-1)
     parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1),
              np.asarray(feed_dst, dtype=np.int64), np.asarray(feed_src, dtype=np.int64), tiles]
-    return HostStep(np.concatenate(parts), tuple(len(p) for p in parts), n_seq, max_blocks,
+    pad = np.zeros(1, dtype=np.int64)
+    padded = [q for p in parts for q in ((p, pad) if len(p) & 1 else (p,))]
+    return HostStep(np.concatenate(padded), tuple(len(p) for p in parts), n_seq, max_blocks,
                     int(counts.max()) if n_seq else 0, int(seq_lens.max()) if n_seq else 0)
 
 
@@ -106,8 +120,7 @@ def upload_step_inputs(step: HostStep, device: torch.device, pin: bool) -> StepI
         dev = host.to(device, non_blocking=True)
     else:
         dev = host
-    offs = np.cumsum((0, *step.lens))
-    view = [dev[offs[i]:offs[i + 1]] for i in range(len(step.lens))]
+    view = step.parts(dev)
     n_seq = step.n_seq
     meta = AttentionMetadata(
         slot_mapping=view[2],

@@ -49,7 +49,9 @@ def paged_decode_attention_ref(
     return o.reshape(n_seqs, n_q, head_dim).to(q.dtype)
 
 
-@triton.jit
+# The split count and the block table's width change between steps; specialising on them would
+# compile new variants while serving (seconds of the step thread each), for no gain.
+@triton.jit(do_not_specialize=["num_splits", "bt_stride", "pl_stride_b", "pl_stride_h"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     scale, num_splits,
@@ -115,7 +117,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + seq * pl_stride_b + heads * pl_stride_h + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "pl_stride_b", "pl_stride_h"])
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     po_stride_b, po_stride_h, po_stride_s, pl_stride_b, pl_stride_h, out_stride_b, out_stride_h,

@@ -51,7 +51,8 @@ def paged_extend_attention_ref(
     return out
 
 
-@triton.jit
+# The block table's width and the work list's length change every step (see rmsnorm.py).
+@triton.jit(do_not_specialize=["bt_stride", "tiles_stride"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale,

@@ -26,7 +26,9 @@ def fused_add_rmsnorm_ref(
     return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
-@triton.jit
+# The row count changes every eager step: specialising on it (== 1, % 16) would compile a
+# variant mid-serving for each new pattern.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, n_cols,
