@@ -129,9 +129,15 @@ def machine_summary(folder: Path) -> dict:
     gpu = (folder / "gpu.txt").read_text().split(",")[0].strip() if (folder / "gpu.txt").is_file() else ""
     out: dict = {"device": gpu, "date": datetime.date.today().isoformat(), "commit": os.environ.get("COMMIT", "")}
     if (w1 := load(folder, "w1.json")):
-        out["w1_tok_s"] = w1["decode_tokens_per_s"]
-    if (w1x := load(folder, "w1_overlap.json")):
-        out["w1_overlap_tok_s"] = w1x["decode_tokens_per_s"]
+        out["w1_tok_s"] = out["w1_plain_tok_s"] = w1["decode_tokens_per_s"]
+    if (w1x := load(folder, "w1_overlap.json")):  # overlapped steps: a GPU worker's default, so W1's figure
+        out["w1_tok_s"] = out["w1_overlap_tok_s"] = w1x["decode_tokens_per_s"]
+    if (k := load(folder, "kernels.json")):
+        b256 = [r["graph_us"] for r in k.get("results", [])
+                if r["kernel"] == "sampling" and r["shape"].startswith("B=256 ") and "plain" not in r["shape"]
+                and r.get("graph_us")]
+        if b256:
+            out["sampling_b256_us"] = max(b256)
     if (w2 := load(folder, "w2.json")):
         out["w2_total_tok_s"] = w2["summary"]["total_throughput"]
         cpu = w2.get("cpu") or {}
