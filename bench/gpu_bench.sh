@@ -13,7 +13,7 @@
 #     W1 with TP=2, W2 through HTTP with TP=2 and with PP=2.
 # x4: issue 11 on four GPUs (70B TP=4 / TP=2×PP=2, 2 prefill + 2 decode vs 4 mixed, W2 scaling 1/2/4).
 # WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults).
-# mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow).
+# mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow). gemv: bench/gemv_probe.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -41,6 +41,9 @@ if has probe; then
   python3 bench/load_probe.py "$MODEL" 2>&1 | grep -v '\[info' | tee "$OUT/load_probe.txt"
   for b in 256 1; do python3 bench/step_profile.py "$MODEL" $b 2>&1 | grep -v '\[info' | head -14; done
   python3 bench/step_profile.py "$MODEL" 64 0 mixed 2>&1 | grep -v '\[info' | head -30
+fi
+if has gemv; then  # the batch-1 GEMV against cuBLAS on the 8B shapes (W1's weight reads)
+  python3 bench/gemv_probe.py 2>&1 | grep -v '\[info' | tee "$OUT/gemv_probe.txt" | tail -40
 fi
 if has kernels; then
   python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40

@@ -58,8 +58,14 @@ bench() {  # label seed: each run draws its own prompts (the same seed twice wou
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_0.txt"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,power.draw --format=csv,noheader -lms 100 > "$OUT/gpu_util_run1.csv" &
 SMI=$!
+# Run 1 (a fresh stack, the figure W2 reports) under py-spy too, without pausing the processes.
+py-spy record --pid $WPID --native --nonblocking --rate 100 --format raw --output "$OUT/worker_run1_raw.txt" > /dev/null 2>&1 &
+P1=$!
+py-spy record --pid $GPID --nonblocking --rate 100 --format raw --output "$OUT/gateway_run1_raw.txt" > /dev/null 2>&1 &
+P2=$!
 bench run1 1
 kill $SMI
+kill -INT $P1 $P2; wait $P1 $P2
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_1.txt"
 bench run2 2
 { threads $WPID worker; threads $GPID gateway; } > "$OUT/threads_2.txt"
