@@ -12,17 +12,28 @@ from services.worker.kernels.rope import rope_cos_sin_cache
 
 
 class Linear(nn.Module):
-    """y = x Wᵀ (+ b) with uninitialised parameters: the loader fills them. (nn.Linear and
-    nn.Embedding initialise at construction, which on the meta device pulls in torch._dynamo:
-    seconds of start-up for nothing.)"""
+    """y = x Wᵀ (+ b) through the ops (a GEMV kernel at decode sizes), with uninitialised
+    parameters: the loader fills them. (nn.Linear and nn.Embedding initialise at construction,
+    which on the meta device pulls in torch._dynamo: seconds of start-up for nothing.) The ops
+    come at construction, not in forward(x): hooks on the module (tensor parallelism's
+    all-reduce) see a plain call."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, ops: TorchOps, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.ops = ops
 
     def forward(self, x):
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class SiluMulLinear(Linear):
+    """The down projection, fed the gate/up projection's [gate | up] output: linear(silu(gate) *
+    up), which the ops may fuse into one kernel."""
+
+    def forward(self, x):
+        return self.ops.silu_mul_linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -35,7 +46,7 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -44,8 +55,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         # q, k and v in one GEMM: the rows are [q | k | v], filled by the loader from three tensors.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, ops, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, ops)
         self.q_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
 
@@ -66,24 +77,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
         # gate and up in one GEMM: rows [gate | up].
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, ops)
+        self.down_proj = SiluMulLinear(cfg.intermediate_size, cfg.hidden_size, ops)
 
-    def forward(self, x, ops: TorchOps):
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x):
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta, ops: TorchOps):
         if residual is None:
@@ -93,7 +104,7 @@ class DecoderLayer(nn.Module):
             h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm, self.eps)
         h = self.self_attn(h, positions, cos_sin, kv_cache, meta, ops)
         h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h, ops), residual
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
@@ -104,7 +115,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -126,4 +137,4 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return torch.matmul(hidden, head.t()).float()
+        return self.ops.linear(hidden, head).float()

@@ -6,8 +6,10 @@ the batcher nor the KV manager.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.kernels import decode_attention, extend_attention, rmsnorm, rope, sampling, silu_mul
+from services.worker.kernels import decode_attention, extend_attention, gemv, rmsnorm, rope, sampling, silu_mul
 
 
 class TorchOps:
@@ -24,6 +26,13 @@ class TorchOps:
     def silu_mul(self, x):
         return silu_mul.silu_mul_ref(x)
 
+    def linear(self, x, weight, bias=None):
+        return gemv.linear_ref(x, weight, bias)
+
+    def silu_mul_linear(self, x, weight, bias=None):
+        """The MLP's down projection of the [gate | up] output."""
+        return gemv.silu_mul_linear_ref(x, weight, bias)
+
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
@@ -36,7 +45,8 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """Triton kernels for every op of the step; GEMMs stay with cuBLAS through torch."""
+    """Triton kernels for every op of the step; GEMMs of more than a few rows (prefill, large
+    decode batches) stay with cuBLAS through torch."""
 
     name = "triton"
 
@@ -48,6 +58,16 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, x):
         return silu_mul.silu_mul(x)
+
+    def linear(self, x, weight, bias=None):
+        if x.shape[0] <= gemv.MAX_ROWS:
+            return gemv.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def silu_mul_linear(self, x, weight, bias=None):
+        if x.shape[0] <= gemv.FUSED_SILU_MAX_ROWS:
+            return gemv.silu_mul_linear(x, weight, bias)
+        return self.linear(silu_mul.silu_mul(x), weight, bias)
 
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,202 @@
+"""Linear layers of a few rows (decode steps): y = x Wᵀ (+ b) that streams each weight row once.
+
+At M = 1..8 rows a projection is a read of its weight matrix and nothing else, so the kernel is
+built for bandwidth, not for FLOPs: each program owns `block_n` output rows and streams their
+whole K, row-major weights read with 16-byte vector loads, `num_stages - 1` loop steps in flight
+through a cp.async ring in shared memory; x is a few KB and is read from L2. The K loop is split
+between the program's warps (each warp a slice of every row's tile, summed once at the end): no
+split-K across programs, so no workspace, no second kernel and a deterministic sum. cuBLAS takes
+larger M (see `MAX_ROWS`); `bench/gemv_probe.py` times both and the block sizes below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from services.worker.kernels._common import FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor
+from services.worker.kernels.silu_mul import silu_mul_ref
+
+# Past this many rows cuBLAS's tiles reuse each weight load across rows, which this kernel does
+# not: TritonOps sends larger inputs to cuBLAS.
+MAX_ROWS = 8
+# Every program recomputes the activation of the columns it reads: at more rows of x that costs
+# more ALU time than the separate silu_mul launch it saves.
+FUSED_SILU_MAX_ROWS = 2
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, 2K] = [gate | up] -> linear(silu(gate) * up): the MLP's down projection."""
+    return F.linear(silu_mul_ref(x), weight, bias)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int     # output rows per program
+    block_k: int     # weight columns per loop step (a multiple of one warp's 32 vectors)
+    num_stages: int  # loop steps in flight, counting the one being summed
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            check(value > 0 and value & (value - 1) == 0, "{} must be a power of two, got {}", name, value)
+        check(self.num_stages >= 1, "num_stages must be at least 1, got {}", self.num_stages)
+
+
+def _vector(dtype: torch.dtype) -> int:
+    """Elements per 16-byte load."""
+    return 16 // dtype.itemsize
+
+
+def _num_warps(block_k: int, dtype: torch.dtype) -> int:
+    # Every warp spans at least one row of 32 vectors of the tile, so the loads, the products and
+    # the accumulator share one layout (warps along K only): no shuffle through shared memory
+    # inside the loop, which a layout change would cost.
+    return max(1, min(8, block_k // (32 * _vector(dtype))))
+
+
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
+    """Block sizes from the shape alone (graph capture allows no tuning at run time); the choices
+    to compare on an H100 are bench/gemv_probe.py's. Up to 8192 rows (qkv, o_proj, down_proj),
+    4 rows and 2 warps a program: 1024-1536 programs, all resident at once (one wave, so none
+    waits for a second round); past that (gate_up, the LM head) there are many waves anyway and
+    8 rows a program halve the reads of x."""
+    vec = _vector(dtype)
+    small_n = n <= 8192
+    block_k = (64 if small_n else 128) * vec
+    block_k = min(block_k, max(32 * vec, triton.next_power_of_2(k)))
+    # An fp32 accumulator per x row and weight row in every thread: at 4+ rows of x, 8 weight
+    # rows would pass 100 registers and halve the programs an SM holds.
+    block_n = 4 if small_n or m > 2 else 8
+    return GemvConfig(block_n=block_n, block_k=block_k, num_stages=3)
+
+
+@triton.jit
+def _halves(t):
+    """[A, B, 2C] -> its even and its odd columns, each [A, B, C] (a thread's own registers)."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
+
+
+@triton.jit
+def _fma_runs(acc, x, w, RUN: tl.constexpr):
+    """acc [M, N, C] + the sums of x [M, 1, RUN*C] * w [1, N, RUN*C] over runs of RUN adjacent
+    columns: one fma per product, chained in a thread's registers. (A tl.sum over the run would
+    cost a mul and an add per product; a [M, N, RUN*C] accumulator, RUN times the registers.)"""
+    if RUN == 1:
+        acc = tl.fma(x, w, acc)
+    else:
+        x_even, x_odd = _halves(x)
+        w_even, w_odd = _halves(w)
+        acc = _fma_runs(acc, x_even, w_even, RUN // 2)
+        acc = _fma_runs(acc, x_odd, w_odd, RUN // 2)
+    return acc
+
+
+# Nothing here changes per step: N, K and the strides come with the layer, M with the batch (of
+# its values Triton singles out only 1, which has its own BLOCK_M anyway), so the graph buckets'
+# warm-up compiles every variant serving will launch.
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K,
+    x_stride, w_stride, out_stride,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    # Rows past the end of x and W are clamped onto the last real one (read, never stored), so
+    # the loads need no row mask. 64-bit offsets: an LM head can pass 2^31 elements.
+    w_rows = tl.minimum(rows, N - 1).to(tl.int64)
+    x_rows = tl.minimum(m, M - 1).to(tl.int64)
+    # One 3-D layout for everything in the loop: [x row, weight row, column].
+    w_ptrs = w_ptr + w_rows[None, :, None] * w_stride + cols[None, None, :]
+    x_ptrs = x_ptr + x_rows[:, None, None] * x_stride + cols[None, None, :]
+    act_ty = x_ptr.dtype.element_ty
+
+    # A thread's products of each VEC-column vector are chained into one accumulator: with the
+    # step one vector a thread (BLOCK_K = 32 * VEC * warps), BLOCK_M * BLOCK_N registers.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    # An explicit num_stages makes Triton pipeline these loads (no tl.dot in the loop) through
+    # cp.async into shared memory: NUM_STAGES - 1 steps in flight while one is summed.
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        in_k = None if EVEN_K else (k + cols < K)[None, None, :]
+        zero = None if EVEN_K else 0.0
+        w = tl.load(w_ptrs + k, mask=in_k, other=zero)
+        xk = tl.load(x_ptrs + k, mask=in_k, other=zero)
+        if SILU_MUL:
+            # x is [gate | up]: the activation is made here, rounded exactly as silu_mul.py
+            # rounds it (silu to the activation dtype, then the product), so the sum is the
+            # unfused path's bit for bit. A masked column is silu(0) * 0 = 0.
+            up = tl.load(x_ptrs + K + k, mask=in_k, other=zero)
+            gate = xk.to(tl.float32)
+            act = cast_rtne(gate / (1.0 + tl.exp(-gate)), act_ty).to(tl.float32)
+            xk = cast_rtne(act * up.to(tl.float32), act_ty)
+        acc = _fma_runs(acc, xk.to(tl.float32), w.to(tl.float32), VEC)
+
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + w_rows).to(tl.float32)[None, :]
+    mask = (m < M)[:, None] & (rows < N)[None, :]
+    tl.store(out_ptr + m[:, None] * out_stride + rows[None, :], cast_rtne(y, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None) -> torch.Tensor:
+    check_tensor(weight, "weight", ndim=2, dtypes=(x.dtype,), device=x.device)
+    m, n = x.shape[0], weight.shape[0]
+    check_shape(weight, "weight", (n, k))
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
+        check_shape(bias, "bias", (n,))
+    check(m <= MAX_ROWS, "{} rows is past the GEMV's {} (use cuBLAS)", m, MAX_ROWS)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    config = config or gemv_config(m, n, k, x.dtype)
+    vec = _vector(x.dtype)
+    check(config.block_k >= vec, "block_k {} is under one {}-element vector", config.block_k, vec)
+    grid = (triton.cdiv(n, config.block_n),)
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, VEC=vec,
+        NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, x.dtype),
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: GemvConfig | None = None) -> torch.Tensor:
+    """x: [M <= MAX_ROWS, K] (row stride free, last dim contiguous), weight [N, K] (same),
+    bias [N] or None, all one dtype -> new [M, N] tensor in x.dtype, summed in fp32."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    return _launch(x, weight, bias, x.shape[1], False, config)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    config: GemvConfig | None = None) -> torch.Tensor:
+    """x: [M <= MAX_ROWS, 2K] = [gate | up], weight [N, K] -> linear(silu_mul(x), weight, bias),
+    the activation made on the fly (no [M, K] tensor written and read back, no extra launch)."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    check(x.shape[1] % 2 == 0, "x's last dimension must be even (gate | up), got {}", x.shape[1])
+    return _launch(x, weight, bias, x.shape[1] // 2, True, config)
