@@ -59,7 +59,7 @@ bench() {  # label seed: each run draws its own prompts (the same seed twice wou
 nvidia-smi --query-gpu=timestamp,utilization.gpu,power.draw --format=csv,noheader -lms 100 > "$OUT/gpu_util_run1.csv" &
 SMI=$!
 # Run 1 (a fresh stack, the figure W2 reports) under py-spy too, without pausing the processes.
-py-spy record --pid $WPID --native --nonblocking --rate 100 --format raw --output "$OUT/worker_run1_raw.txt" > /dev/null 2>&1 &
+py-spy record --pid $WPID --nonblocking --rate 100 --format raw --output "$OUT/worker_run1_raw.txt" > /dev/null 2>&1 &
 P1=$!
 py-spy record --pid $GPID --nonblocking --rate 100 --format raw --output "$OUT/gateway_run1_raw.txt" > /dev/null 2>&1 &
 P2=$!
