@@ -110,13 +110,13 @@ def test_rejects_bad_arguments(device):
 
 
 def test_ops_route_by_row_count(device):
-    """TritonOps: the GEMV up to MAX_ROWS rows, the fused activation up to FUSED_SILU_MAX_ROWS,
+    """TritonOps: the GEMV up to DISPATCH_MAX_ROWS rows, the fused activation up to FUSED_SILU_MAX_ROWS,
     cuBLAS (torch) past them; TorchOps is torch throughout."""
     w = torch.randn(24, 40, device=device)
     triton_ops, torch_ops = TritonOps(), TorchOps()
-    for m in (1, K.MAX_ROWS, K.MAX_ROWS + 3):
+    for m in (1, K.DISPATCH_MAX_ROWS, K.DISPATCH_MAX_ROWS + 1, K.MAX_ROWS + 3):
         x = torch.randn(m, 40, device=device)
-        expected = K.linear(x, w) if m <= K.MAX_ROWS else torch.nn.functional.linear(x, w)
+        expected = K.linear(x, w) if m <= K.DISPATCH_MAX_ROWS else torch.nn.functional.linear(x, w)
         assert torch.equal(triton_ops.linear(x, w), expected)
         assert torch.equal(torch_ops.linear(x, w), torch.nn.functional.linear(x, w))
     for m in (1, K.FUSED_SILU_MAX_ROWS + 1, K.MAX_ROWS + 1):

@@ -60,7 +60,7 @@ class TritonOps(TorchOps):
         return silu_mul.silu_mul(x)
 
     def linear(self, x, weight, bias=None):
-        if x.shape[0] <= gemv.MAX_ROWS:
+        if x.shape[0] <= gemv.DISPATCH_MAX_ROWS:
             return gemv.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 

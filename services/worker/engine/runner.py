@@ -15,6 +15,16 @@ from services.worker.engine.sampler import PendingSample, Sampler
 from services.worker.engine.step_inputs import NUM_FIELDS, HostStep, pack_step_inputs, upload_step_inputs
 
 
+def logits_rows(m: int) -> int:
+    """Rows the LM head computes for m sampled rows: m itself up to 4 (the GEMV's), then a
+    power of two up to 64, then a multiple of 64 (at most 63 padded rows, ~6 % at a thousand)."""
+    if m <= 4:
+        return m
+    if m <= 64:
+        return 1 << (m - 1).bit_length()
+    return -(-m // 64) * 64
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  group=None):
@@ -48,12 +58,24 @@ class ModelRunner:
         hidden, rows = self._forward(step)
         if not sampling:
             return None
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self._logits(hidden, rows)
         pending = self.sampler(logits, sampling)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
         self._last_ids, self._last_sampling = pending.token_ids, sampling
         return pending
+
+    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        """The LM head over the sampled rows, padded to a few row counts: its output is the
+        step's largest tensor ([rows, vocab]), and a new row count every step (a batch that grows
+        or shrinks by one) made the allocator map fresh memory and cuBLAS plan a fresh shape on
+        the step thread, ~10 ms a step until every count had been seen once (W2 on a new worker)."""
+        h = hidden[rows]
+        m = h.shape[0]
+        b = logits_rows(m)
+        if b != m:
+            h = torch.nn.functional.pad(h, (0, 0, 0, b - m))
+        return self.model.compute_logits(h)[:m]
 
     def _forward(self, step: GraphStep | HostStep):
         """The model on this rank: (hidden states, the rows to sample); hidden is None on a
@@ -93,7 +115,7 @@ class ModelRunner:
         hidden, rows = self._forward(step)
         n = message.num_logits
         if n and hidden is not None:
-            self.model.compute_logits(hidden[rows])
+            self._logits(hidden, rows)
         if message.share_ids and n:
             ids = torch.empty(n, dtype=torch.int64, device=self.device)
             self._last_ids = self.group.broadcast_ids(ids)

@@ -21,9 +21,13 @@ import triton.language as tl
 from services.worker.kernels._common import FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor
 from services.worker.kernels.silu_mul import silu_mul_ref
 
-# Past this many rows cuBLAS's tiles reuse each weight load across rows, which this kernel does
-# not: TritonOps sends larger inputs to cuBLAS.
+# The most rows the kernel takes (an fp32 accumulator per row of x in every thread).
 MAX_ROWS = 8
+# Past this many rows cuBLAS's tiles reuse each weight load across rows, which this kernel does
+# not, so TritonOps sends larger inputs to cuBLAS. H100, 8B shapes (bench/gemv_probe.py): a decode
+# step's projections at 1 / 2 / 4 rows take 5.19 / 5.32 / 5.47 ms here against cuBLAS's 5.64 /
+# 5.66 / 5.73, but at 8 rows 6.09 against 5.69.
+DISPATCH_MAX_ROWS = 4
 # Every program recomputes the activation of the columns it reads: at more rows of x that costs
 # more ALU time than the separate silu_mul launch it saves.
 FUSED_SILU_MAX_ROWS = 2
