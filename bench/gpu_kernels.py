@@ -303,9 +303,16 @@ def case_sampling(batch: int, mode: str, device) -> Result:
     # Exact but for fp32 rounding at a threshold (sum order, exp's last bit): allow 1% of rows.
     allowed = max(1, batch // 100) if batch > 1 else 0
     res.rel_err = mismatches / batch
-    res.note = f"{mismatches} of {batch} rows differ"
+    # How many times the kernels read each row in full: the path each row took (1: no filter;
+    # 2: the bound from pass 1 fit the buffer; 3: the first Gumbel winner was checked; more: rejections
+    # or the top-k select). The time is of calls without this count.
+    reads = torch.zeros(batch, dtype=torch.int32, device=device)
+    same = bool(torch.equal(K.sample(*args, reads=reads), got))
+    hist = {int(n): int(c) for n, c in zip(*torch.unique(reads, return_counts=True))}
+    res.extra["reads_per_row"] = hist
+    res.note = f"{mismatches} of {batch} rows differ; rows by reads {hist}"
     nbytes = logits.numel() * 4 + batch * 8 * 5
-    return finish(res, lambda: K.sample(*args), nbytes, greedy_ok and mismatches <= allowed
+    return finish(res, lambda: K.sample(*args), nbytes, greedy_ok and same and mismatches <= allowed
                   and bool(((got >= 0) & (got < VOCAB)).all()))
 
 

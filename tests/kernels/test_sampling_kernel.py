@@ -163,8 +163,8 @@ def test_reference_top_p_frequencies_are_renormalised():
 
 
 def test_large_vocab_multi_tile(device):
-    """5000 tokens: two 4096 tiles per pass, simple rows split over the vocabulary, kept sets both
-    small enough to compact (top-k 100, top-p on peaked rows) and too large to (top-k 4500)."""
+    """5000 tokens: three 2048 tiles per read, simple rows split over the vocabulary, kept sets both
+    small enough for the buffer (top-k 100, top-p on peaked rows) and too large for it (top-k 4500)."""
     logits = torch.randn(6, 5000, device=device) * 4
     t = torch.tensor([1.0, 0.6, 1.0, 0.0, 1.2, 1.0], device=device)
     k = torch.tensor([0, 100, 20, 0, 0, 4500], dtype=torch.int32, device=device)
@@ -177,6 +177,118 @@ def test_large_vocab_multi_tile(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=1), want)
 
 
+def _draws(row, n, device, block_v, num_splits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """n draws from one row (one seed, offsets 0..n-1: only the noise changes), kernel and reference;
+    also how many times the kernel read each row. The launch shape is explicit: its default depends
+    on the device's SM count, and a row's path depends on it (through pass 1's chunks)."""
+    t, k, p, mp = _params(n, device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    seeds = torch.full((n,), 77, dtype=torch.int64, device=device)
+    offsets = torch.arange(n, device=device)
+    logits = row.to(device).expand(n, -1).contiguous()
+    reads = torch.zeros(n, dtype=torch.int32, device=device)
+    got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits, reads=reads)
+    return got, K.sample_ref(logits, t, k, p, mp, seeds, offsets), reads.tolist()
+
+
+def _peaked(vocab, seed=0):
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _flat(vocab, seed=0):
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=5), dict(min_p=0.3), dict(top_k=20, top_p=0.8),
+                                     dict(top_k=5, top_p=0.9, min_p=0.1), dict(top_p=0.5, min_p=0.02)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bound_from_pass_one_fits_the_buffer(filters, num_splits, device):
+    """The usual case: the group maxima of pass 1 bound the kept set from below tightly enough that
+    one more read puts every token above the bound in the buffer (64 here), where all is exact."""
+    got, want, reads = _draws(_peaked(1000), 12, device, block_v=64, num_splits=num_splits, **filters)
+    assert torch.equal(got, want)
+    assert reads == [2] * 12
+
+
+@pytest.mark.parametrize("filters,longest", [(dict(top_p=0.9), 4), (dict(top_p=0.3), 5), (dict(top_k=150), 5),
+                                             (dict(min_p=0.1, top_p=0.3), 5)])
+def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, device):
+    """Flat rows keep far more than the buffer: the bound's set yields its Gumbel winner, accepted
+    (3 reads) or rejected, and the next read checks the winner above it (tiles both dense and sparse
+    in the set, so noise is drawn in place and through the buffer, with refills)."""
+    got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, **filters)
+    assert torch.equal(got, want)
+    assert min(reads) == 3 and max(reads) >= longest
+
+
+def test_chain_ends_in_the_buffer_after_rejections(device):
+    """Ten tokens at +3, all in one lane (pass 1's group maxima see one of them), 38 at +1.5 and the
+    rest at -3: top-p 0.4 keeps the ten, but neither bound from pass 1 excludes the 38 (the groups
+    hold too little mass; the -3s, not the +1.5s, fall below m + log((1 - p) Z / V)). A winner at +1.5
+    (about half of the draws) is rejected, and the ten above it fit: the buffer finishes the row."""
+    row = torch.full((512,), -3.0)
+    row[1:41] = 1.5
+    row[0:160:16] = 3.0
+    got, want, reads = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4)
+    assert torch.equal(got, want)
+    assert set(want.tolist()) <= set(range(0, 160, 16)) and len(set(want.tolist())) > 3
+    assert reads == [3] * 12
+
+
+def test_loose_min_p_is_the_only_filter(device):
+    """min-p alone keeping more than the buffer: its set is exact from the first scan, so the first
+    winner is always kept."""
+    got, want, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2)
+    assert torch.equal(got, want)
+    assert reads == [3] * 8
+
+
+@pytest.mark.parametrize("vocab,block_v", [(1024, 32), (256, 16)])
+def test_top_k_with_top_p_beyond_the_bound(vocab, block_v, device):
+    """Top-k and top-p with a top-k set the bound leaves larger than the buffer: t_k by bisection over
+    the row, until the set fits (k 30 <= 32 tokens) or exactly (k 30 > 16), then the chain for top-p."""
+    got, want, reads = _draws(_peaked(vocab), 12, device, block_v=block_v, num_splits=1, top_k=30, top_p=0.8)
+    assert torch.equal(got, want)
+    assert min(reads) > 3
+
+
+def test_large_buffer_finish(device):
+    """More than 256 tokens in the buffer: the finish runs on the full tile, not the small one."""
+    got, want, reads = _draws(_peaked(2048), 6, device, block_v=512, num_splits=2, top_k=300, top_p=0.95)
+    assert torch.equal(got, want)
+    assert reads == [2] * 6
+
+
+@pytest.mark.parametrize("filters", [dict(top_p=0.5), dict(top_k=40), dict(top_k=70, top_p=0.7, min_p=0.05)])
+def test_ties_and_masked_tokens_in_the_chain(filters, device):
+    """Logits rounded to a few values (ties at every bound: counts and masses are of tokens strictly
+    above a winner) and a third of the vocabulary at -inf (never in a set, never drawn)."""
+    row = (_flat(768) * 4).round() / 2
+    row[::3] = float("-inf")
+    got, want, reads = _draws(row, 12, device, block_v=32, num_splits=2, **filters)
+    assert torch.equal(got, want)
+    assert max(reads) >= 3
+
+
+def test_batch_of_every_path(device):
+    """Rows taking every path in one launch (plain, greedy, the bound, the chain, the t_k bisection),
+    each equal to the reference and to the same row drawn alone."""
+    rows = torch.stack([_peaked(1024, 1), _peaked(1024, 2), _flat(1024, 3), _flat(1024, 4), _peaked(1024, 5),
+                        _flat(1024, 6)]).to(device)
+    t = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 1.0], device=device)
+    k = torch.tensor([0, 5, 0, 100, 30, 0], dtype=torch.int32, device=device)
+    p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.8, 1.0], device=device)
+    mp = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.0, 0.3], device=device)
+    seeds, offsets = _seeds(6, device), torch.arange(6, device=device)
+    reads = torch.zeros(6, dtype=torch.int32, device=device)
+    got = K.sample(rows, t, k, p, mp, seeds, offsets, block_v=32, num_splits=2, reads=reads)
+    assert torch.equal(got, K.sample_ref(rows, t, k, p, mp, seeds, offsets))
+    assert reads[:2].tolist() == [1, 1] and min(reads[2:].tolist()) >= 2 and reads[4].item() > 3
+    for i in range(6):
+        one = slice(i, i + 1)
+        assert torch.equal(K.sample(rows[one], t[one], k[one], p[one], mp[one], seeds[one], offsets[one],
+                                    block_v=32, num_splits=2), got[one])
+
+
 def test_rejects_bad_arguments(device):
     logits = torch.randn(2, 50, device=device)
     t, k, p, mp = _params(2, device)
@@ -185,3 +297,5 @@ def test_rejects_bad_arguments(device):
         K.sample(logits, t[:1], k, p, mp, seeds, offsets)
     with pytest.raises(ValueError, match="seeds"):
         K.sample(logits, t, k, p, mp, seeds.int(), offsets)
+    with pytest.raises(ValueError, match="reads"):
+        K.sample(logits, t, k, p, mp, seeds, offsets, reads=torch.zeros(2, dtype=torch.int64, device=device))

@@ -1,7 +1,7 @@
 """Batched, per-request-seeded sampling (greedy, temperature, top-k, top-p, min-p): kernels and reference.
 
-Semantics, shared exactly by the sort-based reference and the threshold-based kernels
-(inv_t = 1 / T and l = logits * inv_t in fp32, m = max l, e = exp(l - m), so e_max = 1):
+Semantics, shared exactly by the sort-based reference and the kernels (which never sort: see the
+kernel section), with inv_t = 1 / T and l = logits * inv_t in fp32, m = max l, e = exp(l - m):
 - temperature <= 0: argmax of the raw logits, ties to the lowest index.
 - top-k (0 < k < V): keep l >= t_k, t_k = the k-th largest l (every token tied with it is kept).
 - top-p (p < 1): within the top-k set K, with Z = sum_K e, keep l >= s_p where s_p is the largest
@@ -11,8 +11,10 @@ Semantics, shared exactly by the sort-based reference and the threshold-based ke
 - the draw: argmax over kept tokens of l + Gumbel noise -log(-log(u)), u from a counter-based hash
   of (seed, offset, token index): a request's draw at output position `offset` never depends on
   the rest of the batch.
-The two can disagree only where a threshold's mass lands within fp32 rounding of p * Z, or exp
-differs in its last bit at a min-p boundary, and even then only if the boundary token wins the draw.
+The two can disagree only where a threshold's mass lands within fp32 rounding of p * Z (the kernels
+sum e in fp32, in their own order, and weigh the mass above candidate tokens as well as above
+thresholds), or exp differs in its last bits at a min-p boundary, and even then only if the
+boundary token wins the draw.
 """
 
 from __future__ import annotations
@@ -119,6 +121,27 @@ def sample_ref(
 
 
 # --- the kernel ----------------------------------------------------------------------------
+#
+# Pass 1 reads each row once, cut into vocabulary chunks (one program each): rows without filters
+# draw there; filtered rows gather m, Z and the maxima of interleaved lane groups (u, a sample of
+# the row's largest values). Every filter keeps an upper set {l >= T} and the draw is a Gumbel
+# argmax, so T is never needed over the whole row:
+# - pass 2 ("scan") reads the row for the tokens at or above a lower bound of T (top-k: the k-th
+#   largest of u; top-p: where u alone holds p of the mass, or m + log((1 - p) Z / V) if higher;
+#   min-p: its own test) and keeps them in a one-tile buffer, where the exact thresholds and the
+#   draw cost no more reads;
+# - a set too large for the buffer yields its Gumbel winner w instead. w is kept iff fewer than k
+#   tokens and less than p * Z of the mass lie strictly above l_w, and then w is the draw (the argmax
+#   over a subset holding w); else every kept token lies above l_w, and the next scan, which counts
+#   and weighs that set, also yields its winner. Each rejection shrinks the set; once it fits, the
+#   buffer finishes the row;
+# - with top-k and top-p, Z is the top-k set's mass, so that whole set must be in the buffer (or t_k
+#   known): when the bound leaves it too large, a select over the row finds t_k first.
+
+_NONE = tl.constexpr(2**31 - 1)  # "no token yet" in a running argmax
+_DENSE = tl.constexpr(4)  # a tile with more than 1/_DENSE of its tokens in the set draws in place
+_BINS = tl.constexpr(256)  # key ranges counted per read by the top-k select over the row
+
 
 @triton.jit
 def _lowbias32(x):
@@ -176,7 +199,7 @@ def _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab):
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
     use_min_p = min_p > 0.0
-    # Rows with no filter need no max and no thresholds: one pass (or one split pass) suffices.
+    # Rows with no filter need no max and no thresholds: pass 1 draws them.
     simple = greedy | ((use_k | use_p | use_min_p) == 0)
     inv_t = tl.div_rn(1.0, tl.where(greedy, 1.0, temp))
     return greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p
@@ -194,191 +217,286 @@ def _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx):
 
 
 @triton.jit
-def _sample_split_kernel(
+def _stats_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
-    part_score_ptr, part_idx_ptr, vocab, chunk, num_splits,
-    BLOCK_V: tl.constexpr,
+    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, vocab, chunk, num_splits,
+    NL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The simple rows' pass, cut into num_splits chunks of the vocabulary (one program each)."""
+    """Pass 1 over one vocabulary chunk of one row. Rows without filters: the chunk's best draw
+    (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), and NL maxima of lane
+    groups, group j being lanes j, j + NL, ... (interleaved: neighbouring token ids, often alike,
+    fall in different groups)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy, simple, inv_t, _, _, _, _, _ = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
-    if simple == 0:
-        return
-    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
     base = logits_ptr + row * logits_stride
     cols = tl.arange(0, BLOCK_V)
     start = split * chunk
     end = tl.minimum(start + chunk, vocab)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = start + cols
-    for v0 in range(start, end, BLOCK_V):
-        idx = v0 + cols
-        valid = idx < end
-        x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
-    s_max = tl.max(best, axis=0)
-    tl.store(part_score_ptr + row * num_splits + split, s_max)
-    tl.store(part_idx_ptr + row * num_splits + split, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
-
-
-@triton.jit
-def _accumulate(l, probe, m, n_ge, mass, up, down, MASS: tl.constexpr):
-    ge = l >= probe
-    n_ge += ge.to(tl.int32)
-    if MASS:
-        mass += tl.where(ge, tl.exp(l - m), 0.0)
-    up = tl.minimum(up, tl.where(ge, l, float("inf")))
-    down = tl.maximum(down, tl.where(ge, float("-inf"), l))
-    return n_ge, mass, up, down
-
-
-@triton.jit
-def _probe_stats(base, cand_l_ptr, use_cand, n_cand, vocab, inv_t, m, probe,
-                 MASS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """For l >= probe: count, mass (sum of e), smallest l; and the largest l below the probe.
-    Over the compacted candidates when there are some, else over the whole row."""
-    cols = tl.arange(0, BLOCK_V)
-    n_ge = tl.zeros([BLOCK_V], tl.int32)
-    mass = tl.zeros([BLOCK_V], tl.float32)
-    up = tl.full([BLOCK_V], float("inf"), tl.float32)
-    down = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    if use_cand != 0:
-        l = tl.load(cand_l_ptr + cols, mask=cols < n_cand, other=float("-inf"))
-        n_ge, mass, up, down = _accumulate(l, probe, m, n_ge, mass, up, down, MASS)
-    else:
-        for v0 in range(0, vocab, BLOCK_V):
+    part = row * num_splits + split
+    if simple:
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_idx = start + cols
+        for v0 in range(start, end, BLOCK_V):
             idx = v0 + cols
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            n_ge, mass, up, down = _accumulate(x * inv_t, probe, m, n_ge, mass, up, down, MASS)
-    return tl.sum(n_ge, axis=0), tl.sum(mass, axis=0), tl.min(up, axis=0), tl.max(down, axis=0)
+            valid = idx < end
+            x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
+            best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
+        s_max = tl.max(best, axis=0)
+        tl.store(part_score_ptr + part, s_max)
+        tl.store(part_idx_ptr + part, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
+    else:
+        # Per lane: a running max and the sum of exp(l - that max), rescaled when the max grows.
+        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_z = tl.zeros([BLOCK_V], tl.float32)
+        for v0 in range(start, end, BLOCK_V):
+            idx = v0 + cols
+            l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+            new_max = tl.maximum(lane_max, l)
+            ref = tl.where(new_max > float("-inf"), new_max, 0.0)  # a lane all -inf so far sums nothing
+            lane_z = lane_z * tl.exp(lane_max - ref) + tl.exp(l - ref)
+            lane_max = new_max
+        m = tl.max(lane_max, axis=0)
+        lane_z = tl.where(lane_max > float("-inf"), lane_z * tl.exp(lane_max - m), 0.0)
+        tl.store(part_score_ptr + part, m)
+        tl.store(part_z_ptr + part, tl.sum(lane_z, axis=0))
+        group_max = tl.max(tl.reshape(lane_max, [BLOCK_V // NL, NL]), axis=0)
+        tl.store(part_u_ptr + part * NL + tl.arange(0, NL), group_max)
 
 
 @triton.jit
-def _compact(base, cand_l_ptr, cand_i_ptr, vocab, inv_t, threshold, BLOCK_V: tl.constexpr):
-    """Copies every l >= threshold (at most BLOCK_V of them) and its index, in index order."""
-    cols = tl.arange(0, BLOCK_V)
-    n = tl.zeros([], tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        idx = v0 + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        l = x * inv_t
-        take = (idx < vocab) & (l >= threshold)
-        pos = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(cand_l_ptr + pos, l, mask=take)
-        tl.store(cand_i_ptr + pos, idx, mask=take)
-        n += tl.sum(take.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the whole program reads what each of its threads wrote
-    return n
-
-
-@triton.jit
-def _select(base, cand_l_ptr, cand_i_ptr, use_cand, n_cand, vocab, inv_t, m, target, lo, hi, cnt_lo,
-            MASS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The largest data value t in [lo, hi] (order-preserving integer keys of l) with
-    stat(l >= t) >= target, stat = count or mass. Bisection with both ends snapped to data values
-    after each pass (lo up to the smallest l >= the probe, hi down to the largest l below it), so it
-    ends exactly, after about log2(distinct values) passes, at most 32. Invariant: stat(l >= lo) >=
-    target, the answer lies in [lo, hi], cnt_lo = count(l >= lo). Once at most BLOCK_V tokens are
-    >= lo, they are compacted and every later pass reads one tile instead of the row."""
+def _tile_select(v, w, target, lo, hi):
+    """The largest value t of v with sum(w[v >= t]) >= target, as an order key; lo if there is none
+    above lo (lo: a key that qualifies, or the -inf key). A bisection over keys within [lo, hi], both
+    ends snapped to values of v after each step, so it ends exactly, after about log2(distinct values)
+    steps, at most 32."""
     while lo < hi:
         probe = _key_float(lo + (hi - lo + 1) // 2)
-        n_ge, mass, up, down = _probe_stats(base, cand_l_ptr, use_cand, n_cand, vocab, inv_t, m, probe,
-                                            MASS, BLOCK_V)
-        if MASS:
-            take = mass >= target
-        else:
-            take = n_ge.to(tl.float32) >= target
+        ge = v >= probe
+        take = tl.sum(tl.where(ge, w, 0.0), axis=0) >= target
+        up = tl.min(tl.where(ge, v, float("inf")), axis=0)
+        down = tl.max(tl.where(ge, float("-inf"), v), axis=0)
         lo = tl.where(take, tl.minimum(_float_key(up).to(tl.int64), hi), lo)
-        cnt_lo = tl.where(take, n_ge, cnt_lo)
         hi = tl.where(take, hi, _float_key(down).to(tl.int64))
-        if (use_cand == 0) & (cnt_lo <= BLOCK_V) & (lo < hi) & (vocab > BLOCK_V):
-            n_cand = _compact(base, cand_l_ptr, cand_i_ptr, vocab, inv_t, _key_float(lo), BLOCK_V)
-            use_cand = tl.zeros([], tl.int32) + 1
-    return lo, cnt_lo, use_cand, n_cand
+    return lo
+
+
+@triton.jit
+def _better(l, idx, take, key, best_s, best_i):
+    """Folds the Gumbel argmax over the tokens in take into (best_s, best_i): ties go to the lowest
+    index, whatever order the tokens come in."""
+    score = tl.where(take, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
+    s = tl.max(score, axis=0)
+    i = tl.min(tl.where(take & (score == s), idx, _NONE), axis=0)
+    better = (s > best_s) | ((s == best_s) & (i < best_i))
+    return tl.where(better, s, best_s), tl.where(better, i, best_i)
+
+
+@triton.jit
+def _append(buf_l, buf_i, at, l, idx, take):
+    """Stores the tokens in take at buffer positions at, at + 1, ... in index order."""
+    pos = at + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(buf_l + pos, l, mask=take)
+    tl.store(buf_i + pos, idx, mask=take)
+
+
+@triton.jit
+def _drain(buf_l, buf_i, count, m, min_p, key, best_s, best_i, BLOCK_V: tl.constexpr):
+    """Folds the draw over the buffer's first count tokens into (best_s, best_i)."""
+    tl.debug_barrier()  # the program's stores are seen by all of its threads
+    cols = tl.arange(0, BLOCK_V)
+    ok = cols < count
+    l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
+    idx = tl.load(buf_i + cols, mask=ok, other=0)
+    best_s, best_i = _better(l, idx, ok & (tl.exp(l - m) >= min_p), key, best_s, best_i)
+    tl.debug_barrier()  # every thread has read before the buffer is refilled
+    return best_s, best_i
+
+
+@triton.jit
+def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, set_min_p, min_p, BLOCK_V: tl.constexpr):
+    """One read of the row for the set C = {l > beta} if strict else {l >= beta}, less the tokens
+    with e < set_min_p. Returns |C|, its mass (sum of e) and, when C does not fit in the buffer
+    (|C| > BLOCK_V), its Gumbel winner among tokens with e >= min_p (_NONE if none); a C that fits is
+    left in the buffer, in index order, for _finish. Noise is drawn only where C is: in place on
+    tiles dense in C, through the buffer in batches for the others."""
+    cols = tl.arange(0, BLOCK_V)
+    n = tl.zeros([], tl.int32)
+    pending = tl.zeros([], tl.int32)  # tokens in the buffer not drawn yet
+    mass = tl.zeros([], tl.float32)
+    best_s = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], _NONE, tl.int32)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+    for v0 in range(0, vocab, BLOCK_V):
+        idx = v0 + cols
+        l = x.to(tl.float32) * inv_t
+        # The next tile's read is issued before this tile's work, so two are in flight.
+        x = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < vocab, other=float("-inf"))
+        e = tl.exp(l - m)
+        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta) & (e >= set_min_p)
+        cnt = tl.sum(in_c.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(in_c, e, 0.0), axis=0)
+        if cnt > 0:
+            if n + cnt <= BLOCK_V:  # all of C so far fits: keep it, draw later if need be
+                _append(buf_l, buf_i, n, l, idx, in_c)
+                pending = n + cnt
+            elif cnt > BLOCK_V // _DENSE:  # C overflows, and is dense here: draw in place
+                best_s, best_i = _better(l, idx, in_c & (e >= min_p), key, best_s, best_i)
+            else:  # C overflows, and is sparse here: batch it through the buffer
+                if pending + cnt > BLOCK_V:
+                    best_s, best_i = _drain(buf_l, buf_i, pending, m, min_p, key, best_s, best_i, BLOCK_V)
+                    pending = tl.zeros([], tl.int32)
+                _append(buf_l, buf_i, pending, l, idx, in_c)
+                pending += cnt
+        n += cnt
+    if n > BLOCK_V:
+        best_s, best_i = _drain(buf_l, buf_i, pending, m, min_p, key, best_s, best_i, BLOCK_V)
+    tl.debug_barrier()  # a set that fits is read next, by all of the program's threads
+    return n, mass, best_i
+
+
+@triton.jit
+def _row_count_select(base, vocab, inv_t, lo, hi, k, cnt_lo, BLOCK_V: tl.constexpr):
+    """t_k over the row, for a row with top-k and top-p whose top-k set the bound from pass 1 left
+    larger than the buffer (top-p needs that whole set). Radix-select style: each read counts the
+    tokens in _BINS equal ranges of order keys covering [lo, hi] and keeps the range holding t_k, so
+    a key is exact after 4 reads. Invariant: cnt_lo >= k tokens have keys >= lo; t_k's key is in
+    [lo, hi]. Stops as soon as those tokens fit in the buffer. Returns (lo, cnt_lo, reads)."""
+    cols = tl.arange(0, BLOCK_V)
+    bins = tl.arange(0, _BINS)
+    reads = tl.zeros([], tl.int32)
+    while (lo < hi) & (cnt_lo > BLOCK_V):
+        shift = tl.zeros([], tl.int64)
+        while ((hi - lo) >> shift) >= _BINS:
+            shift += 1
+        counts = tl.zeros([_BINS], tl.int32)
+        for v0 in range(0, vocab, BLOCK_V):
+            idx = v0 + cols
+            l = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            above_lo = _float_key(l).to(tl.int64) - lo
+            counts += tl.histogram(tl.minimum(above_lo >> shift, _BINS - 1).to(tl.int32), _BINS,
+                                   mask=(idx < vocab) & (above_lo >= 0))
+        at_or_above = tl.cumsum(counts, axis=0, reverse=True)  # tokens at or above each range's start
+        j = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
+        cnt_lo = tl.sum(tl.where(bins == j, at_or_above, 0), axis=0)
+        hi = tl.minimum(hi, lo + ((j + 1).to(tl.int64) << shift) - 1)
+        lo = lo + (j.to(tl.int64) << shift)
+        reads += 1
+    return lo, cnt_lo, reads
+
+
+@triton.jit
+def _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key,
+            TILE: tl.constexpr):
+    """The draw from the buffer: n tokens in index order, an upper set of the row holding every kept
+    token, so the thresholds found here are exact. floor: t_k when already known, else -inf.
+    k_sel: t_k is the top_k-th largest in the buffer (-inf when it holds fewer: then they all are in
+    the top-k set). z_from_buf: the buffer holds the whole top-k set and Z is its mass."""
+    cols = tl.arange(0, TILE)
+    ok = cols < n
+    l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
+    idx = tl.load(buf_i + cols, mask=ok, other=0)
+    e = tl.exp(l - m)
+    m_key = _float_key(m).to(tl.int64)
+    t = floor
+    if k_sel:
+        t = _key_float(_tile_select(l, ok.to(tl.float32), top_k.to(tl.float32),
+                                    tl.full([], _NEG_INF_KEY, tl.int64), m_key))
+    if use_p:
+        if z_from_buf:
+            z = tl.sum(tl.where(l >= t, e, 0.0), axis=0)
+        t = _key_float(_tile_select(l, e, top_p * z, _float_key(t).to(tl.int64), m_key))
+    _, best = _better(l, idx, ok & (l >= t) & (e >= min_p), key,
+                      tl.full([], float("-inf"), tl.float32), tl.full([], _NONE, tl.int32))
+    return tl.where(best < _NONE, best, 0)  # nothing kept (min_p > 1): index 0, as argmax over -inf
+
+
+@triton.jit
+def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u,
+                   BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
+    """A row with filters, given pass 1's m, Z and group maxima u. Returns (token, reads of the row)."""
+    m_key = _float_key(m).to(tl.int64)
+    no_key = tl.full([], _NEG_INF_KEY, tl.int64)
+    # u holds values of the row, so at least k tokens (or p of the mass) lie at or above the bound.
+    beta = tl.full([], float("-inf"), tl.float32)
+    if use_k:
+        beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key, m_key))
+    elif use_p:
+        beta = _key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key))
+        # And below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
+        beta = tl.maximum(beta, m + tl.log((1.0 - top_p) * z / vocab))
+    # With top-k and top-p, Z is the top-k set's mass: the buffer must hold all of that set, so
+    # min-p may not thin it. Tokens at -inf are never drawn: a bound at -inf leaves them out.
+    z_from_buf = use_k & use_p
+    k_sel = use_k
+    floor = tl.full([], float("-inf"), tl.float32)
+    n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32),
+                          tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
+    reads = tl.full([], 2, tl.int32)
+    if z_from_buf & (n > BLOCK_V):
+        lo, cnt, steps = _row_count_select(base, vocab, inv_t, _float_key(beta).to(tl.int64), m_key, top_k, n,
+                                           BLOCK_V)
+        exact = cnt > BLOCK_V  # lo is t_k; else the top-k set fits in the buffer
+        beta = _key_float(lo)
+        n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32),
+                              0.0, min_p, BLOCK_V)
+        floor = tl.where(exact, beta, floor)
+        z = tl.where(exact, mass, z)  # the top-k set's mass
+        k_sel = k_sel & (exact == 0)
+        z_from_buf = z_from_buf & (exact == 0)
+        reads += steps + 1
+    # The chain of Gumbel winners (see the top of this section); each scan strictly raises the bound.
+    cand = tl.full([], _NONE, tl.int32)
+    accepted = tl.zeros([], tl.int32)
+    while (accepted == 0) & (n > BLOCK_V) & (best < _NONE):
+        cand = best
+        l_c = tl.load(base + cand).to(tl.float32) * inv_t
+        n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, l_c, tl.full([], 1, tl.int32), 0.0, min_p,
+                              BLOCK_V)
+        reads += 1
+        accepted = (((k_sel == 0) | (n < top_k)) & ((use_p == 0) | (mass < top_p * z))).to(tl.int32)
+    token = tl.zeros([], tl.int32)  # nothing kept (min_p > 1): index 0, as argmax over -inf
+    if accepted != 0:
+        token = cand
+    elif n <= SMALL:
+        token = _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key, SMALL)
+    elif n <= BLOCK_V:
+        token = _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key, BLOCK_V)
+    return token, reads
 
 
 @triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
-    part_score_ptr, part_idx_ptr, cand_l_ptr, cand_i_ptr, vocab, num_splits,
-    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, buf_l_ptr, buf_i_ptr, vocab, num_splits, n_u,
+    BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
+    COUNT_READS: tl.constexpr,
 ):
+    """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * logits_stride
-    cols = tl.arange(0, BLOCK_V)
     greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
         temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
-    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-    result = tl.zeros([], tl.int32)
-
+    s = tl.arange(0, BLOCK_S)
+    part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+    reads = tl.full([], 1, tl.int32)
     if simple:
-        if SPLIT:
-            s = tl.arange(0, BLOCK_S)
-            score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-            idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
-            s_max = tl.max(score, axis=0)
-            result = tl.min(tl.where(score == s_max, idx, vocab), axis=0)
-        else:
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            best_idx = cols
-            for v0 in range(0, vocab, BLOCK_V):
-                idx = v0 + cols
-                valid = idx < vocab
-                x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-                best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
-            s_max = tl.max(best, axis=0)
-            result = tl.min(tl.where(best == s_max, best_idx, vocab), axis=0)
+        part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
+        s_max = tl.max(part_score, axis=0)
+        token = tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0)
     else:
-        row_cand_l = cand_l_ptr + row * BLOCK_V
-        row_cand_i = cand_i_ptr + row * BLOCK_V
-        x_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        for v0 in range(0, vocab, BLOCK_V):
-            idx = v0 + cols
-            x_max = tl.maximum(x_max, tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
-        # Multiplying by inv_t > 0 is monotone, so max(x * inv_t) == max(x) * inv_t exactly.
-        m = tl.max(x_max, axis=0) * inv_t
-        use_cand = tl.zeros([], tl.int32)
-        n_cand = tl.zeros([], tl.int32)
-        cnt = vocab + tl.zeros([], tl.int32)
-        t_k = tl.full([], float("-inf"), tl.float32)
-        if use_k:
-            lo, cnt, use_cand, n_cand = _select(
-                base, row_cand_l, row_cand_i, use_cand, n_cand, vocab, inv_t, m, top_k.to(tl.float32),
-                tl.full([], _NEG_INF_KEY, tl.int64), _float_key(m).to(tl.int64), cnt, False, BLOCK_V)
-            t_k = _key_float(lo)
-        threshold = t_k
-        if use_p:
-            _, z, _, _ = _probe_stats(base, row_cand_l, use_cand, n_cand, vocab, inv_t, m, t_k, True, BLOCK_V)
-            lo, cnt, use_cand, n_cand = _select(
-                base, row_cand_l, row_cand_i, use_cand, n_cand, vocab, inv_t, m, top_p * z,
-                _float_key(t_k).to(tl.int64), _float_key(m).to(tl.int64), cnt, True, BLOCK_V)
-            threshold = _key_float(lo)
-
-        # The draw: Gumbel-max over the kept tokens.
-        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_idx = cols
-        if use_cand != 0:
-            valid = cols < n_cand
-            l = tl.load(row_cand_l + cols, mask=valid, other=float("-inf"))
-            idx = tl.load(row_cand_i + cols, mask=valid, other=0)
-            keep = valid & (l >= threshold) & (tl.exp(l - m) >= min_p)
-            best = tl.where(keep, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
-            best_idx = idx
-        else:
-            for v0 in range(0, vocab, BLOCK_V):
-                idx = v0 + cols
-                x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                l = x * inv_t
-                keep = (idx < vocab) & (l >= threshold) & (tl.exp(l - m) >= min_p)
-                score = tl.where(keep, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                best_idx = tl.where(better, idx, best_idx)
-        s_max = tl.max(best, axis=0)
-        result = tl.min(tl.where(best == s_max, best_idx, vocab), axis=0)
-
-    tl.store(out_ptr + row, result.to(tl.int64))
+        m = tl.max(part_score, axis=0)
+        part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
+        z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
+        j = tl.arange(0, BLOCK_U)
+        u = tl.load(part_u_ptr + row * n_u + j, mask=j < n_u, other=float("-inf"))
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
+                                      buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
+                                      key, m, z, u, BLOCK_V, SMALL)
+    tl.store(out_ptr + row, token.to(tl.int64))
+    if COUNT_READS:
+        tl.store(reads_ptr + row, reads)
 
 
 def _check_row_params(name: str, t: torch.Tensor, n_rows: int, dtypes, device) -> None:
@@ -393,16 +511,21 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+_GROUP_MAXIMA = 1024  # pass 1's lane-group maxima per row, over all chunks: one tile of pass 2
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
-    block_v: int | None = None, num_splits: int | None = None,
+    block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
-    Rows without filters (greedy, or plain temperature) are drawn by num_splits programs per row
-    (a vocabulary chunk each) and a reduction; rows with top-k / top-p / min-p by one program per
-    row, in passes. block_v and num_splits override the launch shape (tests use them)."""
+    Two launches: pass 1 by num_splits programs per row (a vocabulary chunk each), which draws rows
+    without filters (greedy, or plain temperature); then one program per row, which reduces the
+    chunks' results and finishes rows with top-k / top-p / min-p (see the kernel section's comment).
+    block_v and num_splits override the launch shape (tests use them). reads, an int32 [B] tensor,
+    if given receives how many times each row was read in full (benchmarks and tests use it)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
@@ -413,11 +536,15 @@ def sample(
     _check_row_params("min_p", min_p, n_rows, (torch.float32,), device)
     _check_row_params("seeds", seeds, n_rows, (torch.int64,), device)
     _check_row_params("offsets", offsets, n_rows, INDEX_DTYPES, device)
+    if reads is not None:
+        _check_row_params("reads", reads, n_rows, (torch.int32,), device)
     out = torch.empty((n_rows,), dtype=torch.int64, device=device)
     if n_rows == 0:
         return out
     if block_v is None:
-        block_v = min(4096, triton.next_power_of_2(max(vocab, 16)))
+        # 2048: the per-row program then fits in 128 registers at 8 warps, two per SM, so a batch
+        # of up to 2 * SMs rows is read in one wave.
+        block_v = min(2048, triton.next_power_of_2(max(vocab, 16)))
     check(block_v >= 16 and block_v & (block_v - 1) == 0, "block_v must be a power of two >= 16, got {}", block_v)
     split_block = min(block_v, 2048)
     if num_splits is None:
@@ -425,22 +552,27 @@ def sample(
     check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
     chunk = triton.cdiv(triton.cdiv(vocab, num_splits), split_block) * split_block
     num_splits = triton.cdiv(vocab, chunk)
-    split = num_splits > 1
-    part_score = torch.empty((n_rows, num_splits) if split else (1,), dtype=torch.float32, device=device)
-    part_idx = torch.empty((n_rows, num_splits) if split else (1,), dtype=torch.int32, device=device)
-    cand_l = torch.empty((n_rows, block_v), dtype=torch.float32, device=device)
-    cand_i = torch.empty((n_rows, block_v), dtype=torch.int32, device=device)
-    if split:
-        _sample_split_kernel[(n_rows, num_splits)](
-            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
-            part_score, part_idx, vocab, chunk, num_splits,
-            BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4, enable_fp_fusion=False,
-        )
+    n_groups = min(split_block, max(1, _GROUP_MAXIMA // triton.next_power_of_2(num_splits)))
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    part_score = torch.empty((n_rows, num_splits), **f32)
+    part_idx = torch.empty((n_rows, num_splits), **i32)
+    part_z = torch.empty((n_rows, num_splits), **f32)
+    part_u = torch.empty((n_rows, num_splits * n_groups), **f32)
+    buf_l = torch.empty((n_rows, block_v), **f32)
+    buf_i = torch.empty((n_rows, block_v), **i32)
+    _stats_kernel[(n_rows, num_splits)](
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
+        part_score, part_idx, part_z, part_u, vocab, chunk, num_splits,
+        NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4, enable_fp_fusion=False,
+    )
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        part_score, part_idx, cand_l, cand_i, vocab, num_splits,
-        SPLIT=split, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False,
+        out if reads is None else reads, part_score, part_idx, part_z, part_u, buf_l, buf_i,
+        vocab, num_splits, num_splits * n_groups,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
+        BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
+        # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
+        num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
     )
     return out
 
