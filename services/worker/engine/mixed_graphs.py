@@ -17,14 +17,10 @@ import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.cuda_graphs import capture_buckets
-from services.worker.engine.step_inputs import HostStep
+from services.worker.engine.step_inputs import HostStep, align_up
 from services.worker.kernels.extend_attention import TILE_TOKENS
 
 MAX_GRAPH_TOKENS = 2048
-
-
-def _align(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -53,8 +49,8 @@ class MixedGraphRunner:
         W, NT = self.width, self.max_tiles
         # Every region starts on a 16-byte boundary, as HostStep's parts do, so the kernels see
         # the pointer alignment of eager steps and one compiled variant serves both.
-        self.cuts64 = np.cumsum([0, *(_align(n, 2) for n in (T, T, T, S, S, S))])
-        self.cuts32 = np.cumsum([0, *(_align(n, 4) for n in (S + 1, S, 2 * NT, S * W))])
+        self.cuts64 = np.cumsum([0, *(align_up(n, 2) for n in (T, T, T, S, S, S))])
+        self.cuts32 = np.cumsum([0, *(align_up(n, 4) for n in (S + 1, S, 2 * NT, S * W))])
         n64, n32 = int(self.cuts64[-1]), int(self.cuts32[-1])
         self.n64 = n64
         self.nbytes = 8 * n64 + 4 * n32

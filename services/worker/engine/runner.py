@@ -12,17 +12,19 @@ from services.worker.engine.cuda_graphs import GraphStep
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.sampler import PendingSample, Sampler
-from services.worker.engine.step_inputs import NUM_FIELDS, HostStep, pack_step_inputs, upload_step_inputs
+from services.worker.engine.step_inputs import NUM_FIELDS, HostStep, align_up, pack_step_inputs, upload_step_inputs
+from services.worker.kernels.gemv import DISPATCH_MAX_ROWS
 
 
 def logits_rows(m: int) -> int:
-    """Rows the LM head computes for m sampled rows: m itself up to 4 (the GEMV's), then a
-    power of two up to 64, then a multiple of 64 (at most 63 padded rows, ~6 % at a thousand)."""
-    if m <= 4:
+    """Rows the LM head computes for m sampled rows: m itself while the GEMV takes them (it has no
+    shape to plan), then a power of two up to 64, then a multiple of 64 (at most 63 padded rows,
+    ~6 % at a thousand)."""
+    if m <= DISPATCH_MAX_ROWS:
         return m
     if m <= 64:
         return 1 << (m - 1).bit_length()
-    return -(-m // 64) * 64
+    return align_up(m, 64)
 
 
 class ModelRunner:

@@ -25,6 +25,11 @@ class StepInputs:
     feed_src: torch.Tensor | None = None
 
 
+def align_up(n: int, k: int) -> int:
+    """n rounded up to a multiple of k."""
+    return -(-n // k) * k
+
+
 @dataclass(slots=True)
 class HostStep:
     """A step's inputs on the host: every part back to back in one int64 array. Other ranks of a
@@ -41,7 +46,7 @@ class HostStep:
         """Where each part starts in `flat`: on a 16-byte boundary (odd parts are padded), so a
         kernel handed a view sees the same pointer alignment every step. Triton specialises on
         it, and a new alignment would compile a kernel variant in the middle of serving."""
-        return np.cumsum((0, *((n + 1) & ~1 for n in self.lens)))
+        return np.cumsum((0, *(align_up(n, 2) for n in self.lens)))
 
     def parts(self, buf=None) -> list:
         """The parts as views of `buf` (default: flat), in the order of `lens`."""
