@@ -99,6 +99,7 @@ class GatewayConfig:
     request_timeout: float = 600.0  # whole request, first byte to last token
     first_token_timeout: float = 120.0  # routing + queueing + prefill
     share_prefix_cache: bool = False  # with a keys file: tenants share prefix-cache blocks
+    log_requests: bool = False  # one info line per finished request (off by default, as vLLM's)
     gateway_id: str = field(default_factory=lambda: _new_id("gw"))
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 from shared.admin_messages import MODEL_STATES
@@ -291,6 +292,31 @@ class TokenBatch(Message):
                    cached_tokens=pack_ids([d.cached_tokens for d in items]),
                    completion_tokens=pack_ids([d.completion_tokens for d in items]),
                    finishes=finishes, logprobs=logprobs)
+
+    def special_rows(self) -> set[int]:
+        """Rows that end their request or carry logprobs (the few that need more than a token)."""
+        if not self.finishes and not self.logprobs:
+            return set()
+        return {f.index for f in self.finishes} | {lp.index for lp in self.logprobs}
+
+    def deltas(self, rows: list[int], counts: list[int]) -> list[Delta]:
+        """Deltas of these rows only (`counts`: token_counts unpacked), as `items` would give them."""
+        if len(rows) == len(counts):
+            return self.items
+        starts = list(accumulate(counts, initial=0))
+        prompt, cached, done = (unpack_ids(self.prompt_tokens), unpack_ids(self.cached_tokens),
+                                unpack_ids(self.completion_tokens))
+        ids, rids = self.token_ids, self.request_ids
+        out = {i: Delta(rids[i], ids[4 * starts[i]:4 * starts[i + 1]], prompt[i], cached[i], done[i]) for i in rows}
+        for f in self.finishes:
+            d = out.get(f.index)
+            if d is not None:
+                d.finish_reason, d.error, d.stop_token_id = f.reason, f.error, f.stop_token_id
+        for lp in self.logprobs:
+            d = out.get(lp.index)
+            if d is not None:
+                d.logprobs, d.top_ids, d.top_lps = lp.logprobs, lp.top_ids, lp.top_lps
+        return list(out.values())
 
     @property
     def items(self) -> list[Delta]:

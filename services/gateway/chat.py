@@ -14,6 +14,7 @@ _TEXT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    text_tail = _TEXT_TAIL
     id_prefix = "chatcmpl"
 
     def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
@@ -31,8 +32,7 @@ class ChatFormat(ResponseFormat):
         if update.token_ids is None and update.finish_reason is None:
             if not update.text:
                 return None  # text held back (a partial character, a possible stop string)
-            # The per-token path: a byte template filled with the JSON string, no dict, no encoder.
-            return self.heads[choice.index] + json_str(update.text) + _TEXT_TAIL
+            return self.text_chunk(choice.index, update.text)
         frame = self.frame
         if update.token_ids is not None:
             return frame.chunk({"index": choice.index, "delta": {"content": update.text} if update.text else {},

@@ -14,6 +14,7 @@ _TEXT_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
+    text_tail = _TEXT_TAIL
     id_prefix = "cmpl"
 
     def _logprobs(self, choice: ChoiceState, update: ChoiceUpdate) -> dict | None:
@@ -33,8 +34,7 @@ class CompletionFormat(ResponseFormat):
             if update.finish_reason is None:
                 if not update.text:
                     return None  # text held back (a partial character, a possible stop string)
-                # The per-token path: a byte template filled with the JSON string, no dict, no encoder.
-                return self.heads[choice.index] + json_str(update.text) + _TEXT_TAIL
+                return self.text_chunk(choice.index, update.text)
             return b'%s%s,"logprobs":null,"finish_reason":%s}]}\n\n' % (
                 self.heads[choice.index], json_str(update.text), json_finish(update.finish_reason))
         lp = self._logprobs(choice, update)

@@ -52,7 +52,7 @@ class Pump:
     request's chunks go to its sink (the socket) at once and a collected one's into its choices; the handler
     task sleeps on `done` and wakes once, at the end (or when the client has gone)."""
 
-    __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail")
+    __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail", "plain", "inbox")
 
     def __init__(self, gw: Gateway, gen: Generation, fmt: ResponseFormat, writer: ChunkSink | None = None):
         self.gw = gw
@@ -62,14 +62,56 @@ class Pump:
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.failure: StreamFailed | None = None
         self.tail = b""  # the chunks of the last hand-over: the handler writes them with the stream's end
+        # A stream of one choice with no stop strings or logprobs takes its plain tokens as ids
+        # (tokens()) once its first token, which brings the prompt and cache counters, went through feed().
+        choices = gen.choices
+        self.plain = (choices[0] if writer is not None and len(choices) == 1 and choices[0].matcher is None
+                      and not choices[0].want_logprobs else None)
+        self.inbox: DeltaInbox | None = None
 
     async def run(self, inbox: DeltaInbox) -> None:
         """Consume until every choice has ended, the request failed or the client went away."""
+        self.inbox = inbox
         inbox.attach(self.feed)
         try:
             await self.done
         finally:
             inbox.detach()
+
+    def tokens(self, ids: list[int]) -> None:
+        """The inbox's hand-over of plain tokens (mid-stream, no end, no logprobs) of the one choice:
+        what apply_deltas and ChoiceState.apply do for such a delta, without the objects (the prompt
+        and cache counters, the same in every delta of a worker, came with the first)."""
+        done = self.done
+        if done.done():
+            return
+        try:
+            choice = self.plain
+            if choice is None or choice.finish_reason is not None:
+                return  # ended here (a failure) while these were on their way
+            gen = self.gen
+            metrics = self.gw.metrics
+            now = time.monotonic()
+            detok = choice.detok
+            text_chunk = self.fmt.text_chunk
+            index = choice.index
+            data = b""
+            for token in ids:
+                if gen.first_token_at is None:
+                    gen.first_token_at = now
+                    metrics.time_to_first_token.observe(now - gen.arrival)
+                elif choice.last_arrival:
+                    metrics.inter_token_latency.observe(now - choice.last_arrival)
+                choice.last_arrival = now
+                choice.num_tokens += 1
+                text = detok.push(token)
+                if text:
+                    data += text_chunk(index, text)
+            if data and not self.writer.send(data):
+                done.set_result(None)  # the client went away: writer.closed tells the handler
+        except Exception as e:  # a bug in one request must not stop the inbox of the others
+            if not done.done():
+                done.set_exception(e)
 
     def feed(self, items: list) -> None:
         """The inbox's hand-over: this request's deltas from one burst of TokenBatches (one step, or
@@ -97,6 +139,8 @@ class Pump:
                 done.set_result(None)
             elif data and not writer.send(data):
                 done.set_result(None)  # the client went away: writer.closed tells the handler
+            elif self.plain is not None and self.plain.num_tokens:
+                self.inbox.take_tokens(self.tokens)
         except Exception as e:  # a bug in one request must not stop the inbox of the others
             if not done.done():
                 done.set_exception(e)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.gateway.streaming import json_str
+
 if TYPE_CHECKING:
     from services.gateway.choice import ChoiceState, ChoiceUpdate
     from services.gateway.logprobs import TokenTexts
@@ -16,6 +18,7 @@ class ResponseFormat:
     object = ""
     chunk_object = ""
     id_prefix = ""
+    text_tail = b""  # what follows the text's JSON string in a per-token chunk
 
     def __init__(self, texts: TokenTexts, want_logprobs: bool):
         self.texts = texts
@@ -31,6 +34,11 @@ class ResponseFormat:
     def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
         """The SSE event for one update of a stream, or None when there is nothing to send yet."""
         raise NotImplementedError
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """The per-token chunk of choice `index` (text, no end, no logprobs): a byte template filled
+        with the JSON string, no dict, no encoder."""
+        return self.heads[index] + json_str(text) + self.text_tail
 
     def collect(self, choice: ChoiceState, update: ChoiceUpdate) -> None:
         raise NotImplementedError

@@ -175,10 +175,11 @@ def _record_success(gw: Gateway, gen: Generation, tenant: Tenant) -> None:
     m.generation_tokens.inc(sum(c.num_tokens for c in gen.choices))
     for c in gen.choices:
         m.request_success.labels(finished_reason=c.finish_reason).inc()
-    log.info("request_finished", n=len(gen.choices), prompt_tokens=len(gen.prompt_ids),
-             completion_tokens=sum(c.num_tokens for c in gen.choices),
-             finish_reasons=[c.finish_reason for c in gen.choices],
-             seconds=round(time.monotonic() - gen.arrival, 4))
+    if gw.cfg.log_requests:
+        log.info("request_finished", n=len(gen.choices), prompt_tokens=len(gen.prompt_ids),
+                 completion_tokens=sum(c.num_tokens for c in gen.choices),
+                 finish_reasons=[c.finish_reason for c in gen.choices],
+                 seconds=round(time.monotonic() - gen.arrival, 4))
 
 
 def _record_failure(gw: Gateway, gen: Generation, failure: StreamFailed, in_stream: bool, tenant: Tenant) -> None:

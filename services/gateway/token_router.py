@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shared.messages import TokenBatch
+from shared.wire import unpack_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +23,18 @@ class StreamFailed:
 class DeltaInbox:
     """A request's inbox. Deltas wait here until the request's consumer is attached; from then on
     the router hands them to it in one synchronous call per burst of TokenBatches, so a token costs
-    no task wake-up, future or await (at a thousand streams, those were a third of the gateway's CPU)."""
+    no task wake-up, future or await (at a thousand streams, those were a third of the gateway's CPU).
 
-    __slots__ = ("_items", "_consumer")
+    A consumer may also take plain tokens (one token mid-stream, nothing else: almost every token of
+    a stream): those skip the Delta objects and come as ids, ahead of the deltas of the same burst."""
+
+    __slots__ = ("_items", "_consumer", "_tokens", "_take_tokens")
 
     def __init__(self) -> None:
         self._items: list = []
         self._consumer: Callable[[list], None] | None = None
+        self._tokens: list[int] = []
+        self._take_tokens: Callable[[list[int]], None] | None = None
 
     def add(self, item: object) -> bool:
         """Queue one item; True when the caller must deliver() later (the first item since the last
@@ -37,7 +43,20 @@ class DeltaInbox:
         items.append(item)
         return len(items) == 1 and self._consumer is not None
 
+    def add_token(self, token: int) -> bool | None:
+        """Queue a plain token: True when the caller must deliver() later, False when it already
+        must, None when this inbox takes no plain tokens now (no such consumer, or deltas are
+        queued: a token behind them must not overtake them) and the token goes as a delta."""
+        if self._take_tokens is None or self._items:
+            return None
+        tokens = self._tokens
+        tokens.append(token)
+        return len(tokens) == 1
+
     def deliver(self) -> None:
+        if self._tokens:
+            tokens, self._tokens = self._tokens, []
+            self._take_tokens(tokens)
         consumer = self._consumer
         if consumer is not None and self._items:
             items, self._items = self._items, []
@@ -53,11 +72,16 @@ class DeltaInbox:
         self._consumer = consumer
         self.deliver()
 
+    def take_tokens(self, take: Callable[[list[int]], None]) -> None:
+        """From now on hand plain tokens to `take` as ids (the consumer says when it can)."""
+        self._take_tokens = take
+
     def detach(self) -> None:
-        self._consumer = None
+        self._consumer = self._take_tokens = None
+        self._tokens = []
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._tokens)
 
 
 class RequestStream:
@@ -110,7 +134,34 @@ class TokenRouter:
         streams = self._streams
         ready = self._ready
         wid = batch.worker_id
-        for item in batch.items:
+        counts = unpack_ids(batch.token_counts)
+        tokens = unpack_ids(batch.token_ids)
+        special = batch.special_rows()
+        others = []  # rows that go as Deltas: ends, logprobs, notices, a worker's first token
+        pos = 0
+        for i, rid in enumerate(batch.request_ids):
+            n = counts[i]
+            if n == 1 and i not in special:
+                stream = streams.get(rid)
+                if stream is not None and stream.workers.get(rid, wid) == wid:
+                    first = stream.inbox.add_token(tokens[pos])
+                    if first is not None:
+                        if first:
+                            ready.append(stream.inbox)
+                        pos += 1
+                        continue
+            others.append(i)
+            pos += n
+        if others:
+            self._on_deltas(batch.deltas(others, counts), wid)
+        if ready and not self._delivery_scheduled:
+            self._delivery_scheduled = True
+            asyncio.get_running_loop().call_soon(self._deliver)
+
+    def _on_deltas(self, items: list, wid: str) -> None:
+        streams = self._streams
+        ready = self._ready
+        for item in items:
             rid = item.request_id
             stream = streams.get(rid)
             if stream is None:
@@ -123,9 +174,6 @@ class TokenRouter:
                     continue  # the prefill worker's notice of the hand-off: nothing to show
             if stream.inbox.add(item):
                 ready.append(stream.inbox)
-        if ready and not self._delivery_scheduled:
-            self._delivery_scheduled = True
-            asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
         """Hand over what the current burst of TokenBatches brought, one call per request: when

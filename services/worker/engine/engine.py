@@ -191,6 +191,7 @@ class LLMEngine:
                                          self.device)
                 self.graph_capture_seconds += mixed.capture(graphs.pool)
                 self.runner.mixed_graphs = mixed
+            self.runner.warm_logits(config.max_num_seqs)
         self.steps = 0
         self._rng = random.Random(config.seed)
         self._inflight: deque[LaunchedStep] = deque()

@@ -108,6 +108,8 @@ class StagedGraphs:
                 self.engine.runner.graphs = runner
             else:
                 self.engine.runner.mixed_graphs = runner
+        if not self.backlog and self.cuda:
+            self.engine.runner.warm_logits(self.engine.config.max_num_seqs)
         self.later_seconds += time.perf_counter() - t0
         if not self.backlog:
             log.info("graphs captured", graphs=self.count, before_ready=self.before_ready,

@@ -123,24 +123,34 @@ def sample_ref(
 # --- the kernel ----------------------------------------------------------------------------
 #
 # Pass 1 reads each row once, cut into vocabulary chunks (one program each): rows without filters
-# draw there; filtered rows gather m, Z and the maxima of interleaved lane groups (u, a sample of
-# the row's largest values). Every filter keeps an upper set {l >= T} and the draw is a Gumbel
-# argmax, so T is never needed over the whole row:
-# - pass 2 ("scan") reads the row for the tokens at or above a lower bound of T (top-k: the k-th
-#   largest of u; top-p: where u alone holds p of the mass, or m + log((1 - p) Z / V) if higher;
-#   min-p: its own test) and keeps them in a one-tile buffer, where the exact thresholds and the
-#   draw cost no more reads;
-# - a set too large for the buffer yields its Gumbel winner w instead. w is kept iff fewer than k
-#   tokens and less than p * Z of the mass lie strictly above l_w, and then w is the draw (the argmax
-#   over a subset holding w); else every kept token lies above l_w, and the next scan, which counts
-#   and weighs that set, also yields its winner. Each rejection shrinks the set; once it fits, the
-#   buffer finishes the row;
+# draw there; filtered rows gather m, Z, the maxima of interleaved lane groups (u) and a histogram
+# of each lane's two largest values on a fixed grid of l (bins 1/8 wide): per bin, how many there
+# are and a lower bound of their mass. That sample of the row's top holds its kept set unless the
+# set is several times larger than the lanes are many. Every filter keeps an upper set {l >= T} and
+# the draw is a Gumbel argmax, so T is never needed over the whole row:
+# - pass 2 ("scan") reads the row for the set C of tokens at or above a lower bound lo of T (top-k:
+#   where u or the sample holds k tokens; top-p: where u or the sample holds p of the mass, or
+#   m + log((1 - p) Z / V) if higher; min-p: its own test) and keeps C in a one-tile buffer, where
+#   the exact thresholds and the draw cost no more reads;
+# - when C outgrows the buffer, its tokens at or above a cut hi are only drawn: the buffer keeps the
+#   band [lo, hi), the scan the drawn tokens' Gumbel winner and mass M. Top-p's hi is the bin edge
+#   with about half a buffer of samples between it and lo. If M < p * Z, T lies in the band, so every
+#   drawn token is kept and the buffer finishes the row; min-p alone keeps all of C (hi = -inf);
+# - else C yields its Gumbel winner w. w is kept iff fewer than k tokens and less than p * Z of the
+#   mass lie strictly above l_w, and then w is the draw (the argmax over a subset holding w); else
+#   every kept token lies above l_w, and the next scan, which counts and weighs that set, also yields
+#   its winner. Each rejection shrinks the set; once it fits, the buffer finishes the row;
 # - with top-k and top-p, Z is the top-k set's mass, so that whole set must be in the buffer (or t_k
 #   known): when the bound leaves it too large, a select over the row finds t_k first.
 
 _NONE = tl.constexpr(2**31 - 1)  # "no token yet" in a running argmax
 _DENSE = tl.constexpr(4)  # a tile with more than 1/_DENSE of its tokens in the set draws in place
 _BINS = tl.constexpr(256)  # key ranges counted per read by the top-k select over the row
+# Pass 1's grid: bins per unit of l, a power of two so that bin edges are exact; and how many bins
+# below a chunk's max it counts: top-p's T lies within log(V / (1 - p)) of m (14.1 at V = 128k and
+# p = 0.9), top-k's and min-p's usually closer.
+_GRID = tl.constexpr(8.0)
+_GRID_BINS = tl.constexpr(128)
 
 
 @triton.jit
@@ -217,15 +227,49 @@ def _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx):
 
 
 @triton.jit
+def _grid_bin(x, top):
+    """x's bin on the grid, counted down from bin 0 = [top, top + 1) / _GRID: bin j holds
+    (top - j) / _GRID <= x < (top - j + 1) / _GRID; _GRID_BINS for x below the last bin (or -inf).
+    Scaling by a power of two and flooring are exact, so a bin's edges bound its values exactly."""
+    j = top - tl.floor(x * _GRID)
+    return tl.where(j < _GRID_BINS, j, _GRID_BINS).to(tl.int32)
+
+
+@triton.jit
+def _chunk_grid(lane_max, lane_2nd, m, u_ptr, hc_ptr, hm_ptr, NL: tl.constexpr, U_SLICE: tl.constexpr):
+    """The chunk's sample on the grid whose bin 0 holds m (the chunk's max): per bin, how many of the
+    lanes' two largest values fall in it and a lower bound of their mass relative to m: exact for the
+    group maxima u (just stored at u_ptr), which hold the tokens that carry much of the mass, and the
+    bin's lower edge for the others."""
+    top = tl.floor(m * _GRID)
+    bins = tl.arange(0, _GRID_BINS)
+    b1 = _grid_bin(lane_max, top)
+    b2 = _grid_bin(lane_2nd, top)
+    cnt = tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS) + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS)
+    cnt_u = tl.zeros([_GRID_BINS], tl.int32)
+    mass_u = tl.zeros([_GRID_BINS], tl.float32)
+    tl.debug_barrier()  # u is read back by every thread of the program
+    for g0 in range(0, NL, U_SLICE):  # in slices: a [bins, NL] one-hot would take the registers
+        u = tl.load(u_ptr + g0 + tl.arange(0, U_SLICE))
+        hit = _grid_bin(u, top)[None, :] == bins[:, None]
+        cnt_u += tl.sum(hit.to(tl.int32), axis=1)
+        mass_u += tl.sum(tl.where(hit, tl.exp(u - m)[None, :], 0.0), axis=1)
+    others = cnt - cnt_u  # a group maximum is one of its lanes' maxima, in the same bin
+    edge = (top - bins.to(tl.float32)) / _GRID
+    tl.store(hc_ptr + bins, cnt)
+    tl.store(hm_ptr + bins, mass_u + tl.where(others > 0, others.to(tl.float32) * tl.exp(edge - m), 0.0))
+
+
+@triton.jit
 def _stats_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
-    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, vocab, chunk, num_splits,
-    NL: tl.constexpr, BLOCK_V: tl.constexpr,
+    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_hc_ptr, part_hm_ptr, vocab, chunk, num_splits,
+    NL: tl.constexpr, U_SLICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over one vocabulary chunk of one row. Rows without filters: the chunk's best draw
-    (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), and NL maxima of lane
+    (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), NL maxima of lane
     groups, group j being lanes j, j + NL, ... (interleaved: neighbouring token ids, often alike,
-    fall in different groups)."""
+    fall in different groups), and the lanes' two largest values on the grid (_chunk_grid)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy, simple, inv_t, _, _, _, _, _ = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
@@ -247,13 +291,15 @@ def _stats_kernel(
         tl.store(part_score_ptr + part, s_max)
         tl.store(part_idx_ptr + part, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
     else:
-        # Per lane: a running max and the sum of exp(l - that max), rescaled when the max grows.
+        # Per lane: the two largest values, and the sum of exp(l - max), rescaled when the max grows.
         lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_2nd = tl.full([BLOCK_V], float("-inf"), tl.float32)
         lane_z = tl.zeros([BLOCK_V], tl.float32)
         for v0 in range(start, end, BLOCK_V):
             idx = v0 + cols
             l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
             new_max = tl.maximum(lane_max, l)
+            lane_2nd = tl.maximum(lane_2nd, tl.minimum(lane_max, l))
             ref = tl.where(new_max > float("-inf"), new_max, 0.0)  # a lane all -inf so far sums nothing
             lane_z = lane_z * tl.exp(lane_max - ref) + tl.exp(l - ref)
             lane_max = new_max
@@ -263,6 +309,8 @@ def _stats_kernel(
         tl.store(part_z_ptr + part, tl.sum(lane_z, axis=0))
         group_max = tl.max(tl.reshape(lane_max, [BLOCK_V // NL, NL]), axis=0)
         tl.store(part_u_ptr + part * NL + tl.arange(0, NL), group_max)
+        _chunk_grid(lane_max, lane_2nd, m, part_u_ptr + part * NL, part_hc_ptr + part * _GRID_BINS,
+                    part_hm_ptr + part * _GRID_BINS, NL, U_SLICE)
 
 
 @triton.jit
@@ -302,11 +350,11 @@ def _append(buf_l, buf_i, at, l, idx, take):
 
 
 @triton.jit
-def _drain(buf_l, buf_i, count, m, min_p, key, best_s, best_i, BLOCK_V: tl.constexpr):
-    """Folds the draw over the buffer's first count tokens into (best_s, best_i)."""
+def _drain(buf_l, buf_i, start, end, m, min_p, key, best_s, best_i, BLOCK_V: tl.constexpr):
+    """Folds the draw over the buffer's tokens at positions [start, end) into (best_s, best_i)."""
     tl.debug_barrier()  # the program's stores are seen by all of its threads
     cols = tl.arange(0, BLOCK_V)
-    ok = cols < count
+    ok = (cols >= start) & (cols < end)
     l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
     idx = tl.load(buf_i + cols, mask=ok, other=0)
     best_s, best_i = _better(l, idx, ok & (tl.exp(l - m) >= min_p), key, best_s, best_i)
@@ -315,16 +363,40 @@ def _drain(buf_l, buf_i, count, m, min_p, key, best_s, best_i, BLOCK_V: tl.const
 
 
 @triton.jit
-def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, set_min_p, min_p, BLOCK_V: tl.constexpr):
+def _compact(buf_l, buf_i, n_keep, cut, m, min_p, key, drawn, best_s, best_i, BLOCK_V: tl.constexpr):
+    """Draws the buffer's first n_keep tokens that lie at or above cut (their mass added to drawn) and
+    moves the others to the front. Returns how many stay, drawn and the draw so far."""
+    tl.debug_barrier()  # the program's stores are seen by all of its threads
+    cols = tl.arange(0, BLOCK_V)
+    ok = cols < n_keep
+    l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
+    idx = tl.load(buf_i + cols, mask=ok, other=0)
+    e = tl.exp(l - m)
+    draw = ok & (l >= cut)
+    drawn += tl.sum(tl.where(draw, e, 0.0), axis=0)
+    best_s, best_i = _better(l, idx, draw & (e >= min_p), key, best_s, best_i)
+    stay = ok & (l < cut)
+    tl.debug_barrier()  # every thread has read before the buffer is rewritten
+    _append(buf_l, buf_i, 0, l, idx, stay)
+    return tl.sum(stay.to(tl.int32), axis=0), drawn, best_s, best_i
+
+
+@triton.jit
+def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, hi, set_min_p, min_p, BLOCK_V: tl.constexpr):
     """One read of the row for the set C = {l > beta} if strict else {l >= beta}, less the tokens
-    with e < set_min_p. Returns |C|, its mass (sum of e) and, when C does not fit in the buffer
-    (|C| > BLOCK_V), its Gumbel winner among tokens with e >= min_p (_NONE if none); a C that fits is
-    left in the buffer, in index order, for _finish. Noise is drawn only where C is: in place on
-    tiles dense in C, through the buffer in batches for the others."""
+    with e < set_min_p. The buffer keeps C's tokens below a cut, in index order at its front; the
+    others are only drawn. The cut starts at +inf and drops when the kept tokens would not fit: to
+    hi, then to -inf (none kept). Returns |C|, its mass, how many tokens the buffer keeps, the cut
+    (+inf: all of C is in the buffer), and the drawn tokens' mass and Gumbel winner among those with
+    e >= min_p (score and index, _NONE if none). Noise is drawn only where needed: in place on tiles
+    dense in drawn tokens, through the buffer's far end in batches for the others."""
     cols = tl.arange(0, BLOCK_V)
     n = tl.zeros([], tl.int32)
-    pending = tl.zeros([], tl.int32)  # tokens in the buffer not drawn yet
     mass = tl.zeros([], tl.float32)
+    n_keep = tl.zeros([], tl.int32)
+    pending = tl.zeros([], tl.int32)  # drawn tokens not drawn yet, at [BLOCK_V - pending, BLOCK_V)
+    cut = tl.full([], float("inf"), tl.float32)
+    drawn = tl.zeros([], tl.float32)
     best_s = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], _NONE, tl.int32)
     x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
@@ -338,22 +410,42 @@ def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, set_min_p, min
         cnt = tl.sum(in_c.to(tl.int32), axis=0)
         mass += tl.sum(tl.where(in_c, e, 0.0), axis=0)
         if cnt > 0:
-            if n + cnt <= BLOCK_V:  # all of C so far fits: keep it, draw later if need be
-                _append(buf_l, buf_i, n, l, idx, in_c)
-                pending = n + cnt
-            elif cnt > BLOCK_V // _DENSE:  # C overflows, and is dense here: draw in place
-                best_s, best_i = _better(l, idx, in_c & (e >= min_p), key, best_s, best_i)
-            else:  # C overflows, and is sparse here: batch it through the buffer
-                if pending + cnt > BLOCK_V:
-                    best_s, best_i = _drain(buf_l, buf_i, pending, m, min_p, key, best_s, best_i, BLOCK_V)
+            keep = in_c & (l < cut)
+            n_k = cnt
+            if cut < float("inf"):
+                n_k = tl.sum(keep.to(tl.int32), axis=0)
+            if n_keep + n_k + pending > BLOCK_V:  # no room: draw the waiting tokens, lower the cut if need be
+                if pending > 0:
+                    best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i,
+                                            BLOCK_V)
                     pending = tl.zeros([], tl.int32)
-                _append(buf_l, buf_i, pending, l, idx, in_c)
-                pending += cnt
+                while n_keep + n_k > BLOCK_V:
+                    cut = tl.where(cut > hi, hi, float("-inf"))
+                    n_keep, drawn, best_s, best_i = _compact(buf_l, buf_i, n_keep, cut, m, min_p, key, drawn,
+                                                             best_s, best_i, BLOCK_V)
+                    keep = in_c & (l < cut)
+                    n_k = tl.sum(keep.to(tl.int32), axis=0)
+            if n_k > 0:
+                _append(buf_l, buf_i, n_keep, l, idx, keep)
+                n_keep += n_k
+            n_d = cnt - n_k
+            if n_d > 0:
+                draw = in_c & (l >= cut)
+                drawn += tl.sum(tl.where(draw, e, 0.0), axis=0)
+                if (n_d > BLOCK_V // _DENSE) | (n_keep + n_d > BLOCK_V):  # dense here (or no room): in place
+                    best_s, best_i = _better(l, idx, draw & (e >= min_p), key, best_s, best_i)
+                else:
+                    if n_keep + pending + n_d > BLOCK_V:
+                        best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s,
+                                                best_i, BLOCK_V)
+                        pending = tl.zeros([], tl.int32)
+                    _append(buf_l, buf_i, BLOCK_V - pending - n_d, l, idx, draw)
+                    pending += n_d
         n += cnt
-    if n > BLOCK_V:
-        best_s, best_i = _drain(buf_l, buf_i, pending, m, min_p, key, best_s, best_i, BLOCK_V)
-    tl.debug_barrier()  # a set that fits is read next, by all of the program's threads
-    return n, mass, best_i
+    if pending > 0:
+        best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i, BLOCK_V)
+    tl.debug_barrier()  # the kept tokens are read next, by all of the program's threads
+    return n, mass, n_keep, cut, drawn, best_s, best_i
 
 
 @triton.jit
@@ -387,12 +479,13 @@ def _row_count_select(base, vocab, inv_t, lo, hi, k, cnt_lo, BLOCK_V: tl.constex
 
 
 @triton.jit
-def _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key,
-            TILE: tl.constexpr):
-    """The draw from the buffer: n tokens in index order, an upper set of the row holding every kept
-    token, so the thresholds found here are exact. floor: t_k when already known, else -inf.
-    k_sel: t_k is the top_k-th largest in the buffer (-inf when it holds fewer: then they all are in
-    the top-k set). z_from_buf: the buffer holds the whole top-k set and Z is its mass."""
+def _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p, key, best_s,
+            best_i, TILE: tl.constexpr):
+    """The draw from the buffer: n tokens, which with the drawn ones (mass drawn, winner (best_s,
+    best_i); all above the buffer's and all kept) make an upper set of the row holding every kept
+    token, so the thresholds found here are exact. floor: t_k when already known, else -inf. k_sel:
+    t_k is the top_k-th largest in the buffer (-inf when it holds fewer: then they all are in the
+    top-k set). z_from_buf: the buffer holds the whole top-k set and Z is its mass."""
     cols = tl.arange(0, TILE)
     ok = cols < n
     l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
@@ -406,72 +499,131 @@ def _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m
     if use_p:
         if z_from_buf:
             z = tl.sum(tl.where(l >= t, e, 0.0), axis=0)
-        t = _key_float(_tile_select(l, e, top_p * z, _float_key(t).to(tl.int64), m_key))
-    _, best = _better(l, idx, ok & (l >= t) & (e >= min_p), key,
-                      tl.full([], float("-inf"), tl.float32), tl.full([], _NONE, tl.int32))
+        t = _key_float(_tile_select(l, e, top_p * z - drawn, _float_key(t).to(tl.int64), m_key))
+    _, best = _better(l, idx, ok & (l >= t) & (e >= min_p), key, best_s, best_i)
     return tl.where(best < _NONE, best, 0)  # nothing kept (min_p > 1): index 0, as argmax over -inf
 
 
 @triton.jit
+def _row_grid(hc_ptr, hm_ptr, part_m_ptr, num_splits, m, GRID_S: tl.constexpr):
+    """The chunks' samples on the row's grid, whose bin 0 holds m: a chunk's bin j is the row's bin
+    j + (how many bins the chunk's max lies below m). Returns the grid's top (m's bin, floor(m *
+    _GRID)), and per bin the samples in it and a lower bound of their mass relative to m."""
+    top = tl.floor(m * _GRID)
+    bins = tl.arange(0, _GRID_BINS)
+    cnt = tl.zeros([_GRID_BINS], tl.int32)
+    mass = tl.zeros([_GRID_BINS], tl.float32)
+    for s0 in range(0, num_splits, GRID_S):
+        s = s0 + tl.arange(0, GRID_S)
+        m_s = tl.load(part_m_ptr + s, mask=s < num_splits, other=float("-inf"))
+        src = bins[None, :] - (top - tl.floor(m_s * _GRID))[:, None]  # -inf where a chunk is all -inf
+        ok = src >= 0
+        at = s[:, None] * _GRID_BINS + tl.where(ok, src, 0).to(tl.int32)
+        cnt += tl.sum(tl.load(hc_ptr + at, mask=ok, other=0), axis=0)
+        scale = tl.where(m_s > float("-inf"), tl.exp(m_s - m), 0.0)
+        mass += tl.sum(tl.load(hm_ptr + at, mask=ok, other=0.0) * scale[:, None], axis=0)
+    return top, cnt, mass
+
+
+@triton.jit
+def _grid_bounds(cnt, mass, top, top_k, top_p, z, band):
+    """From the row's grid: the highest bin edges where the samples hold top_k tokens (lo_k) and p of
+    the mass (lo_p), lower bounds of t_k and of top-p's threshold (-inf where the grid holds too
+    few); and hi, the edge that leaves about `band` samples in [lo_p, hi) (+inf if all of them above
+    lo_p are that few, which the buffer holds anyway)."""
+    bins = tl.arange(0, _GRID_BINS)
+    at_or_above = tl.cumsum(cnt, axis=0)  # samples at or above each bin's lower edge
+    j_k = tl.min(tl.where(at_or_above >= top_k, bins, _GRID_BINS), axis=0)
+    j_p = tl.min(tl.where(tl.cumsum(mass, axis=0) >= top_p * z, bins, _GRID_BINS), axis=0)
+    lo_k = tl.where(j_k < _GRID_BINS, (top - j_k) / _GRID, float("-inf"))
+    lo_p = tl.where(j_p < _GRID_BINS, (top - j_p) / _GRID, float("-inf"))
+    c_p = tl.sum(tl.where(bins == j_p, at_or_above, 0), axis=0)
+    j_hi = tl.minimum(tl.min(tl.where(at_or_above >= c_p - band, bins, _GRID_BINS), axis=0), j_p - 1)
+    hi = tl.where((j_p < _GRID_BINS) & (c_p > band), (top - j_hi) / _GRID, float("inf"))
+    return lo_k, lo_p, hi
+
+
+@triton.jit
 def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u,
-                   BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
-    """A row with filters, given pass 1's m, Z and group maxima u. Returns (token, reads of the row)."""
+                   lo_k, lo_p, hi_p, BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
+    """A row with filters, given pass 1's m, Z, group maxima u and the grid's bounds. Returns (token,
+    reads of the row)."""
     m_key = _float_key(m).to(tl.int64)
     no_key = tl.full([], _NEG_INF_KEY, tl.int64)
     # u holds values of the row, so at least k tokens (or p of the mass) lie at or above the bound.
     beta = tl.full([], float("-inf"), tl.float32)
+    hi = tl.full([], float("inf"), tl.float32)
     if use_k:
         beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key, m_key))
+        beta = tl.maximum(beta, lo_k)
     elif use_p:
         beta = _key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key))
         # And below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
-        beta = tl.maximum(beta, m + tl.log((1.0 - top_p) * z / vocab))
+        beta = tl.maximum(tl.maximum(beta, lo_p), m + tl.log((1.0 - top_p) * z / vocab))
+        hi = hi_p
+    else:
+        hi = float("-inf")  # min-p alone: C is the kept set, and only needs drawing
     # With top-k and top-p, Z is the top-k set's mass: the buffer must hold all of that set, so
     # min-p may not thin it. Tokens at -inf are never drawn: a bound at -inf leaves them out.
     z_from_buf = use_k & use_p
     k_sel = use_k
     floor = tl.full([], float("-inf"), tl.float32)
-    n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32),
-                          tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
+    n, mass, n_keep, cut, drawn, best_s, best = _scan(
+        base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi,
+        tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
-    if z_from_buf & (n > BLOCK_V):
+    if z_from_buf & (cut < float("inf")):
         lo, cnt, steps = _row_count_select(base, vocab, inv_t, _float_key(beta).to(tl.int64), m_key, top_k, n,
                                            BLOCK_V)
         exact = cnt > BLOCK_V  # lo is t_k; else the top-k set fits in the buffer
         beta = _key_float(lo)
-        n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32),
-                              0.0, min_p, BLOCK_V)
+        n, mass, n_keep, cut, drawn, best_s, best = _scan(
+            base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), float("inf"),
+            0.0, min_p, BLOCK_V)
         floor = tl.where(exact, beta, floor)
         z = tl.where(exact, mass, z)  # the top-k set's mass
         k_sel = k_sel & (exact == 0)
         z_from_buf = z_from_buf & (exact == 0)
         reads += steps + 1
+    in_buf = cut == float("inf")
+    if (cut > float("-inf")) & (cut < float("inf")):  # C split at hi (top-p alone, or with min-p)
+        if drawn < top_p * z:  # T is below hi: every drawn token is kept, the buffer finishes the row
+            in_buf = True
+        else:  # the winner over all of C starts the chain
+            best_s, best = _drain(buf_l, buf_i, 0, n_keep, m, min_p, key, best_s, best, BLOCK_V)
     # The chain of Gumbel winners (see the top of this section); each scan strictly raises the bound.
     cand = tl.full([], _NONE, tl.int32)
-    accepted = tl.zeros([], tl.int32)
-    while (accepted == 0) & (n > BLOCK_V) & (best < _NONE):
+    accepted = ((in_buf == 0) & (use_k == 0) & (use_p == 0)).to(tl.int32)  # min-p alone: C is exact
+    if accepted != 0:
+        cand = best
+    while (accepted == 0) & (in_buf == 0) & (best < _NONE):
         cand = best
         l_c = tl.load(base + cand).to(tl.float32) * inv_t
-        n, mass, best = _scan(base, buf_l, buf_i, vocab, inv_t, m, key, l_c, tl.full([], 1, tl.int32), 0.0, min_p,
-                              BLOCK_V)
+        n, mass, n_keep, cut, drawn, best_s, best = _scan(
+            base, buf_l, buf_i, vocab, inv_t, m, key, l_c, tl.full([], 1, tl.int32), float("inf"), 0.0, min_p,
+            BLOCK_V)
         reads += 1
+        in_buf = cut == float("inf")
         accepted = (((k_sel == 0) | (n < top_k)) & ((use_p == 0) | (mass < top_p * z))).to(tl.int32)
     token = tl.zeros([], tl.int32)  # nothing kept (min_p > 1): index 0, as argmax over -inf
     if accepted != 0:
-        token = cand
-    elif n <= SMALL:
-        token = _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key, SMALL)
-    elif n <= BLOCK_V:
-        token = _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, m, min_p, key, BLOCK_V)
+        token = tl.where(cand < _NONE, cand, 0)
+    elif in_buf & (n_keep <= SMALL):
+        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
+                        key, best_s, best, SMALL)
+    elif in_buf:
+        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
+                        key, best_s, best, BLOCK_V)
     return token, reads
 
 
 @triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
-    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, buf_l_ptr, buf_i_ptr, vocab, num_splits, n_u,
-    BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
-    COUNT_READS: tl.constexpr,
+    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_hc_ptr, part_hm_ptr, buf_l_ptr,
+    buf_i_ptr, vocab, num_splits, n_u,
+    BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    SMALL: tl.constexpr, COUNT_READS: tl.constexpr,
 ):
     """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
     row = tl.program_id(0).to(tl.int64)
@@ -491,9 +643,17 @@ def _sample_kernel(
         j = tl.arange(0, BLOCK_U)
         u = tl.load(part_u_ptr + row * n_u + j, mask=j < n_u, other=float("-inf"))
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        lo_k = tl.full([], float("-inf"), tl.float32)
+        lo_p = tl.full([], float("-inf"), tl.float32)
+        hi_p = tl.full([], float("inf"), tl.float32)
+        if tl.abs(m) < 1048576.0:  # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32
+            top, cnt, mass = _row_grid(part_hc_ptr + row * num_splits * _GRID_BINS,
+                                       part_hm_ptr + row * num_splits * _GRID_BINS, part_score_ptr + row * num_splits,
+                                       num_splits, m, GRID_S)
+            lo_k, lo_p, hi_p = _grid_bounds(cnt, mass, top, top_k, top_p, z, BLOCK_V // 2)
         token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
                                       buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
-                                      key, m, z, u, BLOCK_V, SMALL)
+                                      key, m, z, u, lo_k, lo_p, hi_p, BLOCK_V, SMALL)
     tl.store(out_ptr + row, token.to(tl.int64))
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
@@ -558,18 +718,22 @@ def sample(
     part_idx = torch.empty((n_rows, num_splits), **i32)
     part_z = torch.empty((n_rows, num_splits), **f32)
     part_u = torch.empty((n_rows, num_splits * n_groups), **f32)
+    part_hc = torch.empty((n_rows, num_splits * _GRID_BINS.value), **i32)
+    part_hm = torch.empty((n_rows, num_splits * _GRID_BINS.value), **f32)
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
-        part_score, part_idx, part_z, part_u, vocab, chunk, num_splits,
-        NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4, enable_fp_fusion=False,
+        part_score, part_idx, part_z, part_u, part_hc, part_hm, vocab, chunk, num_splits,
+        NL=n_groups, U_SLICE=min(n_groups, 32), BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
+        enable_fp_fusion=False,
     )
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        out if reads is None else reads, part_score, part_idx, part_z, part_u, buf_l, buf_i,
+        out if reads is None else reads, part_score, part_idx, part_z, part_u, part_hc, part_hm, buf_l, buf_i,
         vocab, num_splits, num_splits * n_groups,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
+        GRID_S=min(triton.next_power_of_2(num_splits), 8),
         BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
