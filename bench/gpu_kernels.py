@@ -285,6 +285,8 @@ def case_sampling(batch: int, mode: str, device) -> Result:
     elif mode == "topp0.95-minp0.05":
         top_p.fill_(0.95)
         min_p.fill_(0.05)
+    elif mode == "topp0.9":  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
+        top_p.fill_(0.9)
     elif mode == "mixed":
         temperature[0::4] = 0.0
         top_k[1::4] = 40
@@ -304,8 +306,9 @@ def case_sampling(batch: int, mode: str, device) -> Result:
     allowed = max(1, batch // 100) if batch > 1 else 0
     res.rel_err = mismatches / batch
     # How many times the kernels read each row in full: the path each row took (1: no filter;
-    # 2: the bound from pass 1 fit the buffer; 3: the first Gumbel winner was checked; more: rejections
-    # or the top-k select). The time is of calls without this count.
+    # 2: the bound from pass 1 fit the buffer, or the band around top-p's threshold did; 3: the first
+    # Gumbel winner was checked, or top-p's estimated bound was too high; more: rejections or the
+    # top-k select). The time is of calls without this count.
     reads = torch.zeros(batch, dtype=torch.int32, device=device)
     same = bool(torch.equal(K.sample(*args, reads=reads), got))
     hist = {int(n): int(c) for n, c in zip(*torch.unique(reads, return_counts=True))}
@@ -329,7 +332,7 @@ def all_cases(device):
     yield "rope_kv_write", lambda: case_rope(256, device)
     yield "silu_mul", lambda: case_silu_mul(256, device)
     for b in (1, 64, 256):
-        for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "mixed"):
+        for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "mixed"):
             yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)
 
 

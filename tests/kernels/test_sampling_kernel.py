@@ -235,20 +235,81 @@ def test_chain_ends_in_the_buffer_after_rejections(device):
 
 
 def test_loose_min_p_is_the_only_filter(device):
-    """min-p alone keeping more than the buffer: its set is exact from the first scan, so the first
-    winner is always kept."""
+    """min-p alone keeping more than the buffer: its set is exact from the first scan, so that scan's
+    Gumbel winner is the draw, with no read to check it."""
     got, want, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2)
     assert torch.equal(got, want)
-    assert reads == [3] * 8
+    assert reads == [2] * 8
 
 
 @pytest.mark.parametrize("vocab,block_v", [(1024, 32), (256, 16)])
 def test_top_k_with_top_p_beyond_the_bound(vocab, block_v, device):
-    """Top-k and top-p with a top-k set the bound leaves larger than the buffer: t_k by bisection over
-    the row, until the set fits (k 30 <= 32 tokens) or exactly (k 30 > 16), then the chain for top-p."""
-    got, want, reads = _draws(_peaked(vocab), 12, device, block_v=block_v, num_splits=1, top_k=30, top_p=0.8)
+    """Top-k and top-p with a top-k set the bounds leave larger than the buffer: 30 tokens just above
+    40 others, all in one bin of pass 1's grid, so both bounds lie at or below the 40. t_k by
+    bisection over the row, until the set fits (k 30 <= 32 tokens) or exactly (k 30 > 16), then the
+    chain for top-p."""
+    row = _peaked(vocab) - 8
+    at = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:70]
+    row[at[:30]] = 2.1 + torch.arange(30) * 1e-3
+    row[at[30:]] = 2.01
+    got, want, reads = _draws(row, 12, device, block_v=block_v, num_splits=1, top_k=30, top_p=0.8)
     assert torch.equal(got, want)
     assert min(reads) > 3
+
+
+def _spiked(vocab, spikes, boost, seed=0):
+    """The benchmark's rows (bench/gpu_kernels.py): randn * 2 with a few tokens lifted by boost."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=g) * 2
+    row[torch.randperm(vocab, generator=g)[:spikes]] += boost
+    return row
+
+
+@pytest.mark.parametrize("min_p", [0.0, 1e-4])
+def test_top_p_set_larger_than_the_buffer_splits_at_hi(min_p, device):
+    """Top-p keeping 182 tokens, a buffer of 64: pass 1's grid (8 chunks of 64 lanes, 1,024 samples)
+    bounds the threshold within a band of about 32 samples, the scan keeps the band and only draws
+    the tokens above it, and their mass tells that every one of them is kept: one scan."""
+    got, want, reads = _draws(_spiked(4096, 8, 6.0), 8, device, block_v=64, num_splits=8, temperature=0.8,
+                              top_p=0.9, min_p=min_p)
+    assert torch.equal(got, want)
+    assert reads == [2] * 8
+    assert len(set(want.tolist())) > 3
+
+
+def test_split_below_the_threshold_falls_back_to_the_chain(device):
+    """128 tokens tied at 7.999, two in each lane: the lanes' second ones count in the grid at their
+    bin's lower edge, 7.875, so the samples reach p of the mass only far down, and hi falls below
+    the tied tokens. The drawn tokens then hold more than p * Z: the scan's winner over the whole set
+    starts the chain, and one more read accepts it."""
+    row = _peaked(4096)
+    lanes = torch.arange(64)
+    row[torch.cat([lanes, lanes + 64])] = 7.999
+    got, want, reads = _draws(row, 8, device, block_v=64, num_splits=8, top_p=0.9)
+    assert torch.equal(got, want)
+    assert reads == [3] * 8
+
+
+def test_mixed_batch_at_full_vocabulary(device):
+    """The benchmark's mixed batch (greedy, top-k 40, top-p 0.9, min-p 0.1 in turn; V = 128,256 with
+    64 tokens lifted by 8; 3 chunks per row, as at B = 256 on an H100): every row in two reads at
+    most, top-p rows keeping more than the buffer (2,048) among them."""
+    n, vocab = 16, 128_256
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(n, vocab, generator=g) * 2.0
+    logits[:, torch.randperm(vocab, generator=g)[:64]] += 8.0
+    mass = torch.softmax(logits[2::4].double() / 0.8, -1).sort(-1, descending=True).values.cumsum(-1)
+    assert ((mass < 0.9).sum(-1) + 1).tolist() == [94, 1848, 228, 2958]  # the top-p rows' kept sets
+    t, k, p, mp = _params(n, "cpu", temperature=0.8)
+    t[0::4] = 0.0
+    k[1::4] = 40
+    p[2::4] = 0.9
+    mp[3::4] = 0.1
+    args = [x.to(device) for x in (logits, t, k, p, mp, _seeds(n, "cpu"), torch.arange(n))]
+    reads = torch.zeros(n, dtype=torch.int32, device=device)
+    got = K.sample(*args, num_splits=3, reads=reads)
+    assert torch.equal(got, K.sample_ref(*args))
+    assert reads.tolist() == [1, 2, 2, 2] * 4
 
 
 def test_large_buffer_finish(device):

@@ -123,18 +123,20 @@ def sample_ref(
 # --- the kernel ----------------------------------------------------------------------------
 #
 # Pass 1 reads each row once, cut into vocabulary chunks (one program each): rows without filters
-# draw there; filtered rows gather m, Z, the maxima of interleaved lane groups (u) and a histogram
-# of each lane's two largest values on a fixed grid of l (bins 1/8 wide): per bin, how many there
-# are and a lower bound of their mass. That sample of the row's top holds its kept set unless the
-# set is several times larger than the lanes are many. Every filter keeps an upper set {l >= T} and
-# the draw is a Gumbel argmax, so T is never needed over the whole row:
+# draw there; filtered rows gather m, Z and the maxima of interleaved lane groups (u), and rows whose
+# kept set can outgrow u (_needs_grid) a histogram of each lane's two largest values on a fixed grid
+# of l (bins 1/8 wide): a sample of the row's top that holds its kept set unless the set is several
+# times larger than the lanes are many. Every filter keeps an upper set {l >= T} and the draw is a
+# Gumbel argmax, so T is never needed over the whole row:
 # - pass 2 ("scan") reads the row for the set C of tokens at or above a lower bound lo of T (top-k:
-#   where u or the sample holds k tokens; top-p: where u or the sample holds p of the mass, or
-#   m + log((1 - p) Z / V) if higher; min-p: its own test) and keeps C in a one-tile buffer, where
-#   the exact thresholds and the draw cost no more reads;
-# - when C outgrows the buffer, its tokens at or above a cut hi are only drawn: the buffer keeps the
-#   band [lo, hi), the scan the drawn tokens' Gumbel winner and mass M. Top-p's hi is the bin edge
-#   with about half a buffer of samples between it and lo. If M < p * Z, T lies in the band, so every
+#   where the sample or u holds k tokens; top-p: see below; min-p: its own test) and keeps C in a
+#   one-tile buffer, where the exact thresholds and the draw cost no more reads;
+# - top-p's set can be larger than the buffer. The grid weighs the sample (u exactly, the others at
+#   their bins' middles) and [lo, hi) is a band of about 5/8 of a buffer of samples centred on the
+#   bin where they reach p * Z. lo is then an estimate, not a bound: a C holding less than p of the
+#   mass is read again from a sure bound (where u holds p of the mass, or m + log((1 - p) Z / V));
+# - when C outgrows the buffer, its tokens at or above hi are only drawn: the buffer keeps the band,
+#   the scan the drawn tokens' Gumbel winner and mass M. If M < p * Z, T lies in the band, so every
 #   drawn token is kept and the buffer finishes the row; min-p alone keeps all of C (hi = -inf);
 # - else C yields its Gumbel winner w. w is kept iff fewer than k tokens and less than p * Z of the
 #   mass lie strictly above l_w, and then w is the draw (the argmax over a subset holding w); else
@@ -144,7 +146,6 @@ def sample_ref(
 #   known): when the bound leaves it too large, a select over the row finds t_k first.
 
 _NONE = tl.constexpr(2**31 - 1)  # "no token yet" in a running argmax
-_DENSE = tl.constexpr(4)  # a tile with more than 1/_DENSE of its tokens in the set draws in place
 _BINS = tl.constexpr(256)  # key ranges counted per read by the top-k select over the row
 # Pass 1's grid: bins per unit of l, a power of two so that bin edges are exact; and how many bins
 # below a chunk's max it counts: top-p's T lies within log(V / (1 - p)) of m (14.1 at V = 128k and
@@ -236,35 +237,38 @@ def _grid_bin(x, top):
 
 
 @triton.jit
-def _chunk_grid(lane_max, lane_2nd, m, u_ptr, hc_ptr, hm_ptr, NL: tl.constexpr, U_SLICE: tl.constexpr):
+def _needs_grid(top_k, use_k, use_p, n_u):
+    """Whether a row's sets can outgrow what u bounds: top-p's (without top-k) can hold far more
+    tokens than u has values, and so can a top-k set of more than a quarter as many tokens as u
+    (the k-th largest of u lies ever further below t_k as the k tokens share groups). Other rows
+    skip the grid: its histograms are a fixed cost per chunk (an eighth of pass 1 at B = 256 on an
+    H100, with 21 tiles per chunk; as much as the chunk's reading at B = 64, with 7)."""
+    return (use_p & (use_k == 0)) | (use_k & (top_k * 4 > n_u))
+
+
+@triton.jit
+def _chunk_grid(lane_max, lane_2nd, group_max, m, grid_ptr, NL: tl.constexpr, BLOCK_V: tl.constexpr):
     """The chunk's sample on the grid whose bin 0 holds m (the chunk's max): per bin, how many of the
-    lanes' two largest values fall in it and a lower bound of their mass relative to m: exact for the
-    group maxima u (just stored at u_ptr), which hold the tokens that carry much of the mass, and the
-    bin's lower edge for the others."""
+    lanes' two largest values fall in it, apart from the group maxima u, and how many of u do (in
+    the high and low 16 bits: at most 2 * BLOCK_V each). The row's program weighs u exactly, the
+    others at their bin's middle."""
     top = tl.floor(m * _GRID)
     bins = tl.arange(0, _GRID_BINS)
-    b1 = _grid_bin(lane_max, top)
+    lanes = tl.reshape(lane_max, [BLOCK_V // NL, NL])
+    others = tl.reshape(tl.where(lanes == group_max[None, :], float("-inf"), lanes), [BLOCK_V])
+    b1 = _grid_bin(others, top)
     b2 = _grid_bin(lane_2nd, top)
-    cnt = tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS) + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS)
-    cnt_u = tl.zeros([_GRID_BINS], tl.int32)
-    mass_u = tl.zeros([_GRID_BINS], tl.float32)
-    tl.debug_barrier()  # u is read back by every thread of the program
-    for g0 in range(0, NL, U_SLICE):  # in slices: a [bins, NL] one-hot would take the registers
-        u = tl.load(u_ptr + g0 + tl.arange(0, U_SLICE))
-        hit = _grid_bin(u, top)[None, :] == bins[:, None]
-        cnt_u += tl.sum(hit.to(tl.int32), axis=1)
-        mass_u += tl.sum(tl.where(hit, tl.exp(u - m)[None, :], 0.0), axis=1)
-    others = cnt - cnt_u  # a group maximum is one of its lanes' maxima, in the same bin
-    edge = (top - bins.to(tl.float32)) / _GRID
-    tl.store(hc_ptr + bins, cnt)
-    tl.store(hm_ptr + bins, mass_u + tl.where(others > 0, others.to(tl.float32) * tl.exp(edge - m), 0.0))
+    bu = _grid_bin(group_max, top)
+    n_others = (tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS)
+                + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS))
+    tl.store(grid_ptr + bins, (n_others << 16) | tl.histogram(bu, _GRID_BINS, mask=bu < _GRID_BINS))
 
 
 @triton.jit
 def _stats_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
-    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_hc_ptr, part_hm_ptr, vocab, chunk, num_splits,
-    NL: tl.constexpr, U_SLICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, vocab, chunk, num_splits, n_u,
+    NL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over one vocabulary chunk of one row. Rows without filters: the chunk's best draw
     (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), NL maxima of lane
@@ -272,7 +276,8 @@ def _stats_kernel(
     fall in different groups), and the lanes' two largest values on the grid (_chunk_grid)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    greedy, simple, inv_t, _, _, _, _, _ = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    greedy, simple, inv_t, top_k, _, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
+                                                                   vocab)
     base = logits_ptr + row * logits_stride
     cols = tl.arange(0, BLOCK_V)
     start = split * chunk
@@ -309,8 +314,8 @@ def _stats_kernel(
         tl.store(part_z_ptr + part, tl.sum(lane_z, axis=0))
         group_max = tl.max(tl.reshape(lane_max, [BLOCK_V // NL, NL]), axis=0)
         tl.store(part_u_ptr + part * NL + tl.arange(0, NL), group_max)
-        _chunk_grid(lane_max, lane_2nd, m, part_u_ptr + part * NL, part_hc_ptr + part * _GRID_BINS,
-                    part_hm_ptr + part * _GRID_BINS, NL, U_SLICE)
+        if _needs_grid(top_k, use_k, use_p, n_u) & (m > float("-inf")):  # the row's grid skips a chunk all at -inf
+            _chunk_grid(lane_max, lane_2nd, group_max, m, part_grid_ptr + part * _GRID_BINS, NL, BLOCK_V)
 
 
 @triton.jit
@@ -351,15 +356,17 @@ def _append(buf_l, buf_i, at, l, idx, take):
 
 @triton.jit
 def _drain(buf_l, buf_i, start, end, m, min_p, key, best_s, best_i, BLOCK_V: tl.constexpr):
-    """Folds the draw over the buffer's tokens at positions [start, end) into (best_s, best_i)."""
+    """Folds the draw over the buffer's tokens at positions [start, end) into (best_s, best_i); also
+    returns their mass."""
     tl.debug_barrier()  # the program's stores are seen by all of its threads
     cols = tl.arange(0, BLOCK_V)
     ok = (cols >= start) & (cols < end)
     l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
     idx = tl.load(buf_i + cols, mask=ok, other=0)
-    best_s, best_i = _better(l, idx, ok & (tl.exp(l - m) >= min_p), key, best_s, best_i)
+    e = tl.where(ok, tl.exp(l - m), 0.0)
+    best_s, best_i = _better(l, idx, ok & (e >= min_p), key, best_s, best_i)
     tl.debug_barrier()  # every thread has read before the buffer is refilled
-    return best_s, best_i
+    return best_s, best_i, tl.sum(e, axis=0)
 
 
 @triton.jit
@@ -388,63 +395,84 @@ def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, hi, set_min_p,
     others are only drawn. The cut starts at +inf and drops when the kept tokens would not fit: to
     hi, then to -inf (none kept). Returns |C|, its mass, how many tokens the buffer keeps, the cut
     (+inf: all of C is in the buffer), and the drawn tokens' mass and Gumbel winner among those with
-    e >= min_p (score and index, _NONE if none). Noise is drawn only where needed: in place on tiles
-    dense in drawn tokens, through the buffer's far end in batches for the others."""
+    e >= min_p (score and index, _NONE if none). Noise is drawn only for drawn tokens, which wait at
+    the buffer's far end and are drawn a tile at a time.
+
+    The loops are bound by the block-wide steps of each tile (reductions, scans: a barrier each), so
+    a tile takes as few as it can: masses are summed where tokens are drawn, and over the kept
+    tokens once at the end."""
     cols = tl.arange(0, BLOCK_V)
     n = tl.zeros([], tl.int32)
-    mass = tl.zeros([], tl.float32)
     n_keep = tl.zeros([], tl.int32)
+    v0 = tl.zeros([], tl.int32)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+    # The usual case in a loop of its own, whose few registers then never spill: all of C so far
+    # fits in the buffer. The first tile that does not is read again by the second loop.
+    fits = tl.full([], 1, tl.int32)
+    while (v0 < vocab) & (fits != 0):
+        idx = v0 + cols
+        # The next tile's read is issued before this tile's work, so two are in flight.
+        x_next = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < vocab, other=float("-inf"))
+        l = x.to(tl.float32) * inv_t
+        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta) & (tl.exp(l - m) >= set_min_p)
+        cnt = tl.sum(in_c.to(tl.int32), axis=0)
+        if n_keep + cnt <= BLOCK_V:
+            if cnt > 0:
+                _append(buf_l, buf_i, n_keep, l, idx, in_c)
+            n_keep += cnt
+            v0 += BLOCK_V
+            x = x_next
+        else:
+            fits = tl.zeros([], tl.int32)
+    n = n_keep
     pending = tl.zeros([], tl.int32)  # drawn tokens not drawn yet, at [BLOCK_V - pending, BLOCK_V)
     cut = tl.full([], float("inf"), tl.float32)
     drawn = tl.zeros([], tl.float32)
     best_s = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], _NONE, tl.int32)
-    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
-    for v0 in range(0, vocab, BLOCK_V):
+    while v0 < vocab:
         idx = v0 + cols
+        x_next = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < vocab, other=float("-inf"))
         l = x.to(tl.float32) * inv_t
-        # The next tile's read is issued before this tile's work, so two are in flight.
-        x = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < vocab, other=float("-inf"))
-        e = tl.exp(l - m)
-        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta) & (e >= set_min_p)
-        cnt = tl.sum(in_c.to(tl.int32), axis=0)
-        mass += tl.sum(tl.where(in_c, e, 0.0), axis=0)
-        if cnt > 0:
-            keep = in_c & (l < cut)
-            n_k = cnt
-            if cut < float("inf"):
-                n_k = tl.sum(keep.to(tl.int32), axis=0)
-            if n_keep + n_k + pending > BLOCK_V:  # no room: draw the waiting tokens, lower the cut if need be
-                if pending > 0:
-                    best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i,
-                                            BLOCK_V)
-                    pending = tl.zeros([], tl.int32)
-                while n_keep + n_k > BLOCK_V:
-                    cut = tl.where(cut > hi, hi, float("-inf"))
-                    n_keep, drawn, best_s, best_i = _compact(buf_l, buf_i, n_keep, cut, m, min_p, key, drawn,
-                                                             best_s, best_i, BLOCK_V)
-                    keep = in_c & (l < cut)
-                    n_k = tl.sum(keep.to(tl.int32), axis=0)
-            if n_k > 0:
-                _append(buf_l, buf_i, n_keep, l, idx, keep)
-                n_keep += n_k
-            n_d = cnt - n_k
-            if n_d > 0:
-                draw = in_c & (l >= cut)
-                drawn += tl.sum(tl.where(draw, e, 0.0), axis=0)
-                if (n_d > BLOCK_V // _DENSE) | (n_keep + n_d > BLOCK_V):  # dense here (or no room): in place
-                    best_s, best_i = _better(l, idx, draw & (e >= min_p), key, best_s, best_i)
-                else:
-                    if n_keep + pending + n_d > BLOCK_V:
-                        best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s,
-                                                best_i, BLOCK_V)
-                        pending = tl.zeros([], tl.int32)
-                    _append(buf_l, buf_i, BLOCK_V - pending - n_d, l, idx, draw)
-                    pending += n_d
-        n += cnt
+        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta) & (tl.exp(l - m) >= set_min_p)
+        keep = in_c & (l < cut)
+        # Kept and drawn tokens counted (and below, ranked) in one step: 16 bits each.
+        both = keep.to(tl.int32) | ((in_c & (l >= cut)).to(tl.int32) << 16)
+        counts = tl.sum(both, axis=0)
+        n_k = counts & 0xFFFF
+        n_d = counts >> 16
+        if n_keep + n_k + pending + n_d > BLOCK_V:
+            # No room: draw the waiting tokens, or if none wait, lower the cut (to -inf at worst, where
+            # nothing is kept and a tile always fits), and read the tile again: nothing of it is held
+            # meanwhile.
+            if pending > 0:
+                best_s, best_i, w = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i,
+                                           BLOCK_V)
+                drawn += w
+                pending = tl.zeros([], tl.int32)
+            else:
+                cut = tl.where(cut > hi, hi, float("-inf"))
+                n_keep, drawn, best_s, best_i = _compact(buf_l, buf_i, n_keep, cut, m, min_p, key, drawn, best_s,
+                                                         best_i, BLOCK_V)
+            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf"))
+        else:
+            if counts > 0:  # kept tokens to the front, drawn ones to the far end, to be drawn in batches
+                rank = tl.cumsum(both, axis=0)
+                pos = tl.where(keep, n_keep + (rank & 0xFFFF) - 1, BLOCK_V - pending - n_d + (rank >> 16) - 1)
+                tl.store(buf_l + pos, l, mask=in_c)
+                tl.store(buf_i + pos, idx, mask=in_c)
+            n_keep += n_k
+            pending += n_d
+            n += n_k + n_d
+            v0 += BLOCK_V
+            x = x_next
     if pending > 0:
-        best_s, best_i = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i, BLOCK_V)
+        best_s, best_i, w = _drain(buf_l, buf_i, BLOCK_V - pending, BLOCK_V, m, min_p, key, best_s, best_i,
+                                   BLOCK_V)
+        drawn += w
     tl.debug_barrier()  # the kept tokens are read next, by all of the program's threads
+    kept = cols < n_keep
+    mass = drawn + tl.sum(tl.where(kept, tl.exp(tl.load(buf_l + cols, mask=kept, other=0.0) - m), 0.0), axis=0)
     return n, mass, n_keep, cut, drawn, best_s, best_i
 
 
@@ -505,62 +533,91 @@ def _finish(buf_l, buf_i, n, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, d
 
 
 @triton.jit
-def _row_grid(hc_ptr, hm_ptr, part_m_ptr, num_splits, m, GRID_S: tl.constexpr):
+def _row_grid(grid_ptr, part_m_ptr, num_splits, m, GRID_S: tl.constexpr):
     """The chunks' samples on the row's grid, whose bin 0 holds m: a chunk's bin j is the row's bin
     j + (how many bins the chunk's max lies below m). Returns the grid's top (m's bin, floor(m *
-    _GRID)), and per bin the samples in it and a lower bound of their mass relative to m."""
+    _GRID)), and per bin the samples other than u, and those of u."""
     top = tl.floor(m * _GRID)
     bins = tl.arange(0, _GRID_BINS)
-    cnt = tl.zeros([_GRID_BINS], tl.int32)
-    mass = tl.zeros([_GRID_BINS], tl.float32)
+    others = tl.zeros([_GRID_BINS], tl.int32)
+    of_u = tl.zeros([_GRID_BINS], tl.int32)
     for s0 in range(0, num_splits, GRID_S):
         s = s0 + tl.arange(0, GRID_S)
         m_s = tl.load(part_m_ptr + s, mask=s < num_splits, other=float("-inf"))
         src = bins[None, :] - (top - tl.floor(m_s * _GRID))[:, None]  # -inf where a chunk is all -inf
         ok = src >= 0
-        at = s[:, None] * _GRID_BINS + tl.where(ok, src, 0).to(tl.int32)
-        cnt += tl.sum(tl.load(hc_ptr + at, mask=ok, other=0), axis=0)
-        scale = tl.where(m_s > float("-inf"), tl.exp(m_s - m), 0.0)
-        mass += tl.sum(tl.load(hm_ptr + at, mask=ok, other=0.0) * scale[:, None], axis=0)
-    return top, cnt, mass
+        packed = tl.load(grid_ptr + s[:, None] * _GRID_BINS + tl.where(ok, src, 0).to(tl.int32), mask=ok, other=0)
+        others += tl.sum(packed >> 16, axis=0)
+        of_u += tl.sum(packed & 0xFFFF, axis=0)
+    return top, others, of_u
 
 
 @triton.jit
-def _grid_bounds(cnt, mass, top, top_k, top_p, z, band):
-    """From the row's grid: the highest bin edges where the samples hold top_k tokens (lo_k) and p of
-    the mass (lo_p), lower bounds of t_k and of top-p's threshold (-inf where the grid holds too
-    few); and hi, the edge that leaves about `band` samples in [lo_p, hi) (+inf if all of them above
-    lo_p are that few, which the buffer holds anyway)."""
+def _grid_bounds(others, of_u, top, m, u, e_u, top_k, top_p, z, band):
+    """From the row's grid, weighing u exactly and the other samples at their bin's middle: lo_k, the
+    highest bin edge where the samples hold top_k tokens (a lower bound of t_k); and for top-p, a
+    band [lo_p, hi) of about `band` samples centred on the bin where their mass reaches p * Z (hi =
+    +inf if all samples above lo_p are that few: the buffer holds them). lo_p is an estimate, not a
+    bound: the scan's mass tells. -inf / +inf where the grid holds too few samples."""
     bins = tl.arange(0, _GRID_BINS)
-    at_or_above = tl.cumsum(cnt, axis=0)  # samples at or above each bin's lower edge
+    edge = (top - bins.to(tl.float32)) / _GRID
+    at_or_above = tl.cumsum(others + of_u, axis=0)  # samples at or above each bin's lower edge
     j_k = tl.min(tl.where(at_or_above >= top_k, bins, _GRID_BINS), axis=0)
-    j_p = tl.min(tl.where(tl.cumsum(mass, axis=0) >= top_p * z, bins, _GRID_BINS), axis=0)
     lo_k = tl.where(j_k < _GRID_BINS, (top - j_k) / _GRID, float("-inf"))
-    lo_p = tl.where(j_p < _GRID_BINS, (top - j_p) / _GRID, float("-inf"))
+    # The first bin where the samples' mass reaches p * Z, by bisection (the mass grows bin by bin).
+    others_mass = tl.cumsum(others.to(tl.float32) * tl.exp(edge + 0.5 / _GRID - m), axis=0)
+    j_lo = tl.zeros([], tl.int32)
+    j_hi = tl.full([], _GRID_BINS, tl.int32)
+    while j_lo < j_hi:
+        mid = (j_lo + j_hi) // 2
+        reached = (tl.sum(tl.where(u >= (top - mid) / _GRID, e_u, 0.0), axis=0)
+                   + tl.sum(tl.where(bins == mid, others_mass, 0.0), axis=0)) >= top_p * z
+        j_lo = tl.where(reached, j_lo, mid + 1)
+        j_hi = tl.where(reached, mid, j_hi)
+    at_p = tl.sum(tl.where(bins == j_lo, at_or_above, 0), axis=0)
+    # Half the band below that bin, the rest above.
+    j_p = tl.max(tl.where(at_or_above <= at_p + band // 2, bins, 0), axis=0)
     c_p = tl.sum(tl.where(bins == j_p, at_or_above, 0), axis=0)
-    j_hi = tl.minimum(tl.min(tl.where(at_or_above >= c_p - band, bins, _GRID_BINS), axis=0), j_p - 1)
-    hi = tl.where((j_p < _GRID_BINS) & (c_p > band), (top - j_hi) / _GRID, float("inf"))
+    j_band = tl.minimum(tl.min(tl.where(at_or_above >= c_p - band, bins, _GRID_BINS), axis=0), j_p - 1)
+    lo_p = tl.where(j_lo < _GRID_BINS, (top - j_p) / _GRID, float("-inf"))
+    hi = tl.where((j_lo < _GRID_BINS) & (c_p > band), (top - j_band) / _GRID, float("inf"))
     return lo_k, lo_p, hi
 
 
 @triton.jit
-def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u,
-                   lo_k, lo_p, hi_p, BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
-    """A row with filters, given pass 1's m, Z, group maxima u and the grid's bounds. Returns (token,
-    reads of the row)."""
+def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
+    j = tl.arange(0, BLOCK_U)
+    return tl.load(u_ptr + j, mask=j < n_u, other=float("-inf"))
+
+
+@triton.jit
+def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
+                   lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
+    """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
+    through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
+    of the row)."""
     m_key = _float_key(m).to(tl.int64)
     no_key = tl.full([], _NEG_INF_KEY, tl.int64)
-    # u holds values of the row, so at least k tokens (or p of the mass) lie at or above the bound.
+    # The bound of C: the grid's when it has one (lo_k is a bound, lo_p an estimate checked after the
+    # scan), else a select over u (which holds values of the row, so at least k tokens, or p of the
+    # mass, lie at or above it).
     beta = tl.full([], float("-inf"), tl.float32)
     hi = tl.full([], float("inf"), tl.float32)
+    tail = beta
     if use_k:
-        beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key, m_key))
-        beta = tl.maximum(beta, lo_k)
+        beta = lo_k
+        if beta == float("-inf"):
+            u = _load_u(u_ptr, n_u, BLOCK_U)
+            beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key,
+                                           m_key))
     elif use_p:
-        beta = _key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key))
-        # And below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
-        beta = tl.maximum(tl.maximum(beta, lo_p), m + tl.log((1.0 - top_p) * z / vocab))
+        # Below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
+        tail = m + tl.log((1.0 - top_p) * z / vocab)
+        beta = tl.maximum(lo_p, tail)
         hi = hi_p
+        if lo_p == float("-inf"):
+            u = _load_u(u_ptr, n_u, BLOCK_U)
+            beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
     else:
         hi = float("-inf")  # min-p alone: C is the kept set, and only needs drawing
     # With top-k and top-p, Z is the top-k set's mass: the buffer must hold all of that set, so
@@ -572,6 +629,15 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi,
         tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
+    # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
+    # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).
+    if use_p & (use_k == 0) & (lo_p > tail) & (mass < top_p * z) & (tl.exp(beta - m) >= min_p):
+        u = _load_u(u_ptr, n_u, BLOCK_U)
+        beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
+        n, mass, n_keep, cut, drawn, best_s, best = _scan(
+            base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi, min_p, min_p,
+            BLOCK_V)
+        reads += 1
     if z_from_buf & (cut < float("inf")):
         lo, cnt, steps = _row_count_select(base, vocab, inv_t, _float_key(beta).to(tl.int64), m_key, top_k, n,
                                            BLOCK_V)
@@ -590,7 +656,7 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         if drawn < top_p * z:  # T is below hi: every drawn token is kept, the buffer finishes the row
             in_buf = True
         else:  # the winner over all of C starts the chain
-            best_s, best = _drain(buf_l, buf_i, 0, n_keep, m, min_p, key, best_s, best, BLOCK_V)
+            best_s, best, _ = _drain(buf_l, buf_i, 0, n_keep, m, min_p, key, best_s, best, BLOCK_V)
     # The chain of Gumbel winners (see the top of this section); each scan strictly raises the bound.
     cand = tl.full([], _NONE, tl.int32)
     accepted = ((in_buf == 0) & (use_k == 0) & (use_p == 0)).to(tl.int32)  # min-p alone: C is exact
@@ -620,8 +686,8 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
 @triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
-    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_hc_ptr, part_hm_ptr, buf_l_ptr,
-    buf_i_ptr, vocab, num_splits, n_u,
+    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr, vocab,
+    num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
     SMALL: tl.constexpr, COUNT_READS: tl.constexpr,
 ):
@@ -640,20 +706,21 @@ def _sample_kernel(
         m = tl.max(part_score, axis=0)
         part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
         z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
-        j = tl.arange(0, BLOCK_U)
-        u = tl.load(part_u_ptr + row * n_u + j, mask=j < n_u, other=float("-inf"))
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
         lo_k = tl.full([], float("-inf"), tl.float32)
         lo_p = tl.full([], float("-inf"), tl.float32)
         hi_p = tl.full([], float("inf"), tl.float32)
-        if tl.abs(m) < 1048576.0:  # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32
-            top, cnt, mass = _row_grid(part_hc_ptr + row * num_splits * _GRID_BINS,
-                                       part_hm_ptr + row * num_splits * _GRID_BINS, part_score_ptr + row * num_splits,
-                                       num_splits, m, GRID_S)
-            lo_k, lo_p, hi_p = _grid_bounds(cnt, mass, top, top_k, top_p, z, BLOCK_V // 2)
+        # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32.
+        if _needs_grid(top_k, use_k, use_p, n_u) & (tl.abs(m) < 1048576.0):
+            top, others, of_u = _row_grid(part_grid_ptr + row * num_splits * _GRID_BINS,
+                                          part_score_ptr + row * num_splits, num_splits, m, GRID_S)
+            u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
+            lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
+                                            BLOCK_V * 5 // 8)
         token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
                                       buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
-                                      key, m, z, u, lo_k, lo_p, hi_p, BLOCK_V, SMALL)
+                                      key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U, BLOCK_V,
+                                      SMALL)
     tl.store(out_ptr + row, token.to(tl.int64))
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
@@ -718,22 +785,21 @@ def sample(
     part_idx = torch.empty((n_rows, num_splits), **i32)
     part_z = torch.empty((n_rows, num_splits), **f32)
     part_u = torch.empty((n_rows, num_splits * n_groups), **f32)
-    part_hc = torch.empty((n_rows, num_splits * _GRID_BINS.value), **i32)
-    part_hm = torch.empty((n_rows, num_splits * _GRID_BINS.value), **f32)
+    part_grid = torch.empty((n_rows, num_splits * _GRID_BINS.value), **i32)
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
-        part_score, part_idx, part_z, part_u, part_hc, part_hm, vocab, chunk, num_splits,
-        NL=n_groups, U_SLICE=min(n_groups, 32), BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
+        part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
+        NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
         enable_fp_fusion=False,
     )
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        out if reads is None else reads, part_score, part_idx, part_z, part_u, part_hc, part_hm, buf_l, buf_i,
+        out if reads is None else reads, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i,
         vocab, num_splits, num_splits * n_groups,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
-        GRID_S=min(triton.next_power_of_2(num_splits), 8),
+        GRID_S=min(triton.next_power_of_2(num_splits), 64),
         BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
