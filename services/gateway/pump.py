@@ -16,6 +16,16 @@ if TYPE_CHECKING:
     from services.gateway.streaming import ChunkSink
 
 
+def note_arrival(metrics, gen: Generation, choice: ChoiceState, now: float) -> None:
+    """A token of `choice` arrived at `now`: the request's first (TTFT) or the gap since the choice's last (ITL)."""
+    if gen.first_token_at is None:
+        gen.first_token_at = now
+        metrics.time_to_first_token.observe(now - gen.arrival)
+    elif choice.last_arrival:
+        metrics.inter_token_latency.observe(now - choice.last_arrival)
+    choice.last_arrival = now
+
+
 def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[ChoiceState, ChoiceUpdate]],
                                                                     StreamFailed | None]:
     """Run deltas through their choices (and the latency metrics); stop at the first failure."""
@@ -33,12 +43,7 @@ def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[
         if update is None:
             continue
         if item.token_ids:
-            if gen.first_token_at is None:
-                gen.first_token_at = now
-                metrics.time_to_first_token.observe(now - gen.arrival)
-            elif choice.last_arrival:
-                metrics.inter_token_latency.observe(now - choice.last_arrival)
-            choice.last_arrival = now
+            note_arrival(metrics, gen, choice, now)
         if update.finish_reason is not None:
             if update.finish_reason in FAILED:
                 return out, StreamFailed(500, choice.error or "generation failed", "server_error")
@@ -97,12 +102,7 @@ class Pump:
             index = choice.index
             data = b""
             for token in ids:
-                if gen.first_token_at is None:
-                    gen.first_token_at = now
-                    metrics.time_to_first_token.observe(now - gen.arrival)
-                elif choice.last_arrival:
-                    metrics.inter_token_latency.observe(now - choice.last_arrival)
-                choice.last_arrival = now
+                note_arrival(metrics, gen, choice, now)
                 choice.num_tokens += 1
                 text = detok.push(token)
                 if text:
