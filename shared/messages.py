@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from shared.admin_messages import MODEL_STATES
 from shared.config import WORKER_ROLES
@@ -299,10 +299,9 @@ class TokenBatch(Message):
             return set()
         return {f.index for f in self.finishes} | {lp.index for lp in self.logprobs}
 
-    def deltas(self, rows: list[int], counts: list[int]) -> list[Delta]:
-        """Deltas of these rows only (`counts`: token_counts unpacked), as `items` would give them."""
-        if len(rows) == len(counts):
-            return self.items
+    def deltas(self, rows) -> list[Delta]:
+        """The Deltas of these rows (ascending indices), ends and logprobs attached."""
+        counts = unpack_ids(self.token_counts)
         starts = list(accumulate(counts, initial=0))
         prompt, cached, done = (unpack_ids(self.prompt_tokens), unpack_ids(self.cached_tokens),
                                 unpack_ids(self.completion_tokens))
@@ -320,23 +319,7 @@ class TokenBatch(Message):
 
     @property
     def items(self) -> list[Delta]:
-        counts = unpack_ids(self.token_counts)
-        prompt, cached, done = (unpack_ids(self.prompt_tokens), unpack_ids(self.cached_tokens),
-                                unpack_ids(self.completion_tokens))
-        ids = self.token_ids
-        out = []
-        pos = 0
-        for i, rid in enumerate(self.request_ids):
-            end = pos + 4 * counts[i]
-            out.append(Delta(rid, ids[pos:end], prompt[i], cached[i], done[i]))
-            pos = end
-        for f in self.finishes:
-            d = out[f.index]
-            d.finish_reason, d.error, d.stop_token_id = f.reason, f.error, f.stop_token_id
-        for lp in self.logprobs:
-            d = out[lp.index]
-            d.logprobs, d.top_ids, d.top_lps = lp.logprobs, lp.top_ids, lp.top_lps
-        return out
+        return self.deltas(range(len(self.request_ids)))
 
     def _check(self) -> None:
         n = len(self.request_ids)

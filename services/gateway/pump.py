@@ -92,7 +92,7 @@ class Pump:
             return
         try:
             choice = self.plain
-            if choice is None or choice.finish_reason is not None:
+            if choice.finish_reason is not None:
                 return  # ended here (a failure) while these were on their way
             gen = self.gen
             metrics = self.gw.metrics

@@ -153,7 +153,7 @@ class TokenRouter:
             others.append(i)
             pos += n
         if others:
-            self._on_deltas(batch.deltas(others, counts), wid)
+            self._on_deltas(batch.deltas(others), wid)
         if ready and not self._delivery_scheduled:
             self._delivery_scheduled = True
             asyncio.get_running_loop().call_soon(self._deliver)
