@@ -77,8 +77,9 @@ if has sweep; then
 fi
 if has w2 || has w3; then
   rm -rf /tmp/inferno-run  # a warm machine keeps the last run's logs; the waits below read this one's
-  python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8000 \
-    --run-dir /tmp/inferno-run --log-format json \
+  rm -f "$OUT/w2_steps.jsonl"
+  INFERNO_STEP_TRACE="$OUT/w2_steps.jsonl" python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b \
+    --device cuda --port 8000 --run-dir /tmp/inferno-run --log-format json \
     --worker-arg "${WORKER_ARGS:-}" > "$OUT/up.log" 2>&1 &
   UP=$!
   for i in $(seq 1 240); do curl -sf localhost:8000/ready >/dev/null && break; sleep 0.5; done
@@ -86,9 +87,16 @@ if has w2 || has w3; then
   # A worker is ready before its CUDA graphs are all captured (they follow on the step thread):
   # W2 and W3 measure the steady state, so they start once the last one is in.
   for i in $(seq 1 120); do grep -q "graphs captured" /tmp/inferno-run/worker-0.log 2>/dev/null && break; sleep 0.5; done
-  if has w2; then
-    python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
-      --pids-file /tmp/inferno-run/pids.json --out "$OUT/w2.json" 2>&1 | tail -25
+  if has w2; then  # W2_RUNS > 1 repeats it on the same stack with other prompts (run-to-run spread)
+    for run in $(seq 1 ${W2_RUNS:-1}); do
+      name=w2; [ $run -gt 1 ] && name=w2_run$run
+      start=$(date +%s.%N)
+      python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
+        --seed $((100 + run)) --pids-file /tmp/inferno-run/pids.json --out "$OUT/$name.json" 2>&1 | tail -25
+      sleep 1  # the worker writes its trace when it goes idle
+      python3 bench/step_trace_summary.py "$OUT/w2_steps.jsonl" --start $start --end $(date +%s.%N) \
+        | tee "$OUT/${name}_steps_summary.json"
+    done
   fi
   if has w3; then
     python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 300 --vocab-size 128000 \

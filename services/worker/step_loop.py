@@ -16,6 +16,7 @@ from typing import Callable
 
 import structlog
 
+from services.worker.step_trace import StepTrace
 from shared.sampling_params import SamplingParams
 
 log = structlog.get_logger("worker.step_loop")
@@ -108,6 +109,7 @@ class StepLoop(threading.Thread):
         self._stats_at = 0.0
         self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
+        self.trace = StepTrace.from_env()
 
     def submit(self, command) -> None:
         self.commands.put(command)
@@ -146,8 +148,19 @@ class StepLoop(threading.Thread):
                 continue
             if self.on_step is not None:
                 self.on_step(getattr(self.engine, "last_step_tokens", 0), time.perf_counter() - started)
+            if self.trace is not None:
+                self._trace_step(time.perf_counter() - started)
             self.hand_over(outputs)
+            if self.trace is not None and not self.engine.has_unfinished():
+                self.trace.flush()
         self.stats = self.engine.stats()
+        if self.trace is not None:
+            self.trace.flush()
+
+    def _trace_step(self, seconds: float) -> None:
+        engine = self.engine
+        self.trace.record(seconds, getattr(engine, "last_step_tokens", 0), getattr(engine, "last_step_rows", 0),
+                          len(self.reply_to))
 
     def hand_over(self, outputs: list) -> None:
         """A step's outputs (and the KV events and hand-offs behind them) to the service."""

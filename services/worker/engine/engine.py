@@ -200,6 +200,7 @@ class LLMEngine:
         self.prompt_sink: PromptSink | None = None
         self._copy_stream = None  # where KV pages are copied out for a hand-off or the cluster store
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
+        self.last_step_rows = 0  # ... and the sequences in it
 
     def _blocks_from_memory(self) -> int:
         if not self.config.is_cuda:
@@ -335,6 +336,7 @@ class LLMEngine:
                         if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         self.batcher.update_from_output(plan, sampled)
         self.last_step_tokens = plan.num_batched_tokens
+        self.last_step_rows = len(plan.scheduled)
         outputs = [self._output(r, row, result) for row, r in sampling]
         if first_blocks:
             for out, (_, r) in zip(outputs, sampling):
