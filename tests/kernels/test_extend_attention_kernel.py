@@ -120,3 +120,22 @@ def test_rejects_bad_arguments(device):
         K.paged_extend_attention(q, kc, vc, tables, qsl_t[:1], lens_t, 0.2, max_query_len=5)
     with pytest.raises(ValueError, match="seq_lens"):
         K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t.long(), 0.2, max_query_len=5)
+
+
+def test_mixed_step_with_leading_decodes_split_over_both_kernels(device):
+    """TritonOps.attention gives a mixed step's leading one-token rows to the decode kernel and
+    the rest (a decode after a prefill chunk included) to the extend kernel: one output, as the
+    reference computes it."""
+    from services.worker.engine.attention_metadata import AttentionMetadata
+    from services.worker.engine.ops import MIN_SPLIT_DECODE_ROWS, TritonOps
+
+    n_dec = MIN_SPLIT_DECODE_ROWS + 2
+    lens = [5 + 7 * i for i in range(n_dec)] + [40, 23, 18]
+    q_lens = [1] * n_dec + [17, 23, 1]
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, 2, 4, 32, 16, torch.bfloat16, device)
+    tiles = torch.from_numpy(K.query_tiles(q_lens)).to(device=device, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0), block_tables=tables, seq_lens=lens_t,
+                             query_start_loc=qsl_t, max_query_len=23, max_seq_len=max(lens), tiles=tiles,
+                             decode_rows=n_dec)
+    out = TritonOps().attention(q, kc, vc, meta, 0.2)
+    assert rel_err(out, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)) <= TOL[torch.bfloat16]

@@ -112,6 +112,21 @@ def test_long_prefill_threshold_gives_exact_chunks():
     ]
 
 
+def test_decodes_lead_the_step_before_running_prompts_chunks():
+    """A step's one-token rows come first (attention gives them to the decode kernel at once),
+    even when an earlier-admitted prompt is still being chunked."""
+    batcher = make_batcher(long_prefill_token_threshold=7)
+    batcher.add_request(make_request("a", range(20), max_tokens=2))
+    batcher.add_request(make_request("b", range(50, 52), max_tokens=3))
+    plans = FakeRunner(batcher).run()
+    assert [summary(p) for p in plans] == [
+        [("a", 7, 0, False), ("b", 2, 0, True)],
+        [("b", 1, 2, True), ("a", 7, 7, False)],
+        [("b", 1, 3, True), ("a", 6, 14, True)],
+        [("a", 1, 20, True)],
+    ]
+
+
 def test_request_added_later_joins_the_running_batch():
     batcher = make_batcher()
     runner = FakeRunner(batcher)

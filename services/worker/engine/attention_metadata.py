@@ -25,6 +25,10 @@ class AttentionMetadata:
     # [2, n] int32: the extend kernel's work list (sequence, token tile), built on the host so the
     # launch's grid does not depend on the queries' lengths; None: the kernel sizes its own grid.
     tiles: torch.Tensor | None = None
+    # The leading sequences that have one new token each (a mixed step's decodes, which the
+    # batcher plans first): attention may give them to the decode kernel, the rest to the extend
+    # kernel through tiles[:, decode_rows:]. 0: the extend kernel takes every sequence.
+    decode_rows: int = 0
 
     @property
     def decode_only(self) -> bool:

@@ -186,7 +186,10 @@ class Batcher:
         cap = -(-len(self._running) // micro) if micro > 1 else len(self._running)
         running = self._running
         append = scheduled.append
-        while index < len(running) and budget > 0 and len(scheduled) < cap:
+        # Running prompts' next chunks go after the decodes: a step's one-token rows then lead
+        # (AttentionMetadata.decode_rows), and one decode-attention launch takes them all.
+        chunks: list[ScheduledRequest] = []
+        while index < len(running) and budget > 0 and len(scheduled) + len(chunks) < cap:
             request = running[index]
             pending = request.num_pending_tokens
             if micro > 1 and pending:
@@ -215,8 +218,9 @@ class Batcher:
                     break
             else:
                 budget -= num_new
-                self._add_to_plan(plan, request, start, num_new)
+                self._add_to_plan(scheduled if num_new == 1 else chunks, request, start, num_new)
                 index += 1
+        scheduled += chunks
 
         # Then waiting requests, first come first served, unless this step had to preempt: a
         # request that does not fit blocks those behind it, so long prompts are not starved.
@@ -238,15 +242,15 @@ class Batcher:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             budget -= num_new
-            self._add_to_plan(plan, request, num_cached, num_new)
+            self._add_to_plan(scheduled, request, num_cached, num_new)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return plan
 
     @staticmethod
-    def _add_to_plan(plan: BatchPlan, request: Request, start: int, num_new: int) -> None:
+    def _add_to_plan(scheduled: list[ScheduledRequest], request: Request, start: int, num_new: int) -> None:
         known = len(request.all_token_ids)
         samples = start + num_new == known + request.num_pending_tokens
-        plan.scheduled.append(ScheduledRequest(request, num_new, start, samples, start == known))
+        scheduled.append(ScheduledRequest(request, num_new, start, samples, start == known))
         request.num_inflight_tokens += num_new
         if samples:
             request.num_pending_tokens += 1

@@ -6,10 +6,15 @@ the batcher nor the KV manager.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.kernels import decode_attention, extend_attention, gemv, rmsnorm, rope, sampling, silu_mul
+
+# Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
+# Triton's host cost per launch) outweigh what it saves.
+MIN_SPLIT_DECODE_ROWS = 16
 
 
 class TorchOps:
@@ -76,6 +81,18 @@ class TritonOps(TorchOps):
         if meta.decode_only:
             return decode_attention.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
+        n = meta.decode_rows
+        if n >= MIN_SPLIT_DECODE_ROWS and meta.tiles is not None:
+            # A mixed step's decodes to the decode kernel: in the extend kernel each took a whole
+            # 16-token tile for its one token, and W2's 8k-token steps grew by ~60 ms from 64 to
+            # 1,000 decode rows (H100), about 5x what reading their KV costs.
+            out = torch.empty_like(q)
+            decode_attention.paged_decode_attention(
+                q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                max_seq_len=meta.max_seq_len, out=out[:n])
+            return extend_attention.paged_extend_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                max_query_len=meta.max_query_len, tiles=meta.tiles[:, n:], out=out)
         return extend_attention.paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             max_query_len=meta.max_query_len, tiles=meta.tiles)

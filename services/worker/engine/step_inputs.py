@@ -128,6 +128,8 @@ def upload_step_inputs(step: HostStep, device: torch.device, pin: bool) -> StepI
         dev = host
     view = step.parts(dev)
     n_seq = step.n_seq
+    not_one = np.flatnonzero(np.diff(step.parts()[4]) != 1)  # sequences with other than one new token
+    decode_rows = int(not_one[0]) if len(not_one) else 0
     meta = AttentionMetadata(
         slot_mapping=view[2],
         block_tables=view[6].view(n_seq, step.max_blocks).to(torch.int32),
@@ -136,6 +138,7 @@ def upload_step_inputs(step: HostStep, device: torch.device, pin: bool) -> StepI
         max_query_len=step.max_query_len,
         max_seq_len=step.max_seq_len,
         tiles=view[9].view(2, -1).to(torch.int32),
+        decode_rows=decode_rows,
     )
     fed = (view[7], view[8]) if step.lens[7] else (None, None)
     return StepInputs(view[0], view[1], meta, view[5], int(step.lens[0]), n_seq, *fed)

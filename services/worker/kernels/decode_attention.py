@@ -156,10 +156,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as paged_decode_attention_ref. No host sync and no value-dependent allocation:
     num_splits comes from max_seq_len (a host-side hint, else the block table's width), so a
-    CUDA graph captured for a bucket replays with any seq_lens up to that bound."""
+    CUDA graph captured for a bucket replays with any seq_lens up to that bound. `out` (q's shape
+    and dtype, rows contiguous): where to write, e.g. the leading rows of a mixed step's output."""
     page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_seqs, n_q, head_dim = q.shape
@@ -167,7 +169,12 @@ def paged_decode_attention(
     check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_shape(seq_lens, "seq_lens", (n_seqs,))
 
-    out = torch.empty((n_seqs, n_q, head_dim), dtype=q.dtype, device=device)
+    if out is None:
+        out = torch.empty((n_seqs, n_q, head_dim), dtype=q.dtype, device=device)
+    else:
+        check_tensor(out, "out", ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape(out, "out", tuple(q.shape))
+        check(out.stride(2) == 1, "out needs unit stride in its last dim, got {}", out.stride())
     if n_seqs == 0:
         return out
     group = n_q // n_kv

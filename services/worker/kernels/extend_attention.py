@@ -161,11 +161,13 @@ def query_tiles(query_lens, pad_to: int = 0):
 def paged_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-    tiles: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid.
     tiles ([2, n] int32 from query_tiles, on the device): the grid is n programs per KV head
-    instead, whatever the queries' lengths (what a CUDA graph of a mixed step needs)."""
+    instead, whatever the queries' lengths (what a CUDA graph of a mixed step needs); only the
+    rows of the listed tiles are written, into `out` when given (q's shape and dtype), so a
+    caller may leave some sequences to another kernel."""
     page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_tokens, n_q, head_dim = q.shape
@@ -179,7 +181,13 @@ def paged_extend_attention(
     check(n_kv <= 65535, "at most 65535 kv heads, got {}", n_kv)
     check(max_query_len >= 0, "max_query_len must be non-negative, got {}", max_query_len)
 
-    out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
+    if out is None:
+        out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
+    else:
+        check(tiles is not None, "out is only taken with a tile list")
+        check_tensor(out, "out", ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape(out, "out", tuple(q.shape))
+        check(out.stride(2) == 1, "out needs unit stride in its last dim, got {}", out.stride())
     if n_tokens == 0 or n_seqs == 0 or max_query_len == 0:
         return out
     block_d = next_power_of_2(head_dim)
