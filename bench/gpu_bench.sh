@@ -91,8 +91,13 @@ if has w2 || has w3; then
     for run in $(seq 1 ${W2_RUNS:-1}); do
       name=w2; [ $run -gt 1 ] && name=w2_run$run
       start=$(date +%s.%N)
+      # power and clocks every 100 ms: is the GPU at its power cap (and its clocks down)?
+      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,clocks.mem,utilization.gpu,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader,nounits -lms 100 > "$OUT/${name}_smi.csv" 2>/dev/null &
+      SMI=$!
       python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
         --seed $((100 + run)) --pids-file /tmp/inferno-run/pids.json --out "$OUT/$name.json" 2>&1 | tail -25
+      kill $SMI 2>/dev/null
       sleep 1  # the worker writes its trace when it goes idle
       python3 bench/step_trace_summary.py "$OUT/w2_steps.jsonl" --start $start --end $(date +%s.%N) \
         | tee "$OUT/${name}_steps_summary.json"

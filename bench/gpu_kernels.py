@@ -228,20 +228,25 @@ def case_rope(t: int, device) -> Result:
                   untouched_ok and res.rel_err <= BF16_TOL)
 
 
-def case_decode(batch: int, ctx: int, device) -> Result:
+def case_decode(batch: int, ctx: int, device, fp8: bool = False) -> Result:
+    """fp8: the cache in e4m3 (--kv-cache-dtype fp8), half the bytes; checked against the
+    reference on the same fp8 values."""
     from services.worker.kernels import decode_attention as K
 
     lens = [ctx] * batch
     kc, vc, tables = paged_cache(lens, device)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(batch, N_Q, HEAD_DIM, device=device, dtype=DTYPE)
     scale = HEAD_DIM ** -0.5
     splits = K.choose_num_splits(batch, N_KV, ctx)
-    res = Result("decode_attention", f"B={batch} ctx={ctx}", ok=False, note=f"splits={splits}")
+    res = Result("decode_attention", f"B={batch} ctx={ctx}" + (" fp8 KV" if fp8 else ""), ok=False,
+                 note=f"splits={splits}")
     with poisoned_empty():
         out = K.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, max_seq_len=ctx)
     res.rel_err = rel_err(out, K.paged_decode_attention_ref(q, kc, vc, tables, seq_lens, scale))
-    nbytes = sum(lens) * N_KV * HEAD_DIM * 2 * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+    nbytes = sum(lens) * N_KV * HEAD_DIM * 2 * kc.element_size() + 2 * q.numel() * 2 + tables.numel() * 4
     return finish(res, lambda: K.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, max_seq_len=ctx),
                   nbytes, res.rel_err <= BF16_TOL)
 
@@ -325,6 +330,9 @@ def all_cases(device):
     yield "decode_attention", lambda: case_decode(64, 512, device)
     yield "decode_attention", lambda: case_decode(256, 512, device)
     yield "decode_attention", lambda: case_decode(8, 8192, device)
+    yield "decode_attention", lambda: case_decode(256, 512, device, fp8=True)
+    yield "decode_attention", lambda: case_decode(1024, 384, device)
+    yield "decode_attention", lambda: case_decode(1024, 384, device, fp8=True)
     yield "extend_attention", lambda: case_extend(device)
     for t in (1, 256, 4096):
         yield "rmsnorm", lambda t=t: case_rmsnorm(t, False, device)

@@ -164,6 +164,7 @@ class WorkerServiceConfig:
     model_name: str = ""  # defaults to the directory's name in the entry point
     device: str = "cuda"  # "cuda", "cuda:1", "cpu"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": half the bytes per token
     num_blocks: int | None = None  # KV blocks; None: from gpu_memory_utilization (GPU) or a default (CPU)
     gpu_memory_utilization: float = 0.98
     block_size: int = 16
@@ -185,6 +186,8 @@ class WorkerServiceConfig:
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         _ints(self, "tensor_parallel_size", "pipeline_parallel_size")
         _positive(self, "tensor_parallel_size", "pipeline_parallel_size")
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "mixed":

@@ -82,7 +82,8 @@ def check_model(spec: ModelSpec, cfg: WorkerServiceConfig) -> CheckedModel:
     except Exception as e:  # each reader raises its own kind; all mean "not this model"
         raise ModelCheckError(f"{path}: {e}") from e
     dtype = serving_dtype(spec, model_config, cfg.device)
-    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, dtype)
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn"
+    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, kv_dtype)
     return CheckedModel(spec, model_config, eos, shape, _weight_bytes(model_config, dtype))
 
 
@@ -167,6 +168,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     staged = cuda_graphs and cfg.device.startswith("cuda") and single
     config = EngineConfig(
         model_dir=spec.model_dir, device=cfg.device, dtype=None if spec.dtype == "auto" else spec.dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,

@@ -158,8 +158,8 @@ class WorkerService:
         from services.worker.engine.kv_pages import page_bytes, page_layout
 
         engine = self.loop_thread.engine
-        return (page_layout(self.model_name, engine.model_config, self.block_size, engine.dtype),
-                page_bytes(engine.model_config, self.block_size, engine.dtype))
+        return (page_layout(self.model_name, engine.model_config, self.block_size, engine.kv_dtype),
+                page_bytes(engine.model_config, self.block_size, engine.kv_dtype))
 
     def _transfer(self) -> TransferClient:
         if self._transfer_client is None:

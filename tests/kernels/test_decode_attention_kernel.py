@@ -93,3 +93,16 @@ def test_rejects_bad_arguments(device):
         K.paged_decode_attention(q, kc, vc, tables.long(), seq_lens, 0.2)
     with pytest.raises(ValueError, match="k_cache"):
         K.paged_decode_attention(q, kc.to(torch.bfloat16), vc, tables, seq_lens, 0.2)
+
+
+@pytest.mark.parametrize("lens,hkv,group,head_dim,page", CASES[:2])
+def test_fp8_cache_matches_reference(lens, hkv, group, head_dim, page, device):
+    """An fp8 (e4m3) cache is widened to q's dtype: the kernel agrees with the reference on the
+    same fp8 values, and both stay near attention over the unrounded bf16 values."""
+    q, kc, vc, tables, seq_lens, _, _ = _case(lens, hkv, group, head_dim, page, torch.bfloat16, device)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # NaN poison stays NaN
+    scale = head_dim ** -0.5
+    ref = K.paged_decode_attention_ref(q, kc8, vc8, tables, seq_lens, scale)
+    out = K.paged_decode_attention(q, kc8, vc8, tables, seq_lens, scale, max_seq_len=max(lens))
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert rel_err(ref, K.paged_decode_attention_ref(q, kc, vc, tables, seq_lens, scale)) <= 0.08

@@ -139,3 +139,15 @@ def test_mixed_step_with_leading_decodes_split_over_both_kernels(device):
                              decode_rows=n_dec)
     out = TritonOps().attention(q, kc, vc, meta, 0.2)
     assert rel_err(out, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("lens,q_lens,hkv,group,head_dim,page", CASES[:2])
+def test_fp8_cache_matches_reference(lens, q_lens, hkv, group, head_dim, page, device):
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, hkv, group, head_dim, page, torch.bfloat16, device)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    scale = head_dim ** -0.5
+    ref = K.paged_extend_attention_ref(q, kc8, vc8, tables, qsl_t, lens_t, scale)
+    tiles = torch.from_numpy(K.query_tiles(q_lens)).to(device=device, dtype=torch.int32)
+    out = K.paged_extend_attention(q, kc8, vc8, tables, qsl_t, lens_t, scale, max_query_len=max(q_lens), tiles=tiles)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert rel_err(ref, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, scale)) <= 0.08

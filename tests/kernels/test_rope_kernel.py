@@ -136,3 +136,24 @@ def test_rejects_bad_arguments(device):
         K.rope_kv_write(q, k, k, pos, cos_sin.double(), kc, kc.clone(), pos)
     with pytest.raises(ValueError, match="last dimension"):
         K.rope_kv_write(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, pos, cos_sin, kc, kc.clone(), pos)
+
+
+def test_rope_kv_write_into_an_fp8_cache(device):
+    """The fp8 cache gets the rotated k and v rounded as torch rounds them, saturated at ±448."""
+    t, hq, hkv, head_dim, page, n_blocks = 9, 8, 2, 32, 16, 2
+    q = torch.randn(t, hq, head_dim, device=device).to(torch.bfloat16)
+    k = (torch.randn(t, hkv, head_dim, device=device) * 4).to(torch.bfloat16)
+    v = torch.randn(t, hkv, head_dim, device=device).to(torch.bfloat16)
+    v[0, 0, :4] = torch.tensor([1000.0, -1000.0, 0.001, -3.3])  # past the range, subnormal, plain
+    positions = torch.randint(0, 100, (t,), device=device)
+    cos_sin = K.rope_cos_sin_cache(head_dim, 128, 10000.0).to(device)
+    slots = torch.randperm(n_blocks * page)[:t].to(device)
+    kc = torch.zeros((n_blocks, page, hkv, head_dim), dtype=torch.float8_e4m3fn, device=device)
+    vc, kc_ref, vc_ref = kc.clone(), kc.clone(), kc.clone()
+    _, k_rot = K.rope_kv_write(q, k, v, positions, cos_sin, kc, vc, slots)
+    K.rope_kv_write_ref(q, k, v, positions, cos_sin, kc_ref, vc_ref, slots)
+    assert torch.equal(vc.float(), vc_ref.float())
+    assert vc.view(-1, hkv, head_dim)[slots[0], 0, :2].float().tolist() == [448.0, -448.0]
+    # k is rotated in fp32 by both; a rounding tie may fall either way, one fp8 step at most.
+    diff = (kc.float() - kc_ref.float()).abs()
+    assert (diff <= kc_ref.float().abs() / 8 + 1e-3).all() and (diff > 0).float().mean() < 0.05

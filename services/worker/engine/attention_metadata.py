@@ -27,7 +27,7 @@ class AttentionMetadata:
     tiles: torch.Tensor | None = None
     # The leading sequences that have one new token each (a mixed step's decodes, which the
     # batcher plans first): attention may give them to the decode kernel, the rest to the extend
-    # kernel through tiles[:, decode_rows:]. 0: the extend kernel takes every sequence.
+    # kernel from tile decode_rows on. 0: the extend kernel takes every sequence.
     decode_rows: int = 0
 
     @property

@@ -19,7 +19,7 @@ import torch
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
 from services.worker.engine.kv_pages import empty_pages, gather_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
@@ -143,6 +143,7 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype) if config.dtype else (
             getattr(torch, self.model_config.torch_dtype, torch.bfloat16) if config.is_cuda else torch.float32)
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.ops = make_ops(config.kernel_backend)
         self.memory_report: dict = {}
         t0 = time.perf_counter()
@@ -163,7 +164,7 @@ class LLMEngine:
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
         if self.group is not None:
             num_blocks = self.group.min_over_ranks(num_blocks)  # one block table for every rank
-        self.kv_cache = kv_cache or KVCache(self.rank_config, num_blocks, config.block_size, dtype, self.device)
+        self.kv_cache = kv_cache or KVCache(self.rank_config, num_blocks, config.block_size, self.kv_dtype, self.device)
         extra_key = request_block_key(config.cache_key or config.model_dir, "")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, extra_key)
         self.batcher = Batcher(SchedulerConfig(

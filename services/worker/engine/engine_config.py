@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str | None = None  # None: config.json's torch_dtype (float32 on the CPU)
+    # "auto": the KV cache in the model's dtype; "fp8" (= "fp8_e4m3"): half the bytes per token,
+    # so twice the tokens in the pool and half the attention reads (vLLM's --kv-cache-dtype fp8).
+    kv_cache_dtype: str = "auto"
     kernels: str | None = None  # "torch" | "triton"; None: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
@@ -46,6 +51,8 @@ class EngineConfig:
             raise ValueError("kernels must be torch or triton")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
 

@@ -22,7 +22,7 @@ def dry_run_peak_bytes(engine) -> int:
     cfg, mc, device = engine.config, engine.model_config, engine.device
     tokens = cfg.max_num_batched_tokens
     n_blocks = math.ceil(tokens / cfg.block_size) + 1
-    scratch = KVCache(engine.rank_config, n_blocks, cfg.block_size, engine.dtype, device)
+    scratch = KVCache(engine.rank_config, n_blocks, cfg.block_size, engine.kv_dtype, device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -72,7 +72,7 @@ def profile_kv_blocks(engine) -> int:
     in_use = total - free  # CUDA context, weights, allocator cache
     budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
               - mixed_graph_bytes(engine))
-    per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.dtype)
+    per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.kv_dtype)
     blocks = max(0, budget // per_block)
     engine.memory_report = {
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,

@@ -7,6 +7,11 @@ import torch
 from services.worker.engine.model_config import ModelConfig
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for --kv-cache-dtype NAME (EngineConfig.kv_cache_dtype)."""
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * dtype.itemsize
 

@@ -8,6 +8,7 @@ import torch
 
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
 from services.worker.engine.model_config import ModelConfig
+from services.worker.kernels._common import copy_rows_
 
 
 def page_layout(model_id: str, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str:
@@ -24,7 +25,8 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 def gather_pages(kv: KVCache, block_ids: list[int]) -> torch.Tensor:
     """A new contiguous [n, L, 2, block_size, H, D] tensor holding these blocks, on the pool's device."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
-    return kv.pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+    pool = kv.pool.view(torch.uint8) if kv.pool.element_size() == 1 else kv.pool  # fp8 moves as bytes
+    return pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().view(kv.pool.dtype)
 
 
 def empty_pages(kv: KVCache, n: int) -> torch.Tensor:
@@ -38,4 +40,4 @@ def scatter_pages(kv: KVCache, block_ids: list[int], pages: torch.Tensor) -> Non
     if pages.shape[0] != len(block_ids) or pages.shape[1:] != (kv.pool.shape[0], 2, *kv.pool.shape[3:]):
         raise ValueError(f"pages of shape {tuple(pages.shape)} do not fit {len(block_ids)} blocks of this pool")
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
-    kv.pool.index_copy_(2, idx, pages.to(kv.pool.device).permute(1, 2, 0, 3, 4, 5))
+    copy_rows_(kv.pool, 2, idx, pages.to(kv.pool.device).permute(1, 2, 0, 3, 4, 5))

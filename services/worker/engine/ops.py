@@ -92,7 +92,7 @@ class TritonOps(TorchOps):
                 max_seq_len=meta.max_seq_len, out=out[:n])
             return extend_attention.paged_extend_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                max_query_len=meta.max_query_len, tiles=meta.tiles[:, n:], out=out)
+                max_query_len=meta.max_query_len, tiles=meta.tiles, out=out, tile_start=n)
         return extend_attention.paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             max_query_len=meta.max_query_len, tiles=meta.tiles)

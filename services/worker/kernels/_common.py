@@ -9,6 +9,29 @@ import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# A KV cache holds the model's dtype or fp8 (e4m3, unscaled as vLLM's default `--kv-cache-dtype
+# fp8`: values are clamped to its range, ±448, and read back as the model's dtype).
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def kv_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    return (q_dtype, FP8_KV)
+
+
+def to_kv_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV cache's dtype: fp8 saturates (torch would give NaN past its range on some paths)."""
+    if dtype == FP8_KV:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def copy_rows_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_(dim, index, src), also for 1-byte float dtypes (fp8), which torch's
+    index_copy_ does not take: those move as their bytes."""
+    if dst.element_size() == 1 and dst.is_floating_point():
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(dim, index, src)
 
 
 def check(cond: bool, message: str, *args) -> None:
@@ -53,8 +76,8 @@ def check_paged_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """The checks every paged-attention wrapper shares; returns (block size, kv heads)."""
     check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
     head_dim, device = q.shape[2], q.device
-    check_tensor(k_cache, "k_cache", ndim=4, dtypes=(q.dtype,), device=device)
-    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor(k_cache, "k_cache", ndim=4, dtypes=kv_dtypes(q.dtype), device=device)
+    check_tensor(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), device=device)
     n_blocks, page, n_kv, _ = k_cache.shape
     check_shape(k_cache, "k_cache", (n_blocks, page, n_kv, head_dim))
     check_shape(v_cache, "v_cache", tuple(k_cache.shape))
@@ -107,3 +130,20 @@ def mma(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def to_kv(x, dtype: tl.constexpr):
+    """fp32 -> a KV cache's dtype: fp8 saturates at ±448 (its cast does not), the rest rounds to nearest even."""
+    if dtype == tl.float8e4nv:
+        x = tl.clamp(x, -448.0, 448.0)
+        if INTERPRET:
+            # The interpreter's fp8 cast does not round to nearest even (and loses a carry into
+            # the exponent: 1.98 -> 1.0), so round first: 3 mantissa bits kept on the bits, and
+            # subnormals (below 2^-6) to a multiple of 2^-9 by adding 1.5 * 2^23.
+            b = x.to(tl.uint32, bitcast=True)
+            normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+            sub = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0
+            x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        return x.to(dtype)
+    return cast_rtne(x, dtype)

@@ -91,10 +91,11 @@ def _decode_split_kernel(
         block = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         offset = tok % PAGE
         kv_mask = t_mask[:, None] & d_mask[None, :]
+        # An fp8 cache is read at half the bytes and widened to q's dtype for the dots.
         k = tl.load(k_cache_ptr + block[:, None] * kc_stride_b + offset[:, None] * kc_stride_o
-                    + kv_head * kc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * kc_stride_h + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_o
-                    + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), PRECISION) * scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

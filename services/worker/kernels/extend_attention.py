@@ -52,14 +52,14 @@ def paged_extend_attention_ref(
 
 
 # The block table's width and the work list's length change every step (see rmsnorm.py).
-@triton.jit(do_not_specialize=["bt_stride", "tiles_stride"])
+@triton.jit(do_not_specialize=["bt_stride", "tiles_stride", "tile_start"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale,
     q_stride_t, q_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
     bt_stride, out_stride_t, out_stride_h,
-    tiles_ptr, tiles_stride,
+    tiles_ptr, tiles_stride, tile_start,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TILED: tl.constexpr,
@@ -67,14 +67,16 @@ def _extend_kernel(
     """One program: BLOCK_M // GROUP_PAD new tokens of one sequence times the GROUP query heads
     that share one KV head, so every K/V tile read from the cache serves the whole group.
     Row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD of the group.
-    TILED: program i takes tile (tiles[0, i] = sequence, tiles[1, i] = its token tile), a list the
-    host builds per step, so the grid depends only on the list's length (a CUDA graph's padded
-    list ends in sequence -1); else the grid is (token tiles of the longest query, kv heads, seqs)."""
+    TILED: program i takes tile j = tile_start + i (tiles[0, j] = sequence, tiles[1, j] = its token
+    tile), a list the host builds per step, so the grid depends only on the list's length (a CUDA
+    graph's padded list ends in sequence -1); else the grid is (token tiles of the longest query,
+    kv heads, seqs)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
     if TILED:
-        seq = tl.load(tiles_ptr + tl.program_id(0)).to(tl.int64)
-        t_tile = tl.load(tiles_ptr + tiles_stride + tl.program_id(0))
+        j = tile_start + tl.program_id(0)
+        seq = tl.load(tiles_ptr + j).to(tl.int64)
+        t_tile = tl.load(tiles_ptr + tiles_stride + j)
         if seq < 0:
             return
     else:
@@ -114,10 +116,11 @@ def _extend_kernel(
         block = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         offset = tok % PAGE
         kv_mask = t_mask[:, None] & d_mask[None, :]
+        # An fp8 cache is read at half the bytes and widened to q's dtype for the dots.
         k = tl.load(k_cache_ptr + block[:, None] * kc_stride_b + offset[:, None] * kc_stride_o
-                    + kv_head * kc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * kc_stride_h + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_o
-                    + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION) * scale
         allowed = t_mask[None, :] & (tok[None, :] <= last[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -161,13 +164,15 @@ def query_tiles(query_lens, pad_to: int = 0):
 def paged_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-    tiles: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None, out: torch.Tensor | None = None, tile_start: int = 0,
 ) -> torch.Tensor:
     """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid.
     tiles ([2, n] int32 from query_tiles, on the device): the grid is n programs per KV head
-    instead, whatever the queries' lengths (what a CUDA graph of a mixed step needs); only the
-    rows of the listed tiles are written, into `out` when given (q's shape and dtype), so a
-    caller may leave some sequences to another kernel."""
+    instead, whatever the queries' lengths (what a CUDA graph of a mixed step needs). With
+    tile_start only the tiles from there on run, writing into `out` when given (q's shape and
+    dtype), so a caller may leave the leading sequences to another kernel. (An offset, not a view
+    of the list: Triton specialises on a pointer's alignment, and a view's would compile a new
+    variant in the middle of serving.)"""
     page, n_kv = check_paged_attention_args(q, k_cache, v_cache, block_tables)
     device = q.device
     n_tokens, n_q, head_dim = q.shape
@@ -200,7 +205,8 @@ def paged_extend_attention(
         block_m, block_n, num_warps, num_stages = launch_config(TILE_TOKENS, group_pad, block_d)
         block_m = TILE_TOKENS * group_pad
         num_warps = 4 if block_m * block_d <= 64 * 128 else 8
-        grid = (tiles.shape[1], n_kv)
+        check(0 <= tile_start < tiles.shape[1], "tile_start {} outside the list's {} tiles", tile_start, tiles.shape[1])
+        grid = (tiles.shape[1] - tile_start, n_kv)
     else:
         block_m, block_n, num_warps, num_stages = launch_config(max_query_len, group_pad, block_d)
         grid = (triton.cdiv(max_query_len, block_m // group_pad), n_kv, n_seqs)
@@ -211,7 +217,7 @@ def paged_extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        tiles if tiles is not None else seq_lens, 0 if tiles is None else tiles.stride(0),
+        tiles if tiles is not None else seq_lens, 0 if tiles is None else tiles.stride(0), tile_start,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), TILED=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,

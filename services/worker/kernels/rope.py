@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels._common import (
-    FLOAT_DTYPES, INDEX_DTYPES, cast_rtne, check, check_shape, check_tensor, next_power_of_2)
+    FLOAT_DTYPES, FP8_KV, INDEX_DTYPES, cast_rtne, check, check_shape, check_tensor, copy_rows_, next_power_of_2,
+    to_kv, to_kv_ref)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -79,8 +80,8 @@ def rope_kv_write_ref(
     else:
         idx = slots[valid]
         k_new, v_new = k_rot[valid], v[valid]
-    k_cache.view(n_blocks * block_size, n_kv, d).index_copy_(0, idx, k_new.to(k_cache.dtype))
-    v_cache.view(n_blocks * block_size, n_kv, d).index_copy_(0, idx, v_new.to(v_cache.dtype))
+    copy_rows_(k_cache.view(n_blocks * block_size, n_kv, d), 0, idx, to_kv_ref(k_new, k_cache.dtype))
+    copy_rows_(v_cache.view(n_blocks * block_size, n_kv, d), 0, idx, to_kv_ref(v_new, v_cache.dtype))
     return q_rot, k_rot
 
 
@@ -134,16 +135,16 @@ def _rope_kv_write_kernel(
     block = slot // PAGE
     offset = slot % PAGE
     kc = k_cache_ptr + block * kc_stride_b + offset * kc_stride_o + hk[:, None] * kc_stride_h + d[None, :]
-    tl.store(kc, cast_rtne(k1, k_cache_ptr.dtype.element_ty), mask=cache_mask)
-    tl.store(kc + HALF, cast_rtne(k2, k_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(kc, to_kv(k1, k_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(kc + HALF, to_kv(k2, k_cache_ptr.dtype.element_ty), mask=cache_mask)
 
     v_src = v_ptr + t * v_stride_t + hk[:, None] * v_stride_h + d[None, :]
     vc = v_cache_ptr + block * vc_stride_b + offset * vc_stride_o + hk[:, None] * vc_stride_h + d[None, :]
     v_mask = hk_mask[:, None] & d_mask[None, :]
     v1 = tl.load(v_src, mask=v_mask, other=0.0)
     v2 = tl.load(v_src + HALF, mask=v_mask, other=0.0)
-    tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
-    tl.store(vc + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(vc, to_kv(v1.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(vc + HALF, to_kv(v2.to(tl.float32), v_cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
 def rope_kv_write(
@@ -167,7 +168,7 @@ def rope_kv_write(
     check_shape(slot_mapping, "slot_mapping", (n_tokens,))
     check_tensor(cos_sin, "cos_sin", ndim=2, dtypes=(torch.float32,), device=device)
     check(cos_sin.shape[1] == head_dim, "cos_sin has {} columns, expected head_dim {}", cos_sin.shape[1], head_dim)
-    check_tensor(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES + (FP8_KV,), device=device)
     check_tensor(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), device=device)
     page = k_cache.shape[1]
     check_shape(k_cache, "k_cache", (k_cache.shape[0], page, n_kv, head_dim))
