@@ -54,7 +54,7 @@ if has w1; then
 fi
 if has w1x; then  # W1 with overlapped steps, for comparison
   python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 --json \
-    --overlap | tee "$OUT/w1_overlap.json"
+    --overlap ${ENGINE_ARGS:-} | tee "$OUT/w1_overlap.json"
 fi
 if has w5; then  # W5b: `inferno worker --model-dir` from process start to its first token
   for run in 1 2; do  # the first start compiles Triton kernels into the on-disk cache; the second reuses it

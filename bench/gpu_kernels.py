@@ -193,6 +193,35 @@ def case_silu_mul(t: int, device) -> Result:
     return finish(res, lambda: K.silu_mul(x), nbytes, res.rel_err <= BF16_TOL)
 
 
+def case_linear_fp8(t: int, n: int, k: int, device) -> Result:
+    """--quantization fp8: row quantizer + cuBLASLt fp8 GEMM against the reference on the same
+    fp8 values; extra: the bf16 GEMM's time on the same shape and both TFLOP/s."""
+    import torch.nn.functional as F
+
+    from services.worker.kernels import fp8_linear as K
+
+    res = Result("linear_fp8", f"T={t} N={n} K={k}", ok=False)
+    x = torch.randn(t, k, device=device, dtype=DTYPE)
+    w = torch.randn(n, k, device=device, dtype=DTYPE) * 0.02
+    wq, ws = K.quantize_weight(w)
+
+    def run():
+        xq, xs = K.quantize_rows(x)
+        return K.linear_fp8(xq, xs, wq, ws, DTYPE)
+    out = run()
+    xq, xs = K.quantize_rows_ref(x)
+    res.rel_err = rel_err(out, K.linear_fp8_ref(xq, xs, wq, ws, DTYPE))
+    res.extra["vs_bf16_rel_err"] = rel_err(out, F.linear(x, w))
+    nbytes = n * k + t * k * 3 + t * n * 2
+    res = finish(res, run, nbytes, res.rel_err <= BF16_TOL and res.extra["vs_bf16_rel_err"] < 0.06)
+    bf16_us = graph_us(lambda: F.linear(x, w)) or time_us(lambda: F.linear(x, w))
+    flops = 2 * t * n * k
+    res.extra.update(bf16_us=bf16_us, fp8_tflops=flops / (res.graph_us or res.us) / 1e6,
+                     bf16_tflops=flops / bf16_us / 1e6)
+    res.note = f"bf16 {bf16_us:.1f} us; {res.extra['fp8_tflops']:.0f} vs {res.extra['bf16_tflops']:.0f} TFLOP/s"
+    return res
+
+
 def case_rope(t: int, device) -> Result:
     from services.worker.kernels import rope as K
 
@@ -339,6 +368,8 @@ def all_cases(device):
         yield "add_rmsnorm", lambda t=t: case_rmsnorm(t, True, device)
     yield "rope_kv_write", lambda: case_rope(256, device)
     yield "silu_mul", lambda: case_silu_mul(256, device)
+    for t in (1, 1024, 8192):
+        yield "linear_fp8", lambda t=t: case_linear_fp8(t, 2 * INTER, HIDDEN, device)
     for b in (1, 64, 256):
         for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "mixed"):
             yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)

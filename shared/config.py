@@ -164,6 +164,7 @@ class WorkerServiceConfig:
     model_name: str = ""  # defaults to the directory's name in the entry point
     device: str = "cuda"  # "cuda", "cuda:1", "cpu"
     dtype: str = "auto"
+    quantization: str | None = None  # "fp8": e4m3 projections, activations quantized per token
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": half the bytes per token
     num_blocks: int | None = None  # KV blocks; None: from gpu_memory_utilization (GPU) or a default (CPU)
     gpu_memory_utilization: float = 0.98

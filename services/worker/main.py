@@ -32,6 +32,9 @@ def parse_args(argv):
                     help="the id the model is served as (default: the directory's name)")
     ap.add_argument("--device", default=env_default("INFERNO_DEVICE", "cpu"))
     ap.add_argument("--dtype", default=env_default("INFERNO_DTYPE", "auto"))
+    ap.add_argument("--quantization", "-q", choices=["fp8"], default=env_default("INFERNO_QUANTIZATION", None),
+                    help="fp8: the layers' projections in e4m3 with per-channel scales, activations per token "
+                         "(half the weight bytes, fp8 tensor cores; env INFERNO_QUANTIZATION)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
                     default=env_default("INFERNO_KV_CACHE_DTYPE", "auto"),
                     help="auto: the model's dtype; fp8 (e4m3, unscaled): twice the tokens in the pool, half the "
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
     kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
-                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                  num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,

@@ -168,7 +168,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     staged = cuda_graphs and cfg.device.startswith("cuda") and single
     config = EngineConfig(
         model_dir=spec.model_dir, device=cfg.device, dtype=None if spec.dtype == "auto" else spec.dtype,
-        kv_cache_dtype=cfg.kv_cache_dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,

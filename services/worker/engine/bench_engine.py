@@ -48,7 +48,7 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         "decode_step_ms": 1000 * decode_s / max(1, decode_steps),
         "prefill_s": prefill_s, "decode_s": decode_s,
         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "quantization": engine.config.quantization,
         "kernels": engine.ops.name, "model_load_s": engine.load_seconds,
         "overlap": engine.config.overlap,
     }
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto")
+    ap.add_argument("--quantization", "-q", choices=["fp8"], default=None)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        num_blocks=args.num_blocks,
+        quantization=args.quantization, num_blocks=args.num_blocks,
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))

@@ -154,6 +154,10 @@ class LLMEngine:
         else:
             self.model = load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
                                     config.load_format, config.seed)
+        if config.quantization == "fp8":
+            self.model.quantize_fp8()
+            if config.is_cuda:  # the 16-bit weights' memory back to the device before the KV pool is sized
+                torch.cuda.empty_cache()
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)

@@ -15,6 +15,9 @@ class EngineConfig:
     # "auto": the KV cache in the model's dtype; "fp8" (= "fp8_e4m3"): half the bytes per token,
     # so twice the tokens in the pool and half the attention reads (vLLM's --kv-cache-dtype fp8).
     kv_cache_dtype: str = "auto"
+    # "fp8": the layers' projections in e4m3 with per-channel scales, activations quantized per
+    # token (vLLM's --quantization fp8 for a 16-bit checkpoint); None: as loaded.
+    quantization: str | None = None
     kernels: str | None = None  # "torch" | "triton"; None: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or none, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
 

@@ -8,6 +8,7 @@ from torch import nn
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import TorchOps
+from services.worker.kernels.fp8_linear import quantize_weight
 from services.worker.kernels.rope import rope_cos_sin_cache
 
 
@@ -22,9 +23,20 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight_scale = None  # fp32 [out] once quantize_fp8() made the weight e4m3
         self.ops = ops
 
+    def quantize_fp8(self) -> None:
+        """The weight in e4m3 with one scale per output channel (`--quantization fp8`)."""
+        if self.weight_scale is not None:
+            return
+        q, scale = quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+
     def forward(self, x):
+        if self.weight_scale is not None:
+            return self.ops.linear_fp8(x, self.weight, self.weight_scale, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 
@@ -33,6 +45,8 @@ class SiluMulLinear(Linear):
     up), which the ops may fuse into one kernel."""
 
     def forward(self, x):
+        if self.weight_scale is not None:
+            return self.ops.linear_fp8(x, self.weight, self.weight_scale, self.bias, silu_mul=True)
         return self.ops.silu_mul_linear(x, self.weight, self.bias)
 
 
@@ -134,6 +148,13 @@ class DecoderLM(nn.Module):
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
+
+    def quantize_fp8(self) -> None:
+        """Every projection of every layer to e4m3 weights; embeddings and the LM head stay as
+        they are (as vLLM's fp8: the head's precision shows in every sampled token)."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.quantize_fp8()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head

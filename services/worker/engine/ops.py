@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.kernels import decode_attention, extend_attention, gemv, rmsnorm, rope, sampling, silu_mul
+from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, gemv, rmsnorm, rope, sampling,
+                                     silu_mul)
 
 # Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
 # Triton's host cost per launch) outweigh what it saves.
@@ -37,6 +38,11 @@ class TorchOps:
     def silu_mul_linear(self, x, weight, bias=None):
         """The MLP's down projection of the [gate | up] output."""
         return gemv.silu_mul_linear_ref(x, weight, bias)
+
+    def linear_fp8(self, x, weight, w_scale, bias=None, silu_mul: bool = False):
+        """x (or silu_mul's [gate | up]) quantized per row, times an fp8 weight with per-channel scales."""
+        xq, x_scale = (fp8_linear.silu_mul_quantize_rows_ref if silu_mul else fp8_linear.quantize_rows_ref)(x)
+        return fp8_linear.linear_fp8_ref(xq, x_scale, weight, w_scale, x.dtype, bias)
 
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
@@ -73,6 +79,11 @@ class TritonOps(TorchOps):
         if x.shape[0] <= gemv.FUSED_SILU_MAX_ROWS:
             return gemv.silu_mul_linear(x, weight, bias)
         return self.linear(silu_mul.silu_mul(x), weight, bias)
+
+    def linear_fp8(self, x, weight, w_scale, bias=None, silu_mul: bool = False):
+        xq, x_scale = fp8_linear.quantize_rows(x, silu_mul)
+        gemm = fp8_linear.linear_fp8 if x.is_cuda else fp8_linear.linear_fp8_ref  # the interpreter: no fp8 GEMM
+        return gemm(xq, x_scale, weight, w_scale, x.dtype, bias)
 
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
