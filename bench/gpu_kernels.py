@@ -222,6 +222,27 @@ def case_linear_fp8(t: int, n: int, k: int, device) -> Result:
     return res
 
 
+def case_gemv_fp8(n: int, k: int, silu: bool, device) -> Result:
+    """--quantization fp8 at batch 1: the GEMV streaming e4m3 weights (x unquantized), against the
+    reference on the same values; extra: the bf16 GEMV on the same shape."""
+    from services.worker.kernels import gemv as K
+    from services.worker.kernels.fp8_linear import quantize_weight
+
+    res = Result("gemv_fp8", f"M=1 N={n} K={k}" + (" silu" if silu else ""), ok=False)
+    x = torch.randn(1, 2 * k if silu else k, device=device, dtype=DTYPE)
+    w = torch.randn(n, k, device=device, dtype=DTYPE) * 0.02
+    wq, ws = quantize_weight(w)
+    fn, ref = (K.silu_mul_linear, K.silu_mul_linear_ref) if silu else (K.linear, K.linear_ref)
+    with poisoned_empty():
+        out = fn(x, wq, None, scale=ws)
+    res.rel_err = rel_err(out, ref(x, wq, None, ws))
+    res = finish(res, lambda: fn(x, wq, None, scale=ws), n * k + n * 4 + x.numel() * 2, res.rel_err <= BF16_TOL)
+    bf16_us = graph_us(lambda: fn(x, w))
+    res.extra["bf16_us"] = bf16_us
+    res.note = f"bf16 GEMV {bf16_us:.1f} us"
+    return res
+
+
 def case_rope(t: int, device) -> Result:
     from services.worker.kernels import rope as K
 
@@ -370,6 +391,9 @@ def all_cases(device):
     yield "silu_mul", lambda: case_silu_mul(256, device)
     for t in (1, 1024, 8192):
         yield "linear_fp8", lambda t=t: case_linear_fp8(t, 2 * INTER, HIDDEN, device)
+    yield "gemv_fp8", lambda: case_gemv_fp8(2 * INTER, HIDDEN, False, device)
+    yield "gemv_fp8", lambda: case_gemv_fp8(HIDDEN, INTER, True, device)
+    yield "gemv_fp8", lambda: case_gemv_fp8(N_Q * HEAD_DIM + 2 * N_KV * HEAD_DIM, HIDDEN, False, device)
     for b in (1, 64, 256):
         for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "mixed"):
             yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)

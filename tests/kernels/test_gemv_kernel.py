@@ -124,3 +124,21 @@ def test_ops_route_by_row_count(device):
         out = triton_ops.silu_mul_linear(gate_up, w)
         assert torch.equal(out, triton_ops.linear(silu_mul(gate_up), w))
         assert rel_err(torch_ops.silu_mul_linear(gate_up, w), out) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_fp8_weights_with_per_row_scales(m, silu_mul, device):
+    """--quantization fp8 at decode sizes: the weight streamed as e4m3 (16 a vector), each output
+    row times its scale after the sum, x unquantized; as the fp32 reference on the same values."""
+    from services.worker.kernels.fp8_linear import quantize_weight
+
+    n, k = 80, 384
+    w = (torch.randn(n, k, device=device) * 0.05).to(torch.bfloat16)
+    wq, scale = quantize_weight(w)
+    bias = torch.randn(n, device=device).to(torch.bfloat16)
+    x = torch.randn(m, 2 * k if silu_mul else k, device=device).to(torch.bfloat16)
+    fn, ref = (K.silu_mul_linear, K.silu_mul_linear_ref) if silu_mul else (K.linear, K.linear_ref)
+    out = fn(x, wq, bias, scale=scale)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref(x, wq, bias, scale)) <= 1e-2

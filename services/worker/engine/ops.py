@@ -40,7 +40,11 @@ class TorchOps:
         return gemv.silu_mul_linear_ref(x, weight, bias)
 
     def linear_fp8(self, x, weight, w_scale, bias=None, silu_mul: bool = False):
-        """x (or silu_mul's [gate | up]) quantized per row, times an fp8 weight with per-channel scales."""
+        """x (or silu_mul's [gate | up]) times an fp8 weight with per-channel scales: x as it is at
+        GEMV sizes (a decode of a few rows streams the weight; nothing to gain from fp8 x), else
+        quantized per row for the fp8 tensor cores."""
+        if x.shape[0] <= gemv.DISPATCH_MAX_ROWS:
+            return (gemv.silu_mul_linear_ref if silu_mul else gemv.linear_ref)(x, weight, bias, w_scale)
         xq, x_scale = (fp8_linear.silu_mul_quantize_rows_ref if silu_mul else fp8_linear.quantize_rows_ref)(x)
         return fp8_linear.linear_fp8_ref(xq, x_scale, weight, w_scale, x.dtype, bias)
 
@@ -81,6 +85,11 @@ class TritonOps(TorchOps):
         return self.linear(silu_mul.silu_mul(x), weight, bias)
 
     def linear_fp8(self, x, weight, w_scale, bias=None, silu_mul: bool = False):
+        m = x.shape[0]
+        if m <= gemv.FUSED_SILU_MAX_ROWS or (m <= gemv.DISPATCH_MAX_ROWS and not silu_mul):
+            return (gemv.silu_mul_linear if silu_mul else gemv.linear)(x, weight, bias, scale=w_scale)
+        if m <= gemv.DISPATCH_MAX_ROWS:
+            return gemv.linear(self.silu_mul(x), weight, bias, scale=w_scale)
         xq, x_scale = fp8_linear.quantize_rows(x, silu_mul)
         gemm = fp8_linear.linear_fp8 if x.is_cuda else fp8_linear.linear_fp8_ref  # the interpreter: no fp8 GEMM
         return gemm(xq, x_scale, weight, w_scale, x.dtype, bias)

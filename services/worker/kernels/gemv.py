@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.kernels._common import FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor
+from services.worker.kernels._common import FLOAT_DTYPES, FP8_KV, cast_rtne, check, check_shape, check_tensor
 from services.worker.kernels.silu_mul import silu_mul_ref
 
 # The most rows the kernel takes (an fp32 accumulator per row of x in every thread).
@@ -33,13 +33,20 @@ DISPATCH_MAX_ROWS = 4
 FUSED_SILU_MAX_ROWS = 2
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """scale (fp32 [N]): weight is fp8 and row n stands for weight[n] * scale[n]; the product is
+    taken in fp32 then, with x as it is (the GEMV's weight-only fp8)."""
+    if scale is None:
+        return F.linear(x, weight, bias)
+    y = (x.float() @ weight.float().t()) * scale[None, :]
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, 2K] = [gate | up] -> linear(silu(gate) * up): the MLP's down projection."""
-    return F.linear(silu_mul_ref(x), weight, bias)
+    return linear_ref(silu_mul_ref(x), weight, bias, scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +116,11 @@ def _fma_runs(acc, x, w, RUN: tl.constexpr):
 # warm-up compiles every variant serving will launch.
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, s_ptr, out_ptr,
     M, N, K,
     x_stride, w_stride, out_stride,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -155,16 +163,22 @@ def _gemv_kernel(
         acc = _fma_runs(acc, xk.to(tl.float32), w.to(tl.float32), VEC)
 
     y = tl.sum(acc, axis=2)
+    if HAS_SCALE:  # fp8 weights: each row's scale, once, after its sum
+        y *= tl.load(s_ptr + w_rows)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + w_rows).to(tl.float32)[None, :]
     mask = (m < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + m[:, None] * out_stride + rows[None, :], cast_rtne(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None) -> torch.Tensor:
-    check_tensor(weight, "weight", ndim=2, dtypes=(x.dtype,), device=x.device)
+def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+    check_tensor(weight, "weight", ndim=2, dtypes=(x.dtype,) if scale is None else (FP8_KV,), device=x.device)
     m, n = x.shape[0], weight.shape[0]
     check_shape(weight, "weight", (n, k))
+    if scale is not None:
+        check_tensor(scale, "scale", ndim=1, dtypes=(torch.float32,), device=x.device, contiguous=True)
+        check_shape(scale, "scale", (n,))
     if bias is not None:
         check_tensor(bias, "bias", ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
         check_shape(bias, "bias", (n,))
@@ -174,33 +188,35 @@ def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None) 
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    config = config or gemv_config(m, n, k, x.dtype)
-    vec = _vector(x.dtype)
+    # Vectors of 16 bytes of the weight (16 fp8 values, 8 bf16): the weight is what is streamed.
+    config = config or gemv_config(m, n, k, weight.dtype)
+    vec = _vector(weight.dtype)
     check(config.block_k >= vec, "block_k {} is under one {}-element vector", config.block_k, vec)
     grid = (triton.cdiv(n, config.block_n),)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, out,
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out,
         m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, VEC=vec,
-        NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, x.dtype),
+        NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, weight.dtype),
     )
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: GemvConfig | None = None) -> torch.Tensor:
+           config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K] (row stride free, last dim contiguous), weight [N, K] (same),
-    bias [N] or None, all one dtype -> new [M, N] tensor in x.dtype, summed in fp32."""
+    bias [N] or None, all one dtype -> new [M, N] tensor in x.dtype, summed in fp32. With scale
+    (fp32 [N]) the weight is fp8 (`--quantization fp8`): half the bytes to stream, x unquantized."""
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
-    return _launch(x, weight, bias, x.shape[1], False, config)
+    return _launch(x, weight, bias, x.shape[1], False, config, scale)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: GemvConfig | None = None) -> torch.Tensor:
+                    config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M <= MAX_ROWS, 2K] = [gate | up], weight [N, K] -> linear(silu_mul(x), weight, bias),
     the activation made on the fly (no [M, K] tensor written and read back, no extra launch)."""
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     check(x.shape[1] % 2 == 0, "x's last dimension must be even (gate | up), got {}", x.shape[1])
-    return _launch(x, weight, bias, x.shape[1] // 2, True, config)
+    return _launch(x, weight, bias, x.shape[1] // 2, True, config, scale)
