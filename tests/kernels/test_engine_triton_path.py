@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.make_model import write_model
@@ -22,23 +24,15 @@ def test_triton_engine_matches_torch_engine(tmp_path):
         assert outputs["triton"] == outputs["torch"]
 
 
-def test_triton_engine_with_an_fp8_cache_matches_torch_engine(tmp_path):
-    """The same fp8 bytes in both caches (the KV write rounds as torch does), read the same way."""
+
+@pytest.mark.parametrize("fp8", [{"kv_cache_dtype": "fp8"}, {"quantization": "fp8"}], ids=["kv-cache", "weights"])
+def test_triton_engine_with_fp8_matches_torch_engine(fp8, tmp_path):
+    """fp8 KV: the same bytes in both caches (the KV write rounds as torch does), read the same way.
+    fp8 weights: GEMV rows (weight-only) and quantized GEMM rows, the same rule on both paths."""
     model_dir = write_model(tmp_path / "m", preset="tiny", seed=0, dtype="float32")
     prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([5, 20, 37])]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outputs = {kernels: LLMEngine(EngineConfig(model_dir=str(model_dir), num_blocks=64, kernels=kernels,
-                                               kv_cache_dtype="fp8")).generate(prompts, params)
-               for kernels in ("torch", "triton")}
-    assert outputs["triton"] == outputs["torch"]
-
-
-def test_triton_engine_with_fp8_weights_matches_torch_engine(tmp_path):
-    """--quantization fp8: GEMV rows (weight-only fp8) and quantized GEMM rows, both paths."""
-    model_dir = write_model(tmp_path / "m", preset="tiny", seed=0, dtype="float32")
-    prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([5, 20, 37])]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    outputs = {kernels: LLMEngine(EngineConfig(model_dir=str(model_dir), num_blocks=64, kernels=kernels,
-                                               quantization="fp8")).generate(prompts, params)
+                                               **fp8)).generate(prompts, params)
                for kernels in ("torch", "triton")}
     assert outputs["triton"] == outputs["torch"]
