@@ -103,9 +103,8 @@ class TritonOps(TorchOps):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
         n = meta.decode_rows
         if n >= MIN_SPLIT_DECODE_ROWS and meta.tiles is not None:
-            # A mixed step's decodes to the decode kernel: in the extend kernel each took a whole
-            # 16-token tile for its one token, and W2's 8k-token steps grew by ~60 ms from 64 to
-            # 1,000 decode rows (H100), about 5x what reading their KV costs.
+            # A mixed step's decodes to the decode kernel, which reads their KV at the bandwidth
+            # roofline; in the extend kernel each took a whole 16-token tile (4 of its 64 rows used).
             out = torch.empty_like(q)
             decode_attention.paged_decode_attention(
                 q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
