@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=env_default("INFERNO_LOG_REQUESTS", False, parse_bool),
                    help="log one line per finished request (its tokens and seconds); off by default: at a "
                         "thousand requests a second the lines cost the gateway more than the requests' metrics")
+    p.add_argument("--heartbeat-ttl", type=float, default=3.0,
+                   help="seconds without a worker's heartbeat after which its requests move to another worker "
+                        "(no token yet) or fail; as the scheduler's --heartbeat-ttl")
     p.add_argument("--gateway-id", default=None, help="this gateway's id on NATS (default: random)")
     p.add_argument("--log-format", choices=("console", "json"), default=env_default("INFERNO_LOG_FORMAT", None),
                    help="default: console on a terminal, else json")
@@ -78,7 +81,8 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         model_dir=args.model_dir, host=args.host, port=args.port,
                         api_keys=tuple(dict.fromkeys(keys)), max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
-                        share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests, **extra)
+                        share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
+                        heartbeat_ttl=args.heartbeat_ttl, **extra)
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
 
 
@@ -91,7 +95,7 @@ async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig)
 async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
                 drain_timeout: float, tenants: TenantsFile | None = None) -> None:
     gw = Gateway(cfg, tokenizer, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
-                 subject_prefix=nats_cfg.subject_prefix, tenants=tenants)
+                 subject_prefix=nats_cfg.subject_prefix, heartbeat_ttl=cfg.heartbeat_ttl, tenants=tenants)
     app = build_app(gw)
     nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.

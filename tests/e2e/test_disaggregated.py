@@ -29,8 +29,12 @@ def aggregated(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module", params=[1, 2], ids=["1P+1D", "1P+2D"])
 def pd_stack(request, tiny_model, tmp_path_factory):
     # Every prompt is prefilled remotely (threshold 1), so each request is handed off.
+    # Heartbeats may wait seconds on a 2-core machine running three workers flat out (20 hand-offs
+    # at once below): a worker is gone after 10 s here, not 3 (the fault tests keep the defaults).
     s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1,
-                    decode_workers=request.param, scheduler_args=("--disagg-min-prefill-tokens", "1"))
+                    decode_workers=request.param,
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
+                    gateway_args=("--heartbeat-ttl", "10"))
     yield s
     s.stop()
 
