@@ -153,14 +153,15 @@ async def test_a_request_stalled_in_routing_ends_by_its_deadline(tenant_stack, n
                                headers={"Authorization": f"Bearer {KEY}", "x-timeout": "0.3"}) as r:
         status, body = r.status, json.loads(await r.text())
     took = asyncio.get_running_loop().time() - t0
-    assert status == 504 and body["error"]["code"] == "timeout" and 0.3 <= took < 0.45, took
+    # The failure is waiting for the 1.55 s no-responder end; a loaded 2-core CI runner took 0.455 s.
+    assert status == 504 and body["error"]["code"] == "timeout" and 0.3 <= took < 1.2, took
     nc = await nats.connect(nats_config.url)
     try:
         t0 = asyncio.get_running_loop().time()
         msg = await nc.request(stack.gw.subjects.api_chat_completions, chat(),
                                headers={"Authorization": f"Bearer {KEY}", "x-timeout": "0.3"}, timeout=5)
         took = asyncio.get_running_loop().time() - t0
-        assert msg.headers["x-status"] == "504" and 0.3 <= took < 0.45, took
+        assert msg.headers["x-status"] == "504" and 0.3 <= took < 1.2, took
     finally:
         await nc.close()
     # Their routing attempts end by themselves (no responders, 1.55 s) and leave nothing behind.
