@@ -325,11 +325,13 @@ def case_extend(device) -> Result:
     return res
 
 
-def case_sampling(batch: int, mode: str, device) -> Result:
-    from services.worker.kernels import sampling as K
-
+def sampling_inputs(batch: int, mode: str, device) -> tuple:
+    """sample()'s arguments for a named mode: fp32 logits of a model-like shape, per-row filters."""
     logits = torch.randn(batch, VOCAB, device=device) * 2.0
-    logits[:, torch.randint(0, VOCAB, (64,), device=device)] += 8.0  # a few likely tokens, as in a real model
+    if mode == "topp0.9-wide":  # no dominant tokens: top-p keeps hundreds to thousands
+        logits *= 1.5
+    else:
+        logits[:, torch.randint(0, VOCAB, (64,), device=device)] += 8.0  # a few likely tokens, as in a real model
     temperature = torch.full((batch,), 0.8, device=device)
     top_k = torch.zeros(batch, dtype=torch.int32, device=device)
     top_p = torch.ones(batch, device=device)
@@ -340,8 +342,10 @@ def case_sampling(batch: int, mode: str, device) -> Result:
     elif mode == "topp0.95-minp0.05":
         top_p.fill_(0.95)
         min_p.fill_(0.05)
-    elif mode == "topp0.9":  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
+    elif mode in ("topp0.9", "topp0.9-wide"):  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
         top_p.fill_(0.9)
+    elif mode == "topk1":  # one token kept: the second read with (almost) nothing to append
+        top_k.fill_(1)
     elif mode == "mixed":
         temperature[0::4] = 0.0
         top_k[1::4] = 40
@@ -349,8 +353,15 @@ def case_sampling(batch: int, mode: str, device) -> Result:
         min_p[3::4] = 0.1
     seeds = torch.randint(-(2**62), 2**62, (batch,), device=device)
     offsets = torch.randint(0, 4096, (batch,), device=device)
+    return logits, temperature, top_k, top_p, min_p, seeds, offsets
+
+
+def case_sampling(batch: int, mode: str, device) -> Result:
+    from services.worker.kernels import sampling as K
+
+    args = sampling_inputs(batch, mode, device)
+    logits, temperature = args[:2]
     res = Result("sampling", f"B={batch} V={VOCAB} {mode}", ok=False)
-    args = (logits, temperature, top_k, top_p, min_p, seeds, offsets)
     with poisoned_empty():
         got = K.sample(*args)
     want = K.sample_ref(*args)

@@ -327,7 +327,9 @@ def _scan(base, buf_l, buf_i, vocab, inv_t, m, key, beta, strict, hi, set_min_p,
         # The next tile's read is issued before this tile's work, so two are in flight.
         x_next = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < vocab, other=float("-inf"))
         l = x.to(tl.float32) * inv_t
-        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta) & (tl.exp(l - m) >= set_min_p)
+        in_c = (idx < vocab) & tl.where(strict != 0, l > beta, l >= beta)
+        if set_min_p > 0.0:  # exp only where min-p thins C (exp >= 0 keeps every token)
+            in_c = in_c & (tl.exp(l - m) >= set_min_p)
         cnt = tl.sum(in_c.to(tl.int32), axis=0)
         if n_keep + cnt <= BLOCK_V:
             if cnt > 0:
@@ -505,7 +507,8 @@ def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
 
 @triton.jit
 def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
-                   lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
+                   lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
+                   MEDIUM: tl.constexpr):
     """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
     through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
     of the row)."""
@@ -590,6 +593,9 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
     elif in_buf & (n_keep <= SMALL):
         token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
                         key, best_s, best, SMALL)
+    elif in_buf & (n_keep <= MEDIUM):  # MEDIUM == SMALL: no such tier
+        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
+                        key, best_s, best, MEDIUM)
     elif in_buf:
         token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
                         key, best_s, best, BLOCK_V)
@@ -602,7 +608,7 @@ def _sample_kernel(
     reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr, vocab,
     num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
-    SMALL: tl.constexpr, COUNT_READS: tl.constexpr,
+    SMALL: tl.constexpr, MEDIUM: tl.constexpr, BAND_EIGHTHS: tl.constexpr, COUNT_READS: tl.constexpr,
 ):
     """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
     row = tl.program_id(0).to(tl.int64)
@@ -629,11 +635,11 @@ def _sample_kernel(
                                           part_score_ptr + row * num_splits, num_splits, m, GRID_S)
             u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
             lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
-                                            BLOCK_V * 5 // 8)
+                                            BLOCK_V * BAND_EIGHTHS // 8)
         token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
                                       buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
                                       key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U, BLOCK_V,
-                                      SMALL)
+                                      SMALL, MEDIUM)
     tl.store(out_ptr + row, token.to(tl.int64))
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
@@ -652,6 +658,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 _GROUP_MAXIMA = 1024  # pass 1's lane-group maxima per row, over all chunks: one tile of pass 2
+# Top-p's band (eighths of the buffer) and the middle tile size of the buffer's finish (0: none).
+_BAND_EIGHTHS = 5
+_MEDIUM = 0
 
 
 def sample(
@@ -713,7 +722,8 @@ def sample(
         vocab, num_splits, num_splits * n_groups,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
         GRID_S=min(triton.next_power_of_2(num_splits), 64),
-        BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
+        BLOCK_V=block_v, SMALL=min(block_v, 256), MEDIUM=min(block_v, _MEDIUM or 256),
+        BAND_EIGHTHS=_BAND_EIGHTHS, COUNT_READS=reads is not None,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
     )

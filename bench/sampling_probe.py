@@ -1,0 +1,65 @@
+"""Where the sampler's time goes at B = 64 and 256 (H100 probe), and which tile sizes of its second
+pass pay.
+
+    python3 bench/sampling_probe.py
+
+For each variant of the module's knobs (top-p's band, a middle finish tile) and each mode: rows
+differing from sample_ref, rows by full reads, CUDA-graph µs with a cold L2, and the time of each of
+the two launches (torch.profiler). "topk1" keeps one token: its second launch is the read loop alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
+from services.worker.kernels import sampling as K  # noqa: E402
+
+MODES = ("plain", "topk1", "topk50-topp0.9", "topp0.9", "topp0.9-wide", "topp0.95-minp0.05", "mixed")
+VARIANTS = {"base": (5, 0), "band3": (3, 0), "band2": (2, 0), "medium": (5, 1024), "band3-medium": (3, 1024)}
+
+
+def kernel_us(fn, calls: int = 20) -> dict[str, float]:
+    """Mean GPU µs per call of each kernel fn launches."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and "kernel" in ev.key:
+            out[ev.key] = ev.device_time_total / calls
+    return out
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    inputs = {(b, mode): sampling_inputs(b, mode, "cuda") for b in (64, 256) for mode in MODES}
+    refs = {key: K.sample_ref(*args) for key, args in inputs.items()}
+    print(f"{'variant':14s} {'B':>4s} {'mode':18s} {'diff':>4s} {'graph us':>9s} {'pass1':>7s} {'pass2':>7s}  reads",
+          flush=True)
+    for name, (band, medium) in VARIANTS.items():
+        K._BAND_EIGHTHS, K._MEDIUM = band, medium
+        for (b, mode), args in inputs.items():
+            reads = torch.zeros(b, dtype=torch.int32, device="cuda")
+            got = K.sample(*args, reads=reads)
+            diff = int((got != refs[(b, mode)]).sum())
+            hist = {int(n): int(c) for n, c in zip(*torch.unique(reads, return_counts=True))}
+            fn = lambda a=args: K.sample(*a)  # noqa: E731
+            us = graph_us(fn)
+            ks = kernel_us(fn)
+            p1 = sum(v for k, v in ks.items() if "_stats_kernel" in k)
+            p2 = sum(v for k, v in ks.items() if "_sample_kernel" in k)
+            print(f"{name:14s} {b:4d} {mode:18s} {diff:4d} {us:9.1f} {p1:7.1f} {p2:7.1f}  {hist}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
