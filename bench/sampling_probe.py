@@ -22,7 +22,7 @@ from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
 from services.worker.kernels import sampling as K  # noqa: E402
 
 MODES = ("plain", "topk1", "topk50-topp0.9", "topp0.9", "topp0.9-wide", "topp0.95-minp0.05", "mixed")
-VARIANTS = {"base": (5, 0), "band3": (3, 0), "band2": (2, 0), "medium": (5, 1024), "band3-medium": (3, 1024)}
+VARIANTS = {"base": (5, 0, False), "scan-only": (5, 0, True)}
 
 
 def kernel_us(fn, calls: int = 20) -> dict[str, float]:
@@ -46,8 +46,9 @@ def main() -> None:
     refs = {key: K.sample_ref(*args) for key, args in inputs.items()}
     print(f"{'variant':14s} {'B':>4s} {'mode':18s} {'diff':>4s} {'graph us':>9s} {'pass1':>7s} {'pass2':>7s}  reads",
           flush=True)
-    for name, (band, medium) in VARIANTS.items():
-        K._BAND_EIGHTHS, K._MEDIUM = band, medium
+    out_dir = os.environ.get("OUT", ".")
+    for name, (band, medium, scan_only) in VARIANTS.items():
+        K._BAND_EIGHTHS, K._MEDIUM, K._SCAN_ONLY = band, medium, scan_only
         for (b, mode), args in inputs.items():
             reads = torch.zeros(b, dtype=torch.int32, device="cuda")
             got = K.sample(*args, reads=reads)
@@ -59,6 +60,23 @@ def main() -> None:
             p1 = sum(v for k, v in ks.items() if "_stats_kernel" in k)
             p2 = sum(v for k, v in ks.items() if "_sample_kernel" in k)
             print(f"{name:14s} {b:4d} {mode:18s} {diff:4d} {us:9.1f} {p1:7.1f} {p2:7.1f}  {hist}", flush=True)
+            # Each row's program in the second launch: how long it ran (a few long rows set the launch's time).
+            times = torch.zeros(b, 3, dtype=torch.int64, device="cuda")
+            K.sample(*args, times=times)
+            times = times.cpu()
+            dur = (times[:, 1] - times[:, 0]).double() / 1e3
+            span = (times[:, 1].max() - times[:, 0].min()).item() / 1e3
+            q = torch.quantile(dur, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+            print(f"{'':14s} {'':4s} rows µs p50 {q[0]:.1f} p90 {q[1]:.1f} p99 {q[2]:.1f} max {dur.max():.1f}; "
+                  f"span {span:.1f}; SMs {len(set(times[:, 2].tolist()))}", flush=True)
+            if mode == "mixed":
+                print(f"{'':20s} by kind (greedy, top-k 40, top-p 0.9, min-p 0.1): "
+                      + ", ".join(f"{dur[k::4].median():.1f}/{dur[k::4].max():.1f}" for k in range(4)), flush=True)
+            slow = (reads > 2).nonzero().flatten().tolist()
+            if slow and not scan_only:
+                torch.save(tuple(a[slow].cpu() for a in args), f"{out_dir}/tail_rows_{b}_{mode}.pt")
+                print(f"{'':20s} rows read more than twice: {slow}, µs {[round(dur[r].item(), 1) for r in slow]}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, check_shape, check_tensor
 # The reference (torch) lives beside the kernels; its names stay importable from here.
@@ -508,7 +509,7 @@ def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
 @triton.jit
 def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
                    lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
-                   MEDIUM: tl.constexpr):
+                   MEDIUM: tl.constexpr, SCAN_ONLY: tl.constexpr):
     """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
     through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
     of the row)."""
@@ -545,6 +546,8 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi,
         tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
+    if SCAN_ONLY:  # probes: the cost of the first scan alone (bench/sampling_probe.py); wrong draws
+        return tl.where(best < _NONE, best, 0), reads
     # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
     # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).
     if use_p & (use_k == 0) & (lo_p > tail) & (mass < top_p * z) & (tl.exp(beta - m) >= min_p):
@@ -605,13 +608,16 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
 @triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
-    reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr, vocab,
+    reads_ptr, times_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr, vocab,
     num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
-    SMALL: tl.constexpr, MEDIUM: tl.constexpr, BAND_EIGHTHS: tl.constexpr, COUNT_READS: tl.constexpr,
+    SMALL: tl.constexpr, MEDIUM: tl.constexpr, BAND_EIGHTHS: tl.constexpr, SCAN_ONLY: tl.constexpr,
+    COUNT_READS: tl.constexpr, TIMES: tl.constexpr,
 ):
     """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
     row = tl.program_id(0).to(tl.int64)
+    if TIMES:
+        t0 = globaltimer()
     greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
         temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
     s = tl.arange(0, BLOCK_S)
@@ -639,10 +645,14 @@ def _sample_kernel(
         token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
                                       buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
                                       key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U, BLOCK_V,
-                                      SMALL, MEDIUM)
+                                      SMALL, MEDIUM, SCAN_ONLY)
     tl.store(out_ptr + row, token.to(tl.int64))
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
+    if TIMES:
+        tl.store(times_ptr + row * 3, t0)
+        tl.store(times_ptr + row * 3 + 1, globaltimer())
+        tl.store(times_ptr + row * 3 + 2, smid().to(tl.int64))
 
 
 def _check_row_params(name: str, t: torch.Tensor, n_rows: int, dtypes, device) -> None:
@@ -661,12 +671,14 @@ _GROUP_MAXIMA = 1024  # pass 1's lane-group maxima per row, over all chunks: one
 # Top-p's band (eighths of the buffer) and the middle tile size of the buffer's finish (0: none).
 _BAND_EIGHTHS = 5
 _MEDIUM = 0
+_SCAN_ONLY = False  # probes only: filtered rows stop after their first scan (wrong draws)
 
 
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
+    times: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -674,7 +686,9 @@ def sample(
     without filters (greedy, or plain temperature); then one program per row, which reduces the
     chunks' results and finishes rows with top-k / top-p / min-p (see the kernel section's comment).
     block_v and num_splits override the launch shape (tests use them). reads, an int32 [B] tensor,
-    if given receives how many times each row was read in full (benchmarks and tests use it)."""
+    if given receives how many times each row was read in full (benchmarks and tests use it). times, an
+    int64 [B, 3] tensor on a GPU, receives each row's start and end (globaltimer ns) and SM in the
+    second launch (probes)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
@@ -687,6 +701,9 @@ def sample(
     _check_row_params("offsets", offsets, n_rows, INDEX_DTYPES, device)
     if reads is not None:
         _check_row_params("reads", reads, n_rows, (torch.int32,), device)
+    if times is not None:
+        check_tensor(times, "times", ndim=2, dtypes=(torch.int64,), device=device, contiguous=True)
+        check_shape(times, "times", (n_rows, 3))
     out = torch.empty((n_rows,), dtype=torch.int64, device=device)
     if n_rows == 0:
         return out
@@ -718,12 +735,12 @@ def sample(
     )
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        out if reads is None else reads, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i,
+        out if reads is None else reads, out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i,
         vocab, num_splits, num_splits * n_groups,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
         GRID_S=min(triton.next_power_of_2(num_splits), 64),
         BLOCK_V=block_v, SMALL=min(block_v, 256), MEDIUM=min(block_v, _MEDIUM or 256),
-        BAND_EIGHTHS=_BAND_EIGHTHS, COUNT_READS=reads is not None,
+        BAND_EIGHTHS=_BAND_EIGHTHS, SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None, TIMES=times is not None,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
     )
