@@ -330,8 +330,8 @@ def sampling_inputs(batch: int, mode: str, device) -> tuple:
     logits = torch.randn(batch, VOCAB, device=device) * 2.0
     if mode == "topp0.9-wide":  # no dominant tokens: top-p keeps hundreds to thousands
         logits *= 1.5
-    else:
-        logits[:, torch.randint(0, VOCAB, (64,), device=device)] += 8.0  # a few likely tokens, as in a real model
+    else:  # a few likely tokens, as in a real model; lower, they leave top-p sets of thousands
+        logits[:, torch.randint(0, VOCAB, (64,), device=device)] += 6.0 if mode == "topp0.9-broad" else 8.0
     temperature = torch.full((batch,), 0.8, device=device)
     top_k = torch.zeros(batch, dtype=torch.int32, device=device)
     top_p = torch.ones(batch, device=device)
@@ -342,7 +342,7 @@ def sampling_inputs(batch: int, mode: str, device) -> tuple:
     elif mode == "topp0.95-minp0.05":
         top_p.fill_(0.95)
         min_p.fill_(0.05)
-    elif mode in ("topp0.9", "topp0.9-wide"):  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
+    elif mode in ("topp0.9", "topp0.9-wide", "topp0.9-broad"):  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
         top_p.fill_(0.9)
     elif mode == "topk1":  # one token kept: the second read with (almost) nothing to append
         top_k.fill_(1)

@@ -3,7 +3,7 @@ pass pay.
 
     python3 bench/sampling_probe.py
 
-For each variant of the module's knobs (top-p's band, a middle finish tile) and each mode: rows
+For each variant of the module's knobs (where top-p's band lies, the first scan's tile) and each mode: rows
 differing from sample_ref, rows by full reads, CUDA-graph µs with a cold L2, and the time of each of
 the two launches (torch.profiler). "topk1" keeps one token: its second launch is the read loop alone.
 """
@@ -21,8 +21,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
 from services.worker.kernels import sampling as K  # noqa: E402
 
-MODES = ("plain", "topk1", "topk50-topp0.9", "topp0.9", "topp0.9-wide", "topp0.95-minp0.05", "mixed")
-VARIANTS = {"base": (5, 0, False), "scan-only": (5, 0, True)}
+MODES = ("plain", "topk1", "topk50-topp0.9", "topp0.9", "topp0.9-wide", "topp0.9-broad", "topp0.95-minp0.05",
+         "mixed")
+VARIANTS = {"base": (4, 1), "below1": (1, 1), "tile2": (4, 2), "below1-tile2": (1, 2)}
 
 
 def kernel_us(fn, calls: int = 20) -> dict[str, float]:
@@ -47,8 +48,8 @@ def main() -> None:
     print(f"{'variant':14s} {'B':>4s} {'mode':18s} {'diff':>4s} {'graph us':>9s} {'pass1':>7s} {'pass2':>7s}  reads",
           flush=True)
     out_dir = os.environ.get("OUT", ".")
-    for name, (band, medium, scan_only) in VARIANTS.items():
-        K._BAND_EIGHTHS, K._MEDIUM, K._SCAN_ONLY = band, medium, scan_only
+    for name, (below, tiles) in VARIANTS.items():
+        K._BELOW_EIGHTHS, K._SCAN_TILES = below, tiles
         for (b, mode), args in inputs.items():
             reads = torch.zeros(b, dtype=torch.int32, device="cuda")
             got = K.sample(*args, reads=reads)
@@ -73,7 +74,7 @@ def main() -> None:
                 print(f"{'':20s} by kind (greedy, top-k 40, top-p 0.9, min-p 0.1): "
                       + ", ".join(f"{dur[k::4].median():.1f}/{dur[k::4].max():.1f}" for k in range(4)), flush=True)
             slow = (reads > 2).nonzero().flatten().tolist()
-            if slow and not scan_only:
+            if slow:
                 torch.save(tuple(a[slow].cpu() for a in args), f"{out_dir}/tail_rows_{b}_{mode}.pt")
                 print(f"{'':20s} rows read more than twice: {slow}, µs {[round(dur[r].item(), 1) for r in slow]}",
                       flush=True)
