@@ -406,7 +406,8 @@ def all_cases(device):
     yield "gemv_fp8", lambda: case_gemv_fp8(HIDDEN, INTER, True, device)
     yield "gemv_fp8", lambda: case_gemv_fp8(N_Q * HEAD_DIM + 2 * N_KV * HEAD_DIM, HIDDEN, False, device)
     for b in (1, 64, 256):
-        for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "topp0.9-wide", "topp0.9-broad", "mixed"):
+        for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "topp0.9-wide", "topp0.9-broad",
+                     "mixed"):
             yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)
 
 
