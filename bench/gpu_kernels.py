@@ -342,7 +342,7 @@ def sampling_inputs(batch: int, mode: str, device) -> tuple:
     elif mode == "topp0.95-minp0.05":
         top_p.fill_(0.95)
         min_p.fill_(0.05)
-    elif mode in ("topp0.9", "topp0.9-wide", "topp0.9-broad"):  # top-p alone: kept sets of up to a few thousand tokens, larger than the buffer
+    elif mode in ("topp0.9", "topp0.9-wide", "topp0.9-broad"):  # top-p alone: kept sets up to thousands of tokens
         top_p.fill_(0.9)
     elif mode == "topk1":  # one token kept: the second read with (almost) nothing to append
         top_k.fill_(1)
