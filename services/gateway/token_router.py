@@ -20,6 +20,9 @@ class StreamFailed:
     type: str = "service_unavailable"
 
 
+HOLD_S = 1.0  # how long deltas wait for their request's first token before they go out without it
+
+
 class DeltaInbox:
     """A request's inbox. Deltas wait here until the request's consumer is attached; from then on
     the router hands them to it in one synchronous call per burst of TokenBatches, so a token costs
@@ -87,12 +90,16 @@ class DeltaInbox:
 class RequestStream:
     """The inbox of one HTTP request: TokenDeltas of its choices (request ids), plus StreamFailed."""
 
-    __slots__ = ("inbox", "request_ids", "workers", "started", "failed", "migrate")
+    __slots__ = ("inbox", "request_ids", "workers", "started", "failed", "migrate", "seen", "held")
 
     def __init__(self, request_ids: list[str]):
         self.inbox = DeltaInbox()
         self.request_ids = request_ids
         self.workers: dict[str, str] = {}  # request id → worker id, once routed
+        self.seen: set[str] = set()  # request ids whose first token has come
+        # Deltas that came before their request's first token: a decode worker's, which overtook the
+        # prefill worker's first token (two publishers: NATS orders each one's messages, not the two).
+        self.held: dict[str, list[tuple[object, str]]] = {}
         self.started = time.monotonic()
         self.failed = False
         # (request id, silent worker) → True when the request was sent elsewhere instead of failing.
@@ -160,20 +167,47 @@ class TokenRouter:
 
     def _on_deltas(self, items: list, wid: str) -> None:
         streams = self._streams
-        ready = self._ready
         for item in items:
             rid = item.request_id
             stream = streams.get(rid)
             if stream is None:
                 self.unknown_deltas += 1
                 continue
-            if stream.workers.get(rid, wid) != wid:
-                # Handed from a prefill to a decode worker: aborts and liveness follow the request.
-                stream.workers[rid] = wid
-                if not item.token_ids and item.finish_reason is None:
-                    continue  # the prefill worker's notice of the hand-off: nothing to show
-            if stream.inbox.add(item):
-                ready.append(stream.inbox)
+            if rid not in stream.seen:
+                if item.completion_tokens > len(item.token_ids) // 4:  # tokens before these have not come
+                    self._hold(stream, rid, item, wid)
+                    continue
+                if item.token_ids:
+                    stream.seen.add(rid)
+            self._add(stream, rid, item, wid)
+            if stream.held and rid in stream.seen and rid in stream.held:
+                self._release(stream, rid)
+
+    def _add(self, stream: RequestStream, rid: str, item, wid: str) -> None:
+        if stream.workers.get(rid, wid) != wid:
+            # Handed from a prefill to a decode worker: aborts and liveness follow the request.
+            stream.workers[rid] = wid
+            if not item.token_ids and item.finish_reason is None:
+                return  # the prefill worker's notice of the hand-off: nothing to show
+        if stream.inbox.add(item):
+            self._ready.append(stream.inbox)
+
+    def _hold(self, stream: RequestStream, rid: str, item, wid: str) -> None:
+        held = stream.held.setdefault(rid, [])
+        held.append((item, wid))
+        if len(held) == 1:  # the first token may be lost with its worker: then they go out anyway
+            asyncio.get_running_loop().call_later(HOLD_S, self._release, stream, rid)
+
+    def _release(self, stream: RequestStream, rid: str) -> None:
+        held = stream.held.pop(rid, None)
+        if not held or self._streams.get(rid) is not stream:
+            return
+        stream.seen.add(rid)
+        for item, wid in held:
+            self._add(stream, rid, item, wid)
+        if not self._delivery_scheduled:
+            self._delivery_scheduled = True
+            asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
         """Hand over what the current burst of TokenBatches brought, one call per request: when

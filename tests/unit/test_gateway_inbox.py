@@ -94,6 +94,53 @@ async def test_router_coalesces_the_batches_of_one_burst():
     assert ra.calls == [["a-0"] * 3, ["a-0"]] and rb.calls == [["b-0"] * 2]
 
 
+class Tokens:
+    """A consumer that records the tokens of each delta, in the order handed over."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def __call__(self, items: list) -> None:
+        self.tokens += [t for i in items for t in i.token_id_list]
+
+
+async def test_a_decode_workers_tokens_wait_for_the_prefill_workers_first_token():
+    """Disaggregated: the prefill worker streams the first token and the decode worker the rest, on
+    two NATS connections, so the second token can come first (seen on the 2-core VM as a streamed
+    choice whose text began with its second token). It waits for the first, then follows it."""
+    router = TokenRouter()
+    a = router.open(["a-0"])
+    router.assign(a, "a-0", "prefill-0")
+    rec = Tokens()
+    a.inbox.attach(rec)
+    router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [21], done=2)]))
+    router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [22], done=3)]))
+    await asyncio.sleep(0)
+    assert rec.tokens == []
+    router.on_batch(TokenBatch.of("prefill-0", [delta("a-0", [20], done=1)]))
+    await asyncio.sleep(0)
+    assert rec.tokens == [20, 21, 22] and a.workers["a-0"] == "decode-0"
+    router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [23], done=4)]))
+    await asyncio.sleep(0)
+    assert rec.tokens == [20, 21, 22, 23]
+
+
+async def test_held_tokens_go_out_when_the_first_token_never_comes(monkeypatch):
+    """A prefill worker that died with the first token unsent must not hang the stream."""
+    monkeypatch.setattr("services.gateway.token_router.HOLD_S", 0.05)
+    router = TokenRouter()
+    a = router.open(["a-0"])
+    router.assign(a, "a-0", "prefill-0")
+    rec = Tokens()
+    a.inbox.attach(rec)
+    router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [21], done=2)]))
+    await asyncio.sleep(0.1)
+    assert rec.tokens == [21]
+    router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [22], done=3, finish="length")]))
+    await asyncio.sleep(0)
+    assert rec.tokens == [21, 22]
+
+
 async def test_router_release_and_close():
     router = TokenRouter()
     a = router.open(["a-0", "a-1"])
