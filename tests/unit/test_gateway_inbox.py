@@ -12,7 +12,7 @@ from services.gateway.completions import CompletionFormat
 from services.gateway.generation import Generation
 from services.gateway.pump import Pump
 from services.gateway.schemas import parse_completion
-from services.gateway.token_router import DeltaInbox, StreamFailed, TokenRouter
+from services.gateway.token_router import DeltaInbox, RequestStream, StreamFailed, TokenRouter
 from services.worker.engine import make_model as mm
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig
@@ -104,15 +104,21 @@ class Tokens:
         self.tokens += [t for i in items for t in i.token_id_list]
 
 
-async def test_a_decode_workers_tokens_wait_for_the_prefill_workers_first_token():
-    """Disaggregated: the prefill worker streams the first token and the decode worker the rest, on
-    two NATS connections, so the second token can come first (seen on the 2-core VM as a streamed
-    choice whose text began with its second token). It waits for the first, then follows it."""
+def handed_off() -> tuple[TokenRouter, RequestStream, Tokens]:
+    """A router with one request routed to prefill-0, its tokens recorded."""
     router = TokenRouter()
     a = router.open(["a-0"])
     router.assign(a, "a-0", "prefill-0")
     rec = Tokens()
     a.inbox.attach(rec)
+    return router, a, rec
+
+
+async def test_a_decode_workers_tokens_wait_for_the_prefill_workers_first_token():
+    """Disaggregated: the prefill worker streams the first token and the decode worker the rest, on
+    two NATS connections, so the second token can come first (seen on the 2-core VM as a streamed
+    choice whose text began with its second token). It waits for the first, then follows it."""
+    router, a, rec = handed_off()
     router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [21], done=2)]))
     router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [22], done=3)]))
     await asyncio.sleep(0)
@@ -128,11 +134,7 @@ async def test_a_decode_workers_tokens_wait_for_the_prefill_workers_first_token(
 async def test_held_tokens_go_out_when_the_first_token_never_comes(monkeypatch):
     """A prefill worker that died with the first token unsent must not hang the stream."""
     monkeypatch.setattr("services.gateway.token_router.HOLD_S", 0.05)
-    router = TokenRouter()
-    a = router.open(["a-0"])
-    router.assign(a, "a-0", "prefill-0")
-    rec = Tokens()
-    a.inbox.attach(rec)
+    router, a, rec = handed_off()
     router.on_batch(TokenBatch.of("decode-0", [delta("a-0", [21], done=2)]))
     await asyncio.sleep(0.1)
     assert rec.tokens == [21]

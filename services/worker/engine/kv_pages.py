@@ -8,7 +8,7 @@ import torch
 
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
 from services.worker.engine.model_config import ModelConfig
-from services.worker.kernels._common import copy_rows_
+from services.worker.kernels._common import byte_view, copy_rows_
 
 
 def page_layout(model_id: str, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> str:
@@ -25,8 +25,7 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 def gather_pages(kv: KVCache, block_ids: list[int]) -> torch.Tensor:
     """A new contiguous [n, L, 2, block_size, H, D] tensor holding these blocks, on the pool's device."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
-    pool = kv.pool.view(torch.uint8) if kv.pool.element_size() == 1 else kv.pool  # fp8 moves as bytes
-    return pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().view(kv.pool.dtype)
+    return byte_view(kv.pool).index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().view(kv.pool.dtype)
 
 
 def empty_pages(kv: KVCache, n: int) -> torch.Tensor:

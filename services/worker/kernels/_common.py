@@ -26,12 +26,14 @@ def to_kv_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes when its dtype is a 1-byte float (fp8), which torch's index ops do not take."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def copy_rows_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.index_copy_(dim, index, src), also for 1-byte float dtypes (fp8), which torch's
-    index_copy_ does not take: those move as their bytes."""
-    if dst.element_size() == 1 and dst.is_floating_point():
-        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-    dst.index_copy_(dim, index, src)
+    """dst.index_copy_(dim, index, src), also for fp8 (moved as bytes)."""
+    byte_view(dst).index_copy_(dim, index, byte_view(src))
 
 
 def check(cond: bool, message: str, *args) -> None:
