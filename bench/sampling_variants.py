@@ -1,0 +1,47 @@
+"""Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
+
+    python3 bench/sampling_variants.py [--block-v N] [LABEL]
+
+For A/B runs of kernel variants in one device call: run it from each variant's tree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
+from services.worker.kernels import sampling as K  # noqa: E402
+
+MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.05", "mixed")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    kw = {}
+    if args[:1] == ["--block-v"]:
+        kw["block_v"] = int(args[1])
+        args = args[2:]
+    label = args[0] if args else "?"
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    row = []
+    for mode in MODES:
+        a = sampling_inputs(256, mode, dev)
+        ok = bool(torch.equal(K.sample(*a, **kw), K.sample_ref(*a)))
+        row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'}")
+    regs = []
+    for kern in (K._stats_kernel, K._sample_kernel):
+        for cache in kern.device_caches.values():
+            for c in cache[0].values():
+                regs.append(f"{kern.__name__} regs {c.n_regs} spills {c.n_spills}")
+    print(label, "|", " | ".join(row))
+    print("   ", "; ".join(sorted(set(regs))))
+
+
+if __name__ == "__main__":
+    main()
