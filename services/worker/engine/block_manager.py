@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from services.worker.engine.block_tables import BlockTables
 from services.worker.engine.request import Request
 from shared.block_hash import ROOT_HASH, block_hash
 
@@ -38,6 +39,9 @@ class BlockManager:
         self._num_handled_blocks: dict[str, int] = {}
         # KV events since take_events(): hash -> True (stored) / False (removed); last one wins.
         self._events: dict[bytes, bool] = {}
+
+        # Every request's block ids again, as rows of one array: what a step's block table gathers.
+        self.tables = BlockTables()
 
         # Prefix-cache counters in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
         self.prefix_cache_queries = 0
@@ -115,6 +119,7 @@ class BlockManager:
             # the batcher repeats while the request waits for blocks.
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
+        start = len(request.block_ids)
         for block_id in new_computed_blocks:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
@@ -122,6 +127,7 @@ class BlockManager:
             request.block_ids.append(block_id)
         for _ in range(num_needed):
             request.block_ids.append(self._pop_free_block())
+        self.tables.write(request, start)
         return True
 
     def _pop_free_block(self) -> int:
@@ -141,6 +147,7 @@ class BlockManager:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free_queue[block_id] = None
+        self.tables.release(request)
         request.block_ids.clear()
         self._num_handled_blocks.pop(request.request_id, None)
 

@@ -129,8 +129,9 @@ class CudaGraphRunner:
     def run(self, scheduled, last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None):
         return self.launch(self.stage(scheduled, last_rows), last_ids)
 
-    def stage(self, scheduled, last_rows: dict[str, int] | None = None) -> GraphStep:
-        """Write a decode step's static inputs into the next host stage."""
+    def stage(self, scheduled, last_rows: dict[str, int] | None = None, block_tables=None) -> GraphStep:
+        """Write a decode step's static inputs into the next host stage. block_tables: the block
+        manager's BlockTables, from which rewritten rows are gathered (else the lists are read)."""
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
@@ -147,13 +148,23 @@ class CudaGraphRunner:
         stage.pos[:n] = starts
         stage.slots[:n] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
         stage.seq_lens[:n] = [p + 1 for p in starts]
-        # Block tables change only when a request gains a block or rows shift: rewrite those rows.
+        # Block tables change only when a request gains a block or rows shift: rewrite those rows
+        # (after a request ends, every later row shifts: most rows, in one gather).
         tables, owners = stage.tables, stage.row_owners
+        changed = []
         for i, r in enumerate(reqs):
             key = (r.request_id, len(r.block_ids))
             if owners[i] != key:
                 owners[i] = key
-                tables[i, :len(r.block_ids)] = r.block_ids
+                changed.append(i)
+        if changed and block_tables is not None:
+            rows = block_tables.rows([reqs[i] for i in changed])
+            if rows.min() >= 0:
+                width = min(tables.shape[1], block_tables.ids.shape[1])
+                tables[changed, :width] = block_tables.ids[rows, :width]
+                changed = []
+        for i in changed:
+            tables[i, :len(reqs[i].block_ids)] = reqs[i].block_ids
         return GraphStep(stage, n, b, len(feed))
 
     def launch(self, step: GraphStep, last_ids: torch.Tensor | None = None):

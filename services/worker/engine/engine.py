@@ -180,6 +180,7 @@ class LLMEngine:
             micro_batches=self.layout.pp,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, self.group)
+        self.runner.block_tables = self.block_manager.tables
         self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
         self.graph_capture_seconds = 0.0
         # Pipeline stages run eagerly: a step's launches are few next to a stage's layers.

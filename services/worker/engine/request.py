@@ -52,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row of the block manager's BlockTables while it holds blocks
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, computed lazily
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0

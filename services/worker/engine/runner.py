@@ -34,6 +34,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
+        self.block_tables = None  # the block manager's BlockTables, set by the engine
         self.graphs = None  # a CudaGraphRunner, set by the GPU path for decode-only steps
         self.mixed_graphs = None  # a MixedGraphRunner, for steps with prefill chunks up to its tokens
         self.group = group  # a RankGroup when the model is split over several processes
@@ -51,9 +52,9 @@ class ModelRunner:
         last_rows = ({r.request_id: row for row, r in enumerate(self._last_sampling)}
                      if any(s.pending_input for s in scheduled) else None)
         if graphs is not None and decode_only and graphs.covers(scheduled):
-            step = graphs.stage(scheduled, last_rows)
+            step = graphs.stage(scheduled, last_rows, self.block_tables)
         else:
-            step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows)
+            step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_tables)
         sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
             self._send(step, scheduled, len(sampling))
