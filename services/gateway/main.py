@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("gateway", json=json_logs, level=args.log_level)
     try:
         tokenizer = Tokenizer.from_path(cfg.model_dir)
+        tokenizer.warm_token_tables()  # every token's bytes and text before serving: no misses mid-stream
         model_config = ModelConfig.from_path(cfg.model_dir)
     except (OSError, ValueError) as e:
         log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))

@@ -220,6 +220,27 @@ def test_tokens_and_bytes(tok, hf):
     assert tok.token_text(tok.eos_token_id) == "<|eot_id|>"
 
 
+def test_warm_token_tables_equal_the_exact_path(model_dir):
+    """The gateway fills the detokenizer's caches for every id at start (a translate per token for
+    byte-level vocabularies): each entry equals token_bytes and its UTF-8 text, special tokens and
+    tokens that are parts of a character included; ids past the tokenizer stay lazy and empty."""
+    warm = Tokenizer.from_dir(model_dir)
+    warm.warm_token_tables()
+    exact = Tokenizer.from_dir(model_dir)
+    partial = 0
+    for i in range(exact.vocab_size):
+        b = exact.token_bytes(i)
+        assert warm.cached_token_bytes(i) == b
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+            partial += 1
+        assert warm.cached_token_text(i) == text
+    assert partial > 0 and warm.cached_token_bytes(warm.eos_token_id) == b"<|eot_id|>"
+    assert warm.cached_token_bytes(warm.vocab_size + 3) == b""
+
+
 # ------------------------------------------------------------------ loading variants and errors
 
 
