@@ -360,18 +360,3 @@ def test_rejects_bad_arguments(device):
         K.sample(logits, t, k, p, mp, seeds.int(), offsets)
     with pytest.raises(ValueError, match="reads"):
         K.sample(logits, t, k, p, mp, seeds, offsets, reads=torch.zeros(2, dtype=torch.int64, device=device))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_op_is_torch_argmax(dtype, device):
-    """TritonOps.greedy (the sampler kernel's greedy rows, for all-greedy batches) gives torch's
-    argmax, ties to the lowest index; its constant parameters grow with the batch."""
-    from services.worker.engine.ops import TorchOps, TritonOps
-
-    ops = TritonOps()
-    for n in (1, 3, 300):
-        logits = (torch.randn(n, 777, device=device) * 2).round().to(dtype)  # rounded: ties in every row
-        logits[0, 5] = logits[0, 700] = logits[0].max() + 1  # a tie for the top: the lower index wins
-        got = ops.greedy(logits)
-        assert got.dtype == torch.int64 and torch.equal(got, TorchOps().greedy(logits))
-        assert got[0].item() == 5

@@ -58,10 +58,6 @@ class TorchOps:
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
         return sampling.sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
-    def greedy(self, logits):
-        """Each row's argmax, ties to the lowest index."""
-        return logits.argmax(dim=-1)
-
 
 class TritonOps(TorchOps):
     """Triton kernels for every op of the step; GEMMs of more than a few rows (prefill, large
@@ -122,23 +118,6 @@ class TritonOps(TorchOps):
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
         return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
-
-    def greedy(self, logits):
-        """The sampler kernel's greedy rows: a row is split over many programs, where torch.argmax
-        reduces 128k logits in a few blocks (on an H100 at batch 1: 9 against 41 µs with a cold L2,
-        bench/argmax_probe.py; W1's step spent 28 µs there). The parameters are constant (zeros:
-        temperature 0 is greedy), made once per size, so nothing is uploaded per step."""
-        n = logits.shape[0]
-        params = getattr(self, "_greedy_params", None)
-        if params is None or params[0].shape[0] < n or params[0].device != logits.device:
-            size = max(n, 256)
-            zeros = torch.zeros(size, dtype=torch.float32, device=logits.device)
-            params = self._greedy_params = (
-                zeros, torch.zeros(size, dtype=torch.int32, device=logits.device),
-                torch.ones(size, dtype=torch.float32, device=logits.device),
-                torch.zeros(size, dtype=torch.int64, device=logits.device))
-        zeros, zeros_i32, ones, zeros_i64 = params
-        return sampling.sample(logits, zeros[:n], zeros_i32[:n], ones[:n], zeros[:n], zeros_i64[:n], zeros_i64[:n])
 
 
 def make_ops(backend: str) -> TorchOps:
