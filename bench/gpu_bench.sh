@@ -12,7 +12,8 @@
 # tp: tensor/pipeline parallelism (two GPUs): all-reduce cost, 8B W1 TP=1 vs TP=2, 70B (dummy weights)
 #     W1 with TP=2, W2 through HTTP with TP=2 and with PP=2.
 # x4: issue 11 on four GPUs (70B TP=4 / TP=2×PP=2, 2 prefill + 2 decode vs 4 mixed, W2 scaling 1/2/4).
-# WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults).
+# WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults); BENCH_ARGS adds
+# load-generator flags to W2 (e.g. "--temperature 0.8": sampled, not greedy, requests).
 # mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow). gemv: bench/gemv_probe.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -96,7 +97,8 @@ if has w2 || has w3; then
         --format=csv,noheader,nounits -lms 100 > "$OUT/${name}_smi.csv" 2>/dev/null &
       SMI=$!
       python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \
-        --seed $((100 + run)) --pids-file /tmp/inferno-run/pids.json --out "$OUT/$name.json" 2>&1 | tail -25
+        --seed $((100 + run)) --pids-file /tmp/inferno-run/pids.json --out "$OUT/$name.json" ${BENCH_ARGS:-} 2>&1 \
+        | tail -25
       kill $SMI 2>/dev/null
       sleep 1  # the worker writes its trace when it goes idle
       python3 bench/step_trace_summary.py "$OUT/w2_steps.jsonl" --start $start --end $(date +%s.%N) \
