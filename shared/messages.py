@@ -220,6 +220,10 @@ class Delta:
         return unpack_ids(self.token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // 4
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -161,7 +161,11 @@ class TokenRouter:
             pos += n
         if others:
             self._on_deltas(batch.deltas(others), wid)
-        if ready and not self._delivery_scheduled:
+        if ready:
+            self._schedule_delivery()
+
+    def _schedule_delivery(self) -> None:
+        if not self._delivery_scheduled:
             self._delivery_scheduled = True
             asyncio.get_running_loop().call_soon(self._deliver)
 
@@ -174,7 +178,7 @@ class TokenRouter:
                 self.unknown_deltas += 1
                 continue
             if rid not in stream.seen:
-                if item.completion_tokens > len(item.token_ids) // 4:  # tokens before these have not come
+                if item.completion_tokens > item.num_tokens:  # tokens before these have not come
                     self._hold(stream, rid, item, wid)
                     continue
                 if item.token_ids:
@@ -205,9 +209,7 @@ class TokenRouter:
         stream.seen.add(rid)
         for item, wid in held:
             self._add(stream, rid, item, wid)
-        if not self._delivery_scheduled:
-            self._delivery_scheduled = True
-            asyncio.get_running_loop().call_soon(self._deliver)
+        self._schedule_delivery()
 
     def _deliver(self) -> None:
         """Hand over what the current burst of TokenBatches brought, one call per request: when

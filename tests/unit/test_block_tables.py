@@ -78,7 +78,7 @@ def test_packed_table_from_rows_equals_the_lists():
     assert bm.allocate_slots(reqs[-1], 30)
     scheduled = [ScheduledRequest(r, r.num_tokens, 0, True, False) if i % 3 else
                  ScheduledRequest(r, 1, r.num_tokens - 1, True, False) for i, r in enumerate(reqs)]
-    with_rows = pack_step_inputs(scheduled, 4, tables=bm.tables)
+    with_rows = pack_step_inputs(scheduled, 4, block_tables=bm.tables)
     from_lists = pack_step_inputs(scheduled, 4)
     assert with_rows.lens == from_lists.lens
     assert np.array_equal(with_rows.flat, from_lists.flat)

@@ -69,15 +69,16 @@ NUM_FIELDS = 4 + NUM_PARTS
 
 
 def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: bool,
-                      last_rows: dict[str, int] | None = None, tables: BlockTables | None = None) -> StepInputs:
-    return upload_step_inputs(pack_step_inputs(scheduled, block_size, last_rows, tables), device, pin)
+                      last_rows: dict[str, int] | None = None,
+                      block_tables: BlockTables | None = None) -> StepInputs:
+    return upload_step_inputs(pack_step_inputs(scheduled, block_size, last_rows, block_tables), device, pin)
 
 
 def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | None = None,
-                     tables: BlockTables | None = None) -> HostStep:
+                     block_tables: BlockTables | None = None) -> HostStep:
     """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples,
     pending_input). `last_rows`: the previous step's sampled row of each request, for the
-    inputs that are still on the device. `tables`: the block manager's mirror of the requests'
+    inputs that are still on the device. `block_tables`: the block manager's mirror of the requests'
     block ids, whose rows make the block table in one gather (without it, the lists are read).
 
     One Python pass gathers each row's ints and lists; numpy does the per-token work (a mixed
@@ -104,9 +105,9 @@ def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | Non
 
     n_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=n_seq)
     max_blocks = max(1, int(n_blocks.max())) if n_seq else 1
-    rows = tables.rows(reqs) if tables is not None else None
+    rows = block_tables.rows(reqs) if block_tables is not None else None
     if rows is not None and (n_seq == 0 or rows.min() >= 0):
-        tables = tables.ids[rows, :max_blocks]  # zero after each row's blocks (BlockTables' invariant)
+        tables = block_tables.ids[rows, :max_blocks]  # zero after each row's blocks (BlockTables' invariant)
     else:
         tables = np.zeros((n_seq, max_blocks), dtype=np.int64)
         flat_blocks = np.fromiter(chain.from_iterable(r.block_ids for r in reqs), dtype=np.int64,
