@@ -180,17 +180,18 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         kv.pool.zero_()  # as a new pool: padded graph rows read block 0
     engine = LLMEngine(config, kv_cache=kv)
     engine_s = time.perf_counter() - t0
-    graphs, graphs_s = None, engine.graph_capture_seconds
+    # graphs_s: what is compiled and captured before ready, the sampler's kernel variants included.
+    graphs, graphs_s = None, engine.graph_capture_seconds + engine.sampler_warm_seconds
     if staged:
         graphs = StagedGraphs(engine, leftovers.graphs)
-        graphs_s = graphs.capture_ready()
+        graphs_s += graphs.capture_ready()
     elif leftovers.graphs is not None:
         leftovers.graphs.release()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     weights_gb = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9
     timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb,
-               "kv_s": engine_s - engine.load_seconds - engine.graph_capture_seconds, "kv_reused": kv is not None,
+               "kv_s": engine_s - engine.load_seconds - engine.graph_capture_seconds - engine.sampler_warm_seconds, "kv_reused": kv is not None,
                "graphs_s": graphs_s, "graphs_deferred": len(graphs.backlog) if graphs is not None else 0}
     return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
 

@@ -360,3 +360,22 @@ def test_rejects_bad_arguments(device):
         K.sample(logits, t, k, p, mp, seeds.int(), offsets)
     with pytest.raises(ValueError, match="reads"):
         K.sample(logits, t, k, p, mp, seeds, offsets, reads=torch.zeros(2, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("vocab,block_v", [(128256, None), (49152, None), (1000, 16), (100, None)])
+def test_launch_shape_follows_the_vocabulary_not_the_batch(vocab, block_v, monkeypatch):
+    """Every batch size launches with the same row-program constants, and they hold its chunks and
+    lane-group maxima; warm_row_counts reaches every pass-1 variant (lane-group class) up to max_rows."""
+    monkeypatch.setattr(K, "_num_sms", lambda device: 132)  # an H100's spread of chunk counts
+    bv = K._block_v(vocab, block_v)
+    split_block, block_s, block_u, grid_s = K.launch_constants(vocab, bv)
+    classes = set()
+    for n in range(1, 1025):
+        chunk, ns = K._chunking(vocab, K._num_splits(vocab, n, split_block, torch.device("cpu")), split_block)
+        assert chunk % split_block == 0 and ns * chunk >= vocab > (ns - 1) * chunk
+        assert ns <= block_s and ns * K._lane_groups(ns, split_block) <= block_u and grid_s <= block_s
+        classes.add(K._lane_groups(ns, split_block))
+    rows = K.warm_row_counts(vocab, 1024, torch.device("cpu"), block_v)
+    assert {K._lane_groups(K._chunking(vocab, K._num_splits(vocab, n, split_block, torch.device("cpu")),
+                                       split_block)[1], split_block) for n in rows} == classes
+    assert len(rows) == len(classes) <= 8

@@ -182,6 +182,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, self.group)
         self.runner.block_tables = self.block_manager.tables
         self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
+        t_warm = time.perf_counter()
+        self.sampler.warm_up(config.max_num_seqs)  # the sampler's kernel variants, before serving
+        self.sampler_warm_seconds = time.perf_counter() - t_warm
         self.graph_capture_seconds = 0.0
         # Pipeline stages run eagerly: a step's launches are few next to a stage's layers.
         if config.is_cuda and config.cuda_graphs and self.layout.pp == 1:

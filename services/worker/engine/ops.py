@@ -58,6 +58,10 @@ class TorchOps:
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
         return sampling.sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
+    def sample_warm_rows(self, vocab: int, max_rows: int, device: torch.device) -> list[int]:
+        """Batch sizes whose draws compile every variant of sample's kernels (none here)."""
+        return []
+
 
 class TritonOps(TorchOps):
     """Triton kernels for every op of the step; GEMMs of more than a few rows (prefill, large
@@ -118,6 +122,11 @@ class TritonOps(TorchOps):
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets):
         return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+    def sample_warm_rows(self, vocab: int, max_rows: int, device: torch.device) -> list[int]:
+        if device.type != "cuda":  # the interpreter compiles nothing
+            return []
+        return sampling.warm_row_counts(vocab, max_rows, device)
 
 
 def make_ops(backend: str) -> TorchOps:

@@ -78,12 +78,28 @@ class Sampler:
             logprobs = tuple(self._host_copy(t) for t in (chosen, top_ids, top_lp))
         return self._pending(token_ids, logprobs)
 
+    def warm_up(self, max_rows: int) -> int:
+        """Draw once at every batch size that needs a kernel variant of its own (dummy logits, the
+        parameters' dtypes as in serving), so that no step compiles one (seconds) mid-serving.
+        Returns how many draws."""
+        rows = self.ops.sample_warm_rows(self.vocab_size, max_rows, self.device)
+        if not rows:
+            return 0
+        logits = torch.zeros(max(rows), self.vocab_size, dtype=torch.float32, device=self.device)
+        for n in rows:
+            self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
+        return len(rows)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        floats = torch.tensor([[p.temperature for p in (r.sampling_params for r in requests)],
-                               [r.sampling_params.top_p for r in requests],
-                               [r.sampling_params.min_p for r in requests]], dtype=torch.float32)
-        ints = torch.tensor([[r.sampling_params.top_k for r in requests], [r.seed for r in requests],
-                             [r.next_output_index for r in requests]], dtype=torch.int64)
+        params = [r.sampling_params for r in requests]
+        return self._draw(logits, [[p.temperature for p in params], [p.top_p for p in params],
+                                   [p.min_p for p in params]],
+                          [[p.top_k for p in params], [r.seed for r in requests], [r.next_output_index for r in requests]])
+
+    def _draw(self, logits: torch.Tensor, float_rows: list[list[float]], int_rows: list[list[int]]) -> torch.Tensor:
+        """float_rows: temperature, top_p, min_p; int_rows: top_k, seed, offset; one column a row."""
+        floats = torch.tensor(float_rows, dtype=torch.float32)
+        ints = torch.tensor(int_rows, dtype=torch.int64)
         if self.device.type == "cuda":
             floats = floats.pin_memory().to(self.device, non_blocking=True)
             ints = ints.pin_memory().to(self.device, non_blocking=True)

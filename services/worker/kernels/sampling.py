@@ -64,6 +64,13 @@ from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, 
 _GRID = tl.constexpr(8.0)
 _GRID_BINS = tl.constexpr(128)
 
+# Nothing that follows the batch size may pick a kernel variant: a step would compile it (seconds)
+# the first time a batch of that size samples. So the launches specialise on neither the chunk
+# count nor the per-row parameters' pointers (slices of one upload: their alignment follows B), and
+# the second kernel's block shapes follow only the vocabulary (launch_constants). Pass 1 keeps one
+# variant per power of two of the chunk count (its lane groups), few and small: warm_up compiles them.
+_NO_SPECIALIZE = ["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "num_splits", "n_u"]
+
 
 @triton.jit
 def _uniform_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BLOCK_V: tl.constexpr):
@@ -137,7 +144,7 @@ def _chunk_grid(lane_max, lane_2nd, group_max, m, grid_ptr, NL: tl.constexpr, BL
     tl.store(grid_ptr + bins, (n_others << 16) | tl.histogram(bu, _GRID_BINS, mask=bu < _GRID_BINS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _stats_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
     part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, vocab, chunk, num_splits, n_u,
@@ -347,7 +354,7 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
     return token, reads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
     reads_ptr, times_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr,
@@ -409,7 +416,57 @@ def _num_sms(device: torch.device) -> int:
 
 
 _GROUP_MAXIMA = 1024  # pass 1's lane-group maxima per row, over all chunks: one tile of pass 2
+_GRID_CHUNKS = 16  # chunks' grids the row's program merges per step
 _SCAN_ONLY = False  # probes only: filtered rows stop after their first scan (wrong draws)
+
+
+def _lane_groups(num_splits: int, split_block: int) -> int:
+    """Pass 1's lane groups per chunk (its NL): the row's maxima stay near _GROUP_MAXIMA."""
+    return min(split_block, max(1, _GROUP_MAXIMA // triton.next_power_of_2(num_splits)))
+
+
+def _num_splits(vocab: int, n_rows: int, split_block: int, device: torch.device) -> int:
+    """Chunks per row asked for: enough programs for four per SM, never a chunk below one block."""
+    return min(triton.cdiv(vocab, split_block), max(1, triton.cdiv(4 * _num_sms(device), n_rows)))
+
+
+def _chunking(vocab: int, num_splits: int, split_block: int) -> tuple[int, int]:
+    """(chunk, chunks): num_splits chunks of whole blocks, so fewer where the blocks do not divide."""
+    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), split_block) * split_block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_constants(vocab: int, block_v: int) -> tuple[int, int, int, int]:
+    """The block shapes that follow only the vocabulary (and block_v): pass 1's block, and the row
+    program's BLOCK_S (chunks), BLOCK_U (lane-group maxima) and GRID_S (grids merged per step), each
+    sized for the most chunks a row can have; masks cover the rest."""
+    split_block = min(block_v, 2048)
+    max_splits = triton.cdiv(vocab, split_block)
+    block_s = triton.next_power_of_2(max_splits)
+    # The most maxima a row can have: per power of two of the chunk count, its largest count.
+    n_u = [min(p, max_splits) * _lane_groups(p, split_block) for p in (1 << i for i in range(block_s.bit_length()))]
+    return split_block, block_s, triton.next_power_of_2(max(n_u)), min(block_s, _GRID_CHUNKS)
+
+
+def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: int | None = None) -> list[int]:
+    """Batch sizes, up to max_rows, whose draws compile every kernel variant any batch size launches
+    (one per class of pass 1's lane groups), so that none compiles while serving."""
+    split_block = launch_constants(vocab, _block_v(vocab, block_v))[0]
+    rows: dict[int, int] = {}
+    for n in range(1, max_rows + 1):
+        chunks = _chunking(vocab, _num_splits(vocab, n, split_block, device), split_block)[1]
+        rows.setdefault(_lane_groups(chunks, split_block), n)
+    return sorted(rows.values())
+
+
+def _block_v(vocab: int, block_v: int | None) -> int:
+    if block_v is None:
+        # 2048: the per-row program then fits in 128 registers at 8 warps, two per SM, so a batch
+        # of up to 2 * SMs rows is read in one wave.
+        block_v = min(2048, triton.next_power_of_2(max(vocab, 16)))
+    check(block_v >= 16 and block_v & (block_v - 1) == 0, "block_v must be a power of two >= 16, got {}", block_v)
+    return block_v
 
 
 def sample(
@@ -445,18 +502,13 @@ def sample(
     out = torch.empty((n_rows,), dtype=torch.int64, device=device)
     if n_rows == 0:
         return out
-    if block_v is None:
-        # 2048: the per-row program then fits in 128 registers at 8 warps, two per SM, so a batch
-        # of up to 2 * SMs rows is read in one wave.
-        block_v = min(2048, triton.next_power_of_2(max(vocab, 16)))
-    check(block_v >= 16 and block_v & (block_v - 1) == 0, "block_v must be a power of two >= 16, got {}", block_v)
-    split_block = min(block_v, 2048)
+    block_v = _block_v(vocab, block_v)
+    split_block, block_s, block_u, grid_s = launch_constants(vocab, block_v)
     if num_splits is None:
-        num_splits = min(triton.cdiv(vocab, split_block), max(1, triton.cdiv(4 * _num_sms(device), n_rows)))
+        num_splits = _num_splits(vocab, n_rows, split_block, device)
     check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
-    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), split_block) * split_block
-    num_splits = triton.cdiv(vocab, chunk)
-    n_groups = min(split_block, max(1, _GROUP_MAXIMA // triton.next_power_of_2(num_splits)))
+    chunk, num_splits = _chunking(vocab, num_splits, split_block)
+    n_groups = _lane_groups(num_splits, split_block)
     f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
     part_score = torch.empty((n_rows, num_splits), **f32)
     part_idx = torch.empty((n_rows, num_splits), **i32)
@@ -475,8 +527,7 @@ def sample(
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
         out if reads is None else reads, out if times is None else times, part_score, part_idx, part_z, part_u,
         part_grid, buf_l, buf_i, vocab, num_splits, num_splits * n_groups,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_U=triton.next_power_of_2(num_splits * n_groups),
-        GRID_S=min(triton.next_power_of_2(num_splits), 64),
+        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s,
         BLOCK_V=block_v, SMALL=min(block_v, 256), SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None,
         TIMES=times is not None,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
