@@ -191,7 +191,7 @@ async def run(args) -> dict:
         clock.wrap(b, "schedule", "worker: batcher.schedule")
         clock.wrap(b, "update_from_output", "worker: batcher.update_from_output")
         clock.wrap(engine.runner, "execute", "worker: runner.execute (stage, launch, sample)")
-        clock.wrap(engine, "_output", "worker: engine._output")
+        clock.wrap(engine, "_outputs", "worker: engine._outputs")
         loop_thread.hand_over = _hand_over(loop_thread)
         clock.wrap(loop_thread, "hand_over", "worker: step loop hand-over + TokenBatch + encode")
     fwd = engine.model.forward

@@ -343,10 +343,10 @@ class LLMEngine:
         # by the update, but their content stays until the next schedule.
         first_blocks = {r.request_id: list(r.block_ids) for _, r in sampling
                         if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
-        self.batcher.update_from_output(plan, sampled)
+        finished = self.batcher.update_from_output(plan, sampled)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
-        outputs = [self._output(r, row, result) for row, r in sampling]
+        outputs = self._outputs(sampling, result, bool(finished))
         if first_blocks:
             for out, (_, r) in zip(outputs, sampling):
                 blocks = first_blocks.get(r.request_id)
@@ -413,20 +413,32 @@ class LLMEngine:
         pages, event = self._copy_out(block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)], after)
         return Handoff(pages, r.seed, r.num_cached_tokens, event)
 
-    def _output(self, r: Request, row: int, result: SampleResult) -> RequestOutput:
-        tokens = r.all_token_ids
-        out = RequestOutput(r.request_id, [tokens[-1]], r.num_prompt_tokens, r.num_cached_tokens,
-                            r.num_output_tokens)
-        status = r.status
-        if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
-            out.finish_reason = _REASONS[status]
-            if status is RequestStatus.FINISHED_STOPPED:
-                out.stop_token_id = tokens[-1]
-        if result.logprobs is not None and r.sampling_params.logprobs is not None:
-            out.logprobs = [result.logprobs[row]]
-            k = r.sampling_params.logprobs
-            out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
-        return out
+    @staticmethod
+    def _outputs(sampling: list[tuple[int, Request]], result: SampleResult | None,
+                 any_finished: bool) -> list[RequestOutput]:
+        """One RequestOutput per sampled row: the token in one pass (a thousand rows a step on a GPU),
+        then, only in steps that have them, ends and logprobs. result is None when no row samples."""
+        if not sampling:
+            return []
+        outputs = []
+        append = outputs.append
+        for _, r in sampling:
+            tokens = r.all_token_ids
+            n_prompt = len(r.prompt_token_ids)
+            append(RequestOutput(r.request_id, [tokens[-1]], n_prompt, r.num_cached_tokens, len(tokens) - n_prompt))
+        with_logprobs = result.logprobs is not None
+        if any_finished or with_logprobs:
+            for out, (row, r) in zip(outputs, sampling):
+                status = r.status
+                if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
+                    out.finish_reason = _REASONS[status]
+                    if status is RequestStatus.FINISHED_STOPPED:
+                        out.stop_token_id = out.new_token_ids[0]
+                k = r.sampling_params.logprobs if with_logprobs else None
+                if k is not None:
+                    out.logprobs = [result.logprobs[row]]
+                    out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
+        return outputs
 
     def _fail_step(self, plan: BatchPlan, error: Exception) -> list[RequestOutput]:
         outputs = []
