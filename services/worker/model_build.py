@@ -190,8 +190,8 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     weights_gb = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9
-    timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb,
-               "kv_s": engine_s - engine.load_seconds - engine.graph_capture_seconds - engine.sampler_warm_seconds, "kv_reused": kv is not None,
+    kv_s = engine_s - engine.load_seconds - engine.graph_capture_seconds - engine.sampler_warm_seconds
+    timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb, "kv_s": kv_s, "kv_reused": kv is not None,
                "graphs_s": graphs_s, "graphs_deferred": len(graphs.backlog) if graphs is not None else 0}
     return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
 

@@ -183,7 +183,8 @@ class LLMEngine:
         self.runner.block_tables = self.block_manager.tables
         self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
         t_warm = time.perf_counter()
-        self.sampler.warm_up(config.max_num_seqs)  # the sampler's kernel variants, before serving
+        if self.layout.is_driver:  # the only rank that samples: its kernel variants, before serving
+            self.sampler.warm_up(config.max_num_seqs)
         self.sampler_warm_seconds = time.perf_counter() - t_warm
         self.graph_capture_seconds = 0.0
         # Pipeline stages run eagerly: a step's launches are few next to a stage's layers.

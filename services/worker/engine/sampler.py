@@ -94,7 +94,8 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         return self._draw(logits, [[p.temperature for p in params], [p.top_p for p in params],
                                    [p.min_p for p in params]],
-                          [[p.top_k for p in params], [r.seed for r in requests], [r.next_output_index for r in requests]])
+                          [[p.top_k for p in params], [r.seed for r in requests],
+                           [r.next_output_index for r in requests]])
 
     def _draw(self, logits: torch.Tensor, float_rows: list[list[float]], int_rows: list[list[int]]) -> torch.Tensor:
         """float_rows: temperature, top_p, min_p; int_rows: top_k, seed, offset; one column a row."""
