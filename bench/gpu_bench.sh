@@ -20,10 +20,21 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}  # also: probe
 MODEL=${MODEL:-/tmp/llama-3.1-8b}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+DEV=${DEVICE:-cuda}
+VOCAB=${VOCAB:-128000}  # random prompts' token ids (the pd/tp/x4 stages)  # cpu: a dry run of the pd/tp/x4 stages' commands with a small model (MODEL, M70)
+[ "${SKIP_SETUP:-0}" = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+wait_graphs() {  # every worker of a run dir has captured its CUDA graphs (the steady state), at most $2 s
+  for i in $(seq 1 $((2 * $2))); do
+    n=$(ls $1/worker-*.log $1/prefill-*.log $1/decode-*.log 2>/dev/null | wc -l)
+    k=$(grep -l "graphs captured" $1/worker-*.log $1/prefill-*.log $1/decode-*.log 2>/dev/null | wc -l)
+    [ $n -gt 0 ] && [ $k -ge $n ] && return 0; sleep 0.5
+  done
+  echo "wait_graphs: $k of $n workers captured within $2 s"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [ ! -f "$MODEL/config.json" ] && [ "$STAGES" != "smol" ]; then
@@ -120,7 +131,7 @@ if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB)
   for i in $(seq 1 480); do curl -sf localhost:8001/ready >/dev/null && break; sleep 0.5; done
   sleep 3  # both workers registered
   for mode in affinity plain; do
-    python3 -m services.cli bench --base-url http://127.0.0.1:8001 --sessions 16 --turns 8 --system-len 4000 \
+    python3 -m services.cli bench --base-url http://127.0.0.1:8001 --sessions ${W4_SESSIONS:-16} --turns 8 --system-len ${W4_SYSTEM_LEN:-4000} \
       --output-len 64 --seed 0 $([ $mode = affinity ] && echo --session-affinity) \
       --pids-file /tmp/inferno-run-w4/pids.json --out "$OUT/w4_$mode.json" 2>&1 | tail -16
   done
@@ -128,19 +139,31 @@ if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB)
 fi
 if has pd; then  # 1 prefill + 1 decode against 2 mixed workers (spread over the visible GPUs): W3, long prompts
   for mode in ${PD_MODES:-pd mixed}; do
-    if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens 256"; else W="--workers 2"; fi
-    python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8003 $W \
+    if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256}"
+    else W="--workers 2"; fi
+    python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device $DEV --port 8003 $W \
+      --kvstore-capacity-gb ${PD_KVSTORE_GB:-2} \
       --run-dir /tmp/inferno-run-$mode --log-format json \
       --worker-arg "${PD_WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192} --log-level DEBUG" \
       > "$OUT/up_$mode.log" 2>&1 &
     UP=$!
     for i in $(seq 1 480); do curl -sf localhost:8003/ready >/dev/null && break; sleep 0.5; done
     sleep 4  # both workers registered
-    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_REQUESTS:-300} --vocab-size 128000 \
+    wait_graphs /tmp/inferno-run-$mode 90
+    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests 30 --vocab-size $VOCAB \
+      --seed 7 --out /tmp/pd_warmup_$mode.json > /dev/null 2>&1  # first shapes and hand-offs out of the figures
+    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_REQUESTS:-300} --vocab-size $VOCAB \
       --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
     python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_LONG_REQUESTS:-100} \
-      --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --sweep-rates ${PD_LONG_RATES:-5,10} \
+      --input-len 1000:3000 --output-len 100:300 --vocab-size $VOCAB --sweep-rates ${PD_LONG_RATES:-5,10} \
       --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_long_$mode.json" 2>&1 | tail -12
+    if [ $mode = mixed ] && [ "${PD_W4:-0}" = 1 ]; then  # W4 on the two mixed workers and the kvstore
+      for w4 in affinity plain; do  # other seeds: other system prompts, so the second run starts cold too
+        python3 -m services.cli bench --base-url http://127.0.0.1:8003 --sessions ${W4_SESSIONS:-16} --turns 8 --system-len ${W4_SYSTEM_LEN:-4000} \
+          --output-len 64 --seed $([ $w4 = affinity ] && echo 1 || echo 2) $([ $w4 = affinity ] && echo --session-affinity) \
+          --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/w4_$w4.json" 2>&1 | tail -8
+      done
+    fi
     kill -INT $UP; wait $UP
     grep -h handoff_done /tmp/inferno-run-$mode/prefill-*.log > "$OUT/handoffs_$mode.jsonl" 2>/dev/null
     grep -h -i "error\|Traceback" /tmp/inferno-run-$mode/*.log | head -20
@@ -151,11 +174,18 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
   export NCCL_NVLS_ENABLE=0
   T=${TP_TIMEOUT:-200}  # per command: a group that hangs must not eat the call
   timeout 90 python3 bench/allreduce_bench.py 2 2>&1 | grep '^{' | tee "$OUT/allreduce.jsonl"
+  # the one-shot all-reduce over peer memory on two GPUs: exact against the reference sum, and timed beside NCCL
+  timeout 120 python3 bench/custom_allreduce_check.py --ranks 2 --mode procs 2>&1 | grep '^{' > "$OUT/custom_allreduce.jsonl"
+  tail -4 "$OUT/custom_allreduce.jsonl"
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
     --json --overlap | tee "$OUT/tp1_w1.json"
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
     --json --overlap --tensor-parallel-size 2 2>&1 | tee "$OUT/tp2_w1.log" | tail -3 > "$OUT/tp2_w1.json"
   tail -3 "$OUT/tp2_w1.json"
+  timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
+    --json --overlap --tensor-parallel-size 2 --no-custom-all-reduce 2>&1 | tee "$OUT/tp2_nccl_w1.log" | tail -3 \
+    > "$OUT/tp2_nccl_w1.json"
+  tail -1 "$OUT/tp2_nccl_w1.json"
   M70=${M70:-/tmp/llama-3.1-70b}
   [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
   timeout $T python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
@@ -163,58 +193,73 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
   tail -3 "$OUT/tp2_70b_w1.json"
   for split in ${TP_SPLITS:-"--tensor-parallel-size=2" "--pipeline-parallel-size=2"}; do
     tag=$([[ $split == *tensor* ]] && echo 70b_tp2 || echo 70b_pp2)
-    python3 -m services.cli up --model "$M70" --model-name llama-3.1-70b --device cuda --port 8004 \
+    python3 -m services.cli up --model "$M70" --model-name llama-3.1-70b --device $DEV --port 8004 \
       --run-dir /tmp/inferno-run-$tag --log-format json $split \
       --worker-arg "--load-format dummy" > "$OUT/up_$tag.log" 2>&1 &
     UP=$!
-    for i in $(seq 1 400); do curl -sf localhost:8004/ready >/dev/null && break; sleep 0.5; done
+    for i in $(seq 1 400); do curl -sf localhost:8004/ready >/dev/null && break
+      grep -q Traceback /tmp/inferno-run-$tag/worker-0.log 2>/dev/null && break; sleep 0.5; done
     grep -h "kv pool sized" /tmp/inferno-run-$tag/worker-0.log | tail -1 > "$OUT/kv_$tag.log"
     timeout $T python3 -m services.cli bench --base-url http://127.0.0.1:8004 --model llama-3.1-70b \
-      --num-requests ${TP_W2_REQUESTS:-1000} --vocab-size 128000 --pids-file /tmp/inferno-run-$tag/pids.json \
+      --num-requests ${TP_W2_REQUESTS:-1000} --vocab-size $VOCAB --pids-file /tmp/inferno-run-$tag/pids.json \
       --out "$OUT/w2_$tag.json" 2>&1 | tail -14
     kill -INT $UP; wait $UP
     grep -h -i "error\|traceback" /tmp/inferno-run-$tag/worker-0.log | head -5
     tail -c 2000000 /tmp/inferno-run-$tag/worker-0.log > "$OUT/worker_$tag.log"
   done
 fi
-if has x4; then  # issue 11 on nvidia-h200-x4: 70B TP=4 and TP=2×PP=2, 2P+2D vs 4 mixed, scaling 1/2/4 workers
+if has x4; then  # issue 11 on nvidia-h200-x4; X4_PARTS picks (in this order): tp4w1 tp4w2 tp2pp2 pd scale
   export NCCL_NVLS_ENABLE=0
+  P=" ${X4_PARTS:-tp4w1 tp4w2 tp2pp2 pd scale} "; T=${X4_TIMEOUT:-300}
   M70=${M70:-/tmp/llama-3.1-70b}
   [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
-  python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \
-    --decode-tokens 128 --json --overlap --tensor-parallel-size 4 | tee "$OUT/tp4_70b_w1.json"
-  serve() {  # tag, up flags, worker flags
-    python3 -m services.cli up --model "$2" --model-name m --device cuda --port 8005 --run-dir /tmp/inferno-run-$1 \
+  [[ $P == *" tp4w1 "* ]] && timeout $T python3 -m services.cli bench-engine --model "$M70" --load-format dummy \
+    --batch-size 1 --prompt-len 128 --decode-tokens 128 --json --overlap --tensor-parallel-size 4 2>&1 \
+    | tee "$OUT/tp4_70b_w1.log" | tail -1 > "$OUT/tp4_70b_w1.json"; cat "$OUT/tp4_70b_w1.json" 2>/dev/null
+  serve() {  # tag, model, up flags, worker flags
+    python3 -m services.cli up --model "$2" --model-name m --device $DEV --port 8005 --run-dir /tmp/inferno-run-$1 \
       --log-format json $3 --worker-arg "$4" > "$OUT/up_$1.log" 2>&1 &
     UP=$!
-    for i in $(seq 1 900); do curl -sf localhost:8005/ready >/dev/null && break; sleep 0.5; done
+    for i in $(seq 1 600); do curl -sf localhost:8005/ready >/dev/null && break
+      grep -q Traceback /tmp/inferno-run-$1/*.log 2>/dev/null && break; sleep 0.5; done
     sleep 4
   }
-  for split in "--tensor-parallel-size 4" "--tensor-parallel-size 2 --pipeline-parallel-size 2"; do
-    tag=$([[ $split == *pipeline* ]] && echo 70b_tp2pp2 || echo 70b_tp4)
+  stop() { kill -INT $UP; wait $UP; grep -h "kv pool sized" /tmp/inferno-run-$1/*.log | tail -2 > "$OUT/kv_$1.log"
+    grep -h -i "error\|traceback" /tmp/inferno-run-$1/*.log | head -5; }
+  for part in tp4w2 tp2pp2; do
+    [[ $P == *" $part "* ]] || continue
+    split=$([ $part = tp4w2 ] && echo "--tensor-parallel-size 4" || echo "--tensor-parallel-size 2 --pipeline-parallel-size 2")
+    tag=$([ $part = tp4w2 ] && echo 70b_tp4 || echo 70b_tp2pp2)
     serve $tag "$M70" "$split" "--load-format dummy"
-    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 1000 --vocab-size 128000 \
-      --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_$tag.json" 2>&1 | tail -14
-    kill -INT $UP; wait $UP
+    timeout $T python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests ${X4_W2_REQUESTS:-1000} \
+      --vocab-size $VOCAB --pids-file /tmp/inferno-run-$tag/pids.json --out "$OUT/w2_$tag.json" 2>&1 | tail -14
+    stop $tag
   done
-  for mode in pd mixed; do
-    if [ $mode = pd ]; then W="--prefill-workers 2 --decode-workers 2"; else W="--workers 4"; fi
-    serve x4_$mode "$MODEL" "$W" ""
-    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 600 --vocab-size 128000 \
-      --sweep-rates 20,40,80 --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_w3_$mode.json" 2>&1 | tail -6
-    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 200 \
-      --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --sweep-rates 10,20 \
-      --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_long_$mode.json" 2>&1 | tail -6
-    kill -INT $UP; wait $UP
-    grep -h handoff_done /tmp/inferno-run-x4_$mode/prefill-*.log > "$OUT/x4_handoffs_$mode.jsonl" 2>/dev/null
-  done
-  [ -s "$OUT/x4_handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/x4_handoffs_pd.jsonl" | tee "$OUT/x4_handoff_summary.json"
-  for n in 1 2 4; do
-    serve scale$n "$MODEL" "--workers $n" ""
-    python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((1000 * n)) \
-      --vocab-size 128000 --pids-file /tmp/inferno-run-scale$n/pids.json --out "$OUT/scale_w2_$n.json" 2>&1 | tail -14
-    kill -INT $UP; wait $UP
-  done
+  if [[ $P == *" pd "* ]]; then
+    for mode in pd mixed; do
+      if [ $mode = pd ]; then W="--prefill-workers 2 --decode-workers 2 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256}"
+      else W="--workers 4"; fi
+      serve x4_$mode "$MODEL" "$W" "--log-level DEBUG"
+      wait_graphs /tmp/inferno-run-x4_$mode 90
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests ${X4_PD_REQUESTS:-600} --vocab-size $VOCAB \
+        --sweep-rates 20,40,80 --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_w3_$mode.json" 2>&1 | tail -6
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests ${X4_LONG_REQUESTS:-200} \
+        --input-len 1000:3000 --output-len 100:300 --vocab-size $VOCAB --sweep-rates 10,20 \
+        --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_long_$mode.json" 2>&1 | tail -6
+      stop x4_$mode
+      grep -h handoff_done /tmp/inferno-run-x4_$mode/prefill-*.log > "$OUT/x4_handoffs_$mode.jsonl" 2>/dev/null
+    done
+    [ -s "$OUT/x4_handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/x4_handoffs_pd.jsonl" | tee "$OUT/x4_handoff_summary.json"
+  fi
+  if [[ $P == *" scale "* ]]; then
+    for n in 1 2 4; do
+      serve scale$n "$MODEL" "--workers $n" ""
+      wait_graphs /tmp/inferno-run-scale$n 90
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((1000 * n)) \
+        --vocab-size $VOCAB --pids-file /tmp/inferno-run-scale$n/pids.json --out "$OUT/scale_w2_$n.json" 2>&1 | tail -14
+      stop scale$n
+    done
+  fi
 fi
 if has smol; then  # the real demo model: SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_0 → bf16), launch-bound
   SMOL=${SMOL:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}

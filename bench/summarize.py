@@ -68,7 +68,7 @@ def main() -> int:
             rows.append((f"W3 @ {r['config']['request_rate']} req/s",
                          f"ITL p99 {s['itl']['p99']:.1f} ms, TTFT p99 {s['ttft']['p99']:.1f} ms", "ITL p99 ≤ 30 @20"))
     for mode in ("affinity", "plain"):
-        if (w4 := load(folder, f"w4_{mode}.json")) and w4.get("sessions"):
+        if (w4 := load(folder, f"w4_{mode}.json")) and (w4.get("sessions") or {}).get("hit_ratio") is not None:
             ss = w4["sessions"]
             rows.append((f"W4 sessions, {mode}", f"hit ratio {100 * ss['hit_ratio']:.1f} %, TTFT p50 first "
                          f"{ss['ttft_first']['p50']:.0f} ms / later {ss['ttft_later']['p50']:.0f} ms", ""))
@@ -92,6 +92,16 @@ def main() -> int:
     if one and two:
         rows.append(("8B W1 TP=1 / TP=2", f"{one['decode_tokens_per_s']:.1f} / {two['decode_tokens_per_s']:.1f} tok/s "
                      f"(× {two['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f})", "TP=2 ≥ 1.6 × one GPU"))
+    if one and (nccl := load(folder, "tp2_nccl_w1.json")):
+        rows.append(("8B W1 TP=2, NCCL for every all-reduce", f"{nccl['decode_tokens_per_s']:.1f} tok/s "
+                     f"(× {nccl['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f})", ""))
+    if (w := load(folder, "tp4_70b_w1.json")):
+        rows.append(("70B W1 TP=4 (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
+                     f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", "≥ 75 % of roofline"))
+    for tag in ("tp4", "tp2pp2"):
+        if (w := load(folder, f"w2_70b_{tag}.json")):
+            s = w["summary"]
+            rows.append((f"70B W2 {tag.upper()} (HTTP)", f"{s['total_throughput']:.0f} tok/s (failed {s['failed']})", ""))
     if (w := load(folder, "tp2_70b_w1.json")):
         rows.append(("70B W1 TP=2 (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
                      f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", "≥ 80 % of roofline"))

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 import time
 
 import structlog
@@ -148,9 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
+    code = asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
                              overlap=overlap_default(args.overlap, cfg.device), started=process_started_at(),
                              prefetch=prefetch))
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1 and cfg.device.startswith("cuda"):
+        # The group has stopped; NCCL communicators that graphs captured can hang the interpreter's
+        # teardown, so the process ends here, as its other ranks do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def process_started_at() -> float | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 
+from services.worker.engine.cuda_device import bind_thread
 from shared.config import WorkerServiceConfig
 
 log = structlog.get_logger("worker.build")
@@ -134,6 +135,7 @@ def warm_device(cfg: WorkerServiceConfig) -> dict:
     marks = {"imported_at": time.time()}
     if cfg.device.startswith("cuda") and not cfg.emit_only:
         device = torch.device(cfg.device)
+        bind_thread(device)
         torch.empty(1, device=device)
         marks["context_at"] = time.time()
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
@@ -163,6 +165,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     from services.worker.engine.engine_config import EngineConfig
     from services.worker.engine.staged_graphs import StagedGraphs
 
+    bind_thread(cfg.device)  # a pool thread: the sampler's warm-up and the graphs launch Triton kernels
     t0 = time.perf_counter()
     single = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
     staged = cuda_graphs and cfg.device.startswith("cuda") and single

@@ -10,6 +10,7 @@ from typing import Callable
 
 import structlog
 
+from services.worker.engine.cuda_device import bind_thread
 from services.worker.handoff import HandoffReceiver, HandoffSender
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, StepLoop
 from services.worker.token_batches import token_batches
@@ -107,6 +108,8 @@ class WorkerService:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
         self.loop_thread.background = background
+        # UCX moves the KV pages from this thread: the GPU it works on must be the engine's.
+        bind_thread(getattr(engine, "device", None))
         self._start_handoff()
         self._start_cluster_cache()
         self.loop_thread.start()

@@ -16,6 +16,7 @@ from typing import Callable
 
 import structlog
 
+from services.worker.engine.cuda_device import bind_thread
 from services.worker.step_trace import StepTrace
 from shared.sampling_params import SamplingParams
 
@@ -119,6 +120,7 @@ class StepLoop(threading.Thread):
         self.commands.put(None)
 
     def run(self) -> None:
+        bind_thread(getattr(self.engine, "device", None))  # the emitter has none
         background_due = time.monotonic() + BACKGROUND_GRACE
         while not self._stopping.is_set():
             if self.background is not None and time.monotonic() >= background_due:

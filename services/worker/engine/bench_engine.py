@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -25,8 +26,7 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
     engine.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine.block_manager.reset_prefix_cache()
 
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{i}", p, params)
+    requests = [engine.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
     sync()
     t0 = time.perf_counter()
     # Prefill: steps until every request has its first token.
@@ -51,6 +51,8 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "quantization": engine.config.quantization,
         "kernels": engine.ops.name, "model_load_s": engine.load_seconds,
         "overlap": engine.config.overlap,
+        # The first request's first tokens: a parallel group's greedy output beside one GPU's, same weights.
+        "first_tokens": requests[0].output_token_ids[:32],
     }
 
 
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="dummy: random weights drawn on the device (a --config-only directory suffices)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    ap.add_argument("--custom-all-reduce", action=argparse.BooleanOptionalAction, default=True,
+                    help="small tensor-parallel all-reduces over peer memory (default); --no-custom-all-reduce: NCCL")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,14 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         quantization=args.quantization, num_blocks=args.num_blocks,
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        custom_all_reduce=args.custom_all_reduce))
     try:
         result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
     except BaseException:
         engine.close()
         raise
     result.update(tensor_parallel=args.tensor_parallel_size, pipeline_parallel=args.pipeline_parallel_size,
-                  kv_gib=engine.memory_report.get("kv_gib"))
+                  custom_all_reduce=args.custom_all_reduce, kv_gib=engine.memory_report.get("kv_gib"))
     if args.json:
         print(json.dumps(result))
     else:
@@ -98,5 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill  {result['prefill_tokens_per_s']:10.1f} tok/s")
         print(f"decode   {result['decode_tokens_per_s']:10.1f} tok/s  ({result['decode_step_ms']:.2f} ms/step)")
     sys.stdout.flush()
+    parallel_on_gpu = engine.group is not None and engine.device.type == "cuda"
     engine.close()
+    if parallel_on_gpu:  # NCCL communicators that graphs captured can hang the interpreter's teardown
+        sys.stderr.flush()
+        os._exit(0)
     return 0
