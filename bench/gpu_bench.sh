@@ -137,29 +137,30 @@ if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB)
   done
   kill -INT $UP; wait $UP
 fi
-if has pd; then  # 1 prefill + 1 decode against 2 mixed workers (spread over the visible GPUs): W3, long prompts
+if has pd; then
+  PD_PORT=${PD_PORT:-8003}  # 1 prefill + 1 decode against 2 mixed workers (spread over the visible GPUs): W3, long prompts
   for mode in ${PD_MODES:-pd mixed}; do
     if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256}"
     else W="--workers 2"; fi
-    python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device $DEV --port 8003 $W \
+    python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device $DEV --port $PD_PORT $W \
       --kvstore-capacity-gb ${PD_KVSTORE_GB:-2} \
       --run-dir /tmp/inferno-run-$mode --log-format json \
       --worker-arg "${PD_WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192} --log-level DEBUG" \
       > "$OUT/up_$mode.log" 2>&1 &
     UP=$!
-    for i in $(seq 1 480); do curl -sf localhost:8003/ready >/dev/null && break; sleep 0.5; done
+    for i in $(seq 1 480); do curl -sf localhost:$PD_PORT/ready >/dev/null && break; sleep 0.5; done
     sleep 4  # both workers registered
     wait_graphs /tmp/inferno-run-$mode 90
-    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests 30 --vocab-size $VOCAB \
+    python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests 30 --vocab-size $VOCAB \
       --seed 7 --out /tmp/pd_warmup_$mode.json > /dev/null 2>&1  # first shapes and hand-offs out of the figures
-    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_REQUESTS:-300} --vocab-size $VOCAB \
+    python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_REQUESTS:-300} --vocab-size $VOCAB \
       --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
-    python3 -m services.cli bench --base-url http://127.0.0.1:8003 --num-requests ${PD_LONG_REQUESTS:-100} \
+    python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_LONG_REQUESTS:-100} \
       --input-len 1000:3000 --output-len 100:300 --vocab-size $VOCAB --sweep-rates ${PD_LONG_RATES:-5,10} \
       --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_long_$mode.json" 2>&1 | tail -12
     if [ $mode = mixed ] && [ "${PD_W4:-0}" = 1 ]; then  # W4 on the two mixed workers and the kvstore
       for w4 in affinity plain; do  # other seeds: other system prompts, so the second run starts cold too
-        python3 -m services.cli bench --base-url http://127.0.0.1:8003 --sessions ${W4_SESSIONS:-16} --turns 8 --system-len ${W4_SYSTEM_LEN:-4000} \
+        python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --sessions ${W4_SESSIONS:-16} --turns 8 --system-len ${W4_SYSTEM_LEN:-4000} \
           --output-len 64 --seed $([ $w4 = affinity ] && echo 1 || echo 2) $([ $w4 = affinity ] && echo --session-affinity) \
           --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/w4_$w4.json" 2>&1 | tail -8
       done

@@ -84,7 +84,14 @@ class HandoffSender:
             await self.conn.publish(subjects.worker_abort(self.prefix, wid), AbortRequest(request_ids=rids))
 
     async def send(self, output) -> None:
-        """Hand one request on; never raises (a failure ends the request with an error)."""
+        """Hand one request on; never raises (a failure ends the request with an error). Its pages'
+        buffer is free again when this returns."""
+        try:
+            await self._send(output)
+        finally:
+            output.handoff.done()
+
+    async def _send(self, output) -> None:
         msg = self.pending.pop(output.request_id, None)
         if msg is None:
             return  # aborted meanwhile

@@ -277,6 +277,8 @@ class WorkerService:
         sender = self.sender
         if sender is not None:
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(sender.send(output)))
+        else:
+            output.handoff.done()
 
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)

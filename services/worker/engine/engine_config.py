@@ -40,6 +40,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over
     pipeline_parallel_size: int = 1  # stages the layers are split into, one per process group
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs), else NCCL
+    # KV tokens of GPU memory kept out of the pool for hand-off buffers (a prefill worker's pages
+    # on their way out, a decode worker's on their way in); 0: none (mixed workers).
+    handoff_buffer_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or none, got {self.quantization!r}")
+        if self.handoff_buffer_tokens < 0:
+            raise ValueError("handoff_buffer_tokens must not be negative")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
 

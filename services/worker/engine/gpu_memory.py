@@ -53,6 +53,11 @@ def dry_run_peak_bytes(engine) -> int:
     return peak
 
 
+def handoff_buffer_blocks(config) -> int:
+    """Pages of GPU memory a prefill or decode worker keeps out of its KV pool for hand-offs."""
+    return -(-config.handoff_buffer_tokens // config.block_size)
+
+
 def mixed_graph_bytes(engine) -> int:
     """The graph pool's share for mixed-step graphs: one step's activations at their largest
     bucket (q, k, v, attention out, gate/up, SiLU and a few hidden-sized buffers per token)."""
@@ -73,9 +78,11 @@ def profile_kv_blocks(engine) -> int:
     budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
               - mixed_graph_bytes(engine))
     per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.kv_dtype)
-    blocks = max(0, budget // per_block)
+    handoff = handoff_buffer_blocks(engine.config) * per_block
+    blocks = max(0, (budget - handoff) // per_block)
     engine.memory_report = {
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,
+        "handoff_buffer_gib": handoff / 2**30,
         "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
     }
     log.info("kv pool sized from memory", **{k: round(v, 2) for k, v in engine.memory_report.items()})

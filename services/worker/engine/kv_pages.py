@@ -28,6 +28,15 @@ def gather_pages(kv: KVCache, block_ids: list[int]) -> torch.Tensor:
     return byte_view(kv.pool).index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().view(kv.pool.dtype)
 
 
+def gather_pages_into(kv: KVCache, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+    """gather_pages into `out` [n, L, 2, block_size, H, D] (a hand-off slot): no new allocation."""
+    if out.shape[0] != len(block_ids) or out.shape[1:] != (kv.pool.shape[0], 2, *kv.pool.shape[3:]):
+        raise ValueError(f"a slot of shape {tuple(out.shape)} does not hold {len(block_ids)} pages of this pool")
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
+    torch.index_select(byte_view(kv.pool), 2, idx, out=byte_view(out).permute(1, 2, 0, 3, 4, 5))
+    return out
+
+
 def empty_pages(kv: KVCache, n: int) -> torch.Tensor:
     """A receive buffer for n pages, on the pool's device (UCX writes GPU memory directly)."""
     _, _, _, bs, h, d = kv.pool.shape
