@@ -57,7 +57,7 @@ def test_other_devices_and_strided_tensors_fall_back():
 
 
 def test_default_limit_by_group_size():
-    assert default_max_bytes(2) == 2 << 20  # two ranks: batch 256 × hidden 4096 × bf16 is one-shot
+    assert default_max_bytes(2) == 4 << 20  # two ranks: batch 256 × hidden 8192 × bf16 is one-shot
     assert default_max_bytes(4) == default_max_bytes(8) == 512 << 10
 
 

@@ -46,9 +46,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def default_max_bytes(world: int) -> int:
     """Largest message served. One-shot reads (world - 1) × the message over the links on every
-    rank, so its edge over NCCL's ring shrinks with the group. NCCL took 14-34 µs in a graph for
-    8 KB-2 MB on two H200s; the crossover is still to be measured there."""
-    return 2 << 20 if world == 2 else 512 << 10
+    rank, so its edge over NCCL's ring shrinks with the group. Two H100s over NVLink (2026-11-27,
+    in graphs, bf16): one-shot 5.9 / 13.7 / 21.1 µs against NCCL's 14.5 / 35.5 / 40.3 µs at
+    8 KB / 2 MB / 4 MB, so two ranks take it up to 4 MiB (the 70B shape's batch 256 × 8192);
+    larger groups are not measured yet."""
+    return 4 << 20 if world == 2 else 512 << 10
 
 
 class PeerMemoryUnavailable(RuntimeError):
