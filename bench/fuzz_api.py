@@ -199,7 +199,7 @@ def fuzz(base_url: str, cases: int, *, api_key: str | None = None, seed: int = 0
 def _own_stack(workdir: Path):
     """The tiny random-weight model behind the whole stack, as `inferno up` starts it."""
     from services.launcher import Stack, StackConfig, free_port
-    from services.worker.engine.make_model import write_model
+    from inferno.tools.make_model import write_model
 
     model = write_model(workdir / "tiny", preset="tiny", seed=0, dtype="float32")
     cfg = StackConfig(model_dir=model, model_name="tiny-fuzz", port=free_port(), nats_port=free_port(),

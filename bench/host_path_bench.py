@@ -41,7 +41,7 @@ from services.gateway.sse import SseWriter  # noqa: E402
 from services.worker.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.engine_config import EngineConfig  # noqa: E402
-from services.worker.engine.make_model import write_model  # noqa: E402
+from inferno.tools.make_model import write_model  # noqa: E402
 from services.worker.step_loop import StepLoop  # noqa: E402
 from services.worker.token_batches import token_batches  # noqa: E402
 from shared.config import GatewayConfig  # noqa: E402

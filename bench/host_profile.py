@@ -20,7 +20,7 @@ import torch
 from services.worker.engine.cuda_graphs import CudaGraphRunner
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from shared.sampling_params import SamplingParams
 
 

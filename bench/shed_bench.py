@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from services.launcher import Stack, StackConfig, free_port
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 
 
 async def probe(url: str, until: float) -> list[float]:

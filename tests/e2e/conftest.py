@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from services.launcher import Stack, StackConfig, free_port
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 
 MODEL_NAME = "tiny-e2e"
 

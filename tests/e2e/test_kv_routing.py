@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 
-from shared.loadgen.workload import WORDS
+from inferno.loadgen.workload import WORDS
 from tests.e2e.conftest import MODEL_NAME, start_stack
 
 BLOCK_SIZE = 16

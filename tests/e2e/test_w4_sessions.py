@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from shared.loadgen import BenchConfig, SessionConfig, run_sessions
+from inferno.loadgen import BenchConfig, SessionConfig, run_sessions
 from tests.e2e.conftest import start_stack
 
 BLOCK_SIZE = 16  # the workers' default

@@ -6,7 +6,7 @@ import pytest
 
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from shared.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import torch
 
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 

@@ -11,7 +11,7 @@ import torch
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.loader import load_model
-from services.worker.engine.make_model import PRESETS, main as make_model_main, tensor_specs, write_model
+from inferno.tools.make_model import PRESETS, main as make_model_main, tensor_specs, write_model
 from services.worker.engine.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 

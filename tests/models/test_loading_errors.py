@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.engine.loader import WeightLoadError, load_model
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from services.worker.engine.model_config import ModelConfigError
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from services.worker.model_build import (Leftovers, ModelCheckError, ModelSpec, build_model, check_model,
                                          release_model)
 from services.worker.prefetch import Prefetch, start_prefetch, weight_files

@@ -22,7 +22,7 @@ from services.gateway.app import bound_port, build_app, start_server
 from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
 from services.launcher import free_port
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig, NatsConfig
 from shared.messages import (AbortRequest, GenerateRequest, RouteReply, TokenBatch, TokenDelta,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
-from shared.loadgen import BenchConfig, BenchError, run_benchmark
-from shared.loadgen.cli import main
+from inferno.loadgen import BenchConfig, BenchError, run_benchmark
+from inferno.loadgen.cli import main
 
 TOKEN_GAP_S = 0.002
 SLOW_TOKEN_GAP_S = 0.25  # the "timeout" request: at least 8 tokens, so >= 2 s against a 1 s timeout

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
-from shared.loadgen import BenchConfig, SessionConfig, run_sessions
-from shared.loadgen.cli import build_parser, config_from_args, main
-from shared.loadgen.sessions import SESSION_HEADER, SessionWorkload, build_sessions
+from inferno.loadgen import BenchConfig, SessionConfig, run_sessions
+from inferno.loadgen.cli import build_parser, config_from_args, main
+from inferno.loadgen.sessions import SESSION_HEADER, SessionWorkload, build_sessions
 
 TOKEN_GAP_S = 0.002
 PREFILL_S_PER_WORD = 0.0005  # the pretend prefill: uncached prompt words cost this each before the first token

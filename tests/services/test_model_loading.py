@@ -18,7 +18,7 @@ import pytest
 
 from services.scheduler.service import Scheduler
 from services.worker.admin_client import AdminClient
-from services.worker.engine.make_model import write_model
+from inferno.tools.make_model import write_model
 from shared.config import NatsConfig, RouterConfig
 from shared.messages import GenerateRequest, RouteReply, TokenBatch, WireSamplingParams, WorkerHeartbeat
 from shared.nats_client import NatsConnection, connect_nats

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.engine import make_model as mm
+from inferno.tools import make_model as mm
 from shared.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, StopStringMatcher
 from shared.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.completions import CompletionFormat
 from services.gateway.logprobs import TokenTexts
 from services.gateway.streaming import DONE, ChunkFrame, json_finish, json_str
-from services.worker.engine import make_model as mm
+from inferno.tools import make_model as mm
 from shared.tokenizer import Tokenizer
 from shared.wire import pack_ids
 

@@ -13,7 +13,7 @@ from services.gateway.generation import MAX_MIGRATIONS, Generation
 from services.gateway.schemas import parse_completion
 from services.gateway.token_router import StreamFailed
 from services.gateway.worker_health import WorkerHealth
-from services.worker.engine import make_model as mm
+from inferno.tools import make_model as mm
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig
 from shared.messages import TokenBatch, TokenDelta, WorkerHeartbeat

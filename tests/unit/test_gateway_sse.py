@@ -19,7 +19,7 @@ from services.gateway.schemas import parse_chat
 from services.gateway.sse import SseWriter
 from services.gateway.streaming import DONE, ChunkFrame
 from services.gateway.token_router import StreamFailed
-from services.worker.engine import make_model as mm
+from inferno.tools import make_model as mm
 from services.worker.engine.model_config import ModelConfig
 from shared.config import GatewayConfig
 from shared.messages import TokenBatch, TokenDelta

@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from shared.loadgen import run_benchmark
-from shared.loadgen.cli import build_parser, config_from_args, main
-from shared.loadgen.client import SseReader, encode_body
-from shared.loadgen.report import format_sessions
-from shared.loadgen.session_stats import summarize_sessions
-from shared.loadgen.sessions import SESSION_HEADER, build_sessions, session_records, turn_messages
-from shared.loadgen.stats import RequestRecord
-from shared.loadgen.workload import WORDS, BenchConfig, SessionConfig
+from inferno.loadgen import run_benchmark
+from inferno.loadgen.cli import build_parser, config_from_args, main
+from inferno.loadgen.client import SseReader, encode_body
+from inferno.loadgen.report import format_sessions
+from inferno.loadgen.session_stats import summarize_sessions
+from inferno.loadgen.sessions import SESSION_HEADER, build_sessions, session_records, turn_messages
+from inferno.loadgen.stats import RequestRecord
+from inferno.loadgen.workload import WORDS, BenchConfig, SessionConfig
 
 
 def _cfg(seed=0, affinity=False, sessions=3, turns=4, system_len=40, user_len=(5, 9), output_len=(2, 6)):

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from shared.loadgen.cli import build_parser, config_from_args, main
-from shared.loadgen.client import SseReader
-from shared.loadgen.stats import CpuCost, CpuMeter, Distribution, RequestRecord, percentile, summarize
-from shared.loadgen.workload import (MIN_TOKEN_ID, WORDS, BenchConfig, arrival_offsets, build_workload,
+from inferno.loadgen.cli import build_parser, config_from_args, main
+from inferno.loadgen.client import SseReader
+from inferno.loadgen.stats import CpuCost, CpuMeter, Distribution, RequestRecord, percentile, summarize
+from inferno.loadgen.workload import (MIN_TOKEN_ID, WORDS, BenchConfig, arrival_offsets, build_workload,
                                      parse_range)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.worker.engine import make_model as mm
-from services.worker.engine import synthetic_tokenizer
+from inferno.tools import make_model as mm
+from inferno.tools import synthetic_tokenizer
 from services.worker.engine.model_config import ModelConfig
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -49,7 +49,7 @@ def test_tokenizer_training_is_deterministic(monkeypatch):
 
 
 def test_tokenizer_training_is_deterministic_across_processes():
-    code = ("import hashlib; from services.worker.engine import make_model as mm; "
+    code = ("import hashlib; from inferno.tools import make_model as mm; "
             "print(hashlib.sha256(mm.build_tokenizer_json().tokenizer_json.encode()).hexdigest())")
     digests = set()
     for hash_seed in ("0", "12345"):

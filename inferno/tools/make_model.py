@@ -144,7 +144,7 @@ NORM_NOISE_STD = 0.1  # norm weights are 1 + N(0, 0.1): not the identity
 BIAS_STD = 0.02
 _CHUNK_ELEMENTS = 1 << 24  # numbers drawn per call: bounds the float32 scratch to 64 MiB
 
-from services.worker.engine.synthetic_tokenizer import (  # noqa: F401 (re-exported for callers and tests)
+from inferno.tools.synthetic_tokenizer import (  # noqa: F401 (re-exported for callers and tests)
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, GENERATION_EOS_TOKENS, SPECIAL_TOKENS, _tokenizer_config,
     build_tokenizer_json)
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from shared.loadgen.session_stats import SessionSummary, summarize_sessions
-from shared.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
-from shared.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
+from inferno.loadgen.session_stats import SessionSummary, summarize_sessions
+from inferno.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
+from inferno.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
 
 ERROR_DETAIL_CHARS = 200
 MODELS_TIMEOUT_S = 30.0
@@ -250,7 +250,7 @@ Planner = Callable[[str, str], Driver]
 async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     """Run one workload of independent requests (W2, W3) against cfg.base_url and measure it."""
     if cfg.sessions is not None:
-        raise ValueError("a session workload runs with shared.loadgen.sessions.run_sessions")
+        raise ValueError("a session workload runs with inferno.loadgen.sessions.run_sessions")
     items = build_workload(cfg)
     offsets = arrival_offsets(cfg.num_requests, cfg.request_rate, cfg.seed)
     records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.loadgen.stats import Distribution, RequestRecord
+from inferno.loadgen.stats import Distribution, RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.loadgen.client import BenchResult
-from shared.loadgen.session_stats import SessionSummary
-from shared.loadgen.stats import Distribution
+from inferno.loadgen.client import BenchResult
+from inferno.loadgen.session_stats import SessionSummary
+from inferno.loadgen.stats import Distribution
 
 
 def _num(x: float | None, digits: int = 2) -> str:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from shared.loadgen.client import BenchResult, Driver, encode_body, fail, measure, stream_one
-from shared.loadgen.stats import RequestRecord
-from shared.loadgen.workload import BenchConfig, random_words, seeded_rng
+from inferno.loadgen.client import BenchResult, Driver, encode_body, fail, measure, stream_one
+from inferno.loadgen.stats import RequestRecord
+from inferno.loadgen.workload import BenchConfig, random_words, seeded_rng
 
 SESSION_HEADER = "x-session-affinity"
 

@@ -10,11 +10,11 @@ import math
 import sys
 from collections.abc import Sequence
 
-from shared.loadgen.client import BenchError, BenchResult, run_benchmark
-from shared.loadgen.report import (PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep,
+from inferno.loadgen.client import BenchError, BenchResult, run_benchmark
+from inferno.loadgen.report import (PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep,
                                    write_json)
-from shared.loadgen.sessions import run_sessions
-from shared.loadgen.workload import BenchConfig, SessionConfig, parse_range
+from inferno.loadgen.sessions import run_sessions
+from inferno.loadgen.workload import BenchConfig, SessionConfig, parse_range
 
 # Defaults of the flags that depend on the workload (None in the parser, so a flag that does not
 # apply to the chosen workload can be told from one left alone).
