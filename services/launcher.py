@@ -322,6 +322,8 @@ def parse_args(argv):
                     help="prefill workers: they run prompts and hand the KV to a decode worker (UCXX)")
     ap.add_argument("--decode-workers", type=int, default=0,
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
+    ap.add_argument("--disagg-max-prefill-queue-tokens", type=int, default=None,
+                    help="the scheduler's queue bound for a remote prefill (default: none)")
     ap.add_argument("--kvstore-capacity-gb", type=float, default=None,
                     help="host memory of the cluster KV store (prefix reuse across workers); 0: none "
                          "(default: 2 with two or more workers, none with one)")
@@ -369,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler_args: list[str] = []
     if args.disagg_min_prefill_tokens is not None:
         scheduler_args += ["--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens)]
+    if args.disagg_max_prefill_queue_tokens is not None:
+        scheduler_args += ["--disagg-max-prefill-queue-tokens", str(args.disagg_max_prefill_queue_tokens)]
     if args.max_queue_seconds is not None:
         scheduler_args += ["--max-queue-seconds", str(args.max_queue_seconds)]
     gateway_args = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []

@@ -137,6 +137,9 @@ class RouterConfig:
     # Prefill/decode disaggregation is conditional: a prompt with fewer uncached tokens than this
     # is prefilled by its decode worker itself (a remote prefill would cost more than it saves).
     disagg_min_prefill_tokens: int = 256
+    # ... and one is prefilled by its decode worker too when the least loaded prefill worker has
+    # more tokens than this still queued (0: no bound), as Dynamo's max prefill queue does.
+    disagg_max_prefill_queue_tokens: int = 0
     # Load shedding: a request whose estimated wait in every worker's queue passes this many seconds
     # gets 429 at once (0: no bound). The estimate divides queued prompt tokens by each worker's drain
     # rate, learnt from its heartbeats and starting at admission_tokens_per_second.
@@ -148,8 +151,8 @@ class RouterConfig:
         _positive(self, "heartbeat_ttl", "max_waiting", "affinity_ttl", "forward_timeout",
                   "admission_tokens_per_second")
         _non_negative(self, "max_queue_seconds")
-        _ints(self, "max_waiting", "disagg_min_prefill_tokens")
-        _non_negative(self, "disagg_min_prefill_tokens")
+        _ints(self, "max_waiting", "disagg_min_prefill_tokens", "disagg_max_prefill_queue_tokens")
+        _non_negative(self, "disagg_min_prefill_tokens", "disagg_max_prefill_queue_tokens")
         _non_negative(self, "retry_after")
         if not 0.0 < self.overload_kv_usage <= 1.0:
             _fail(self, "overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")

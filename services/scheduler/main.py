@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--disagg-min-prefill-tokens", type=int, default=d["disagg_min_prefill_tokens"].default,
                     help="with prefill workers present, prompts with fewer uncached tokens are prefilled by "
                          "their decode worker")
+    ap.add_argument("--disagg-max-prefill-queue-tokens", type=int,
+                    default=d["disagg_max_prefill_queue_tokens"].default,
+                    help="a decode worker prefills a prompt itself while every prefill worker has more tokens "
+                         "than this queued (0: no bound)")
     ap.add_argument("--max-queue-seconds", type=float, default=d["max_queue_seconds"].default,
                     help="answer 429 at once when a request's estimated queueing time passes this (0: no bound)")
     ap.add_argument("--admission-tokens-per-second", type=float, default=d["admission_tokens_per_second"].default,
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = dict(heartbeat_ttl=args.heartbeat_ttl, max_waiting=args.max_waiting,
                   overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
                   affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens,
+                  disagg_max_prefill_queue_tokens=args.disagg_max_prefill_queue_tokens,
                   max_queue_seconds=args.max_queue_seconds,
                   admission_tokens_per_second=args.admission_tokens_per_second)
     if args.scheduler_id:

@@ -143,7 +143,7 @@ class Scheduler:
                     return result.to_reply()
                 worker = result.worker
                 prefill = choose_prefill(self.registry.live(self.clock()), result, req,
-                                         self.cfg.disagg_min_prefill_tokens)
+                                         self.cfg.disagg_min_prefill_tokens, self.cfg.disagg_max_prefill_queue_tokens)
                 target, forwarded = worker, req.forwarded_to(worker.worker_id)
                 if prefill is not None:  # the prefill worker takes it and hands it to `worker`
                     prefill.worker.note_routed(req.num_prompt_tokens)

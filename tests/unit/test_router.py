@@ -8,6 +8,7 @@ import pytest
 
 from services.scheduler.admission import Rejection, admit
 from services.scheduler.affinity import session_key
+from services.scheduler.disagg import choose_prefill
 from services.scheduler.kv_index import KvIndex, match_prefixes
 from services.scheduler.registry import Registry
 from services.scheduler.router import Choice, Router, cached_tokens, request_cost
@@ -288,3 +289,41 @@ def test_the_kvstores_pages_count_as_cached_on_every_worker():
     assert "kvstore" not in router.registry.workers and "kvstore" not in router.registry.orphan_indexes
     router.registry.on_kv_events(events("kvstore", 2, removed=hashes[1:3]), 0.0)
     assert cached_tokens(workers, request(p), router.registry.store_kv) == [16, 16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Disaggregation: which prefill worker, and when the decode worker prefills itself
+
+def pair(*prefill_loads: int) -> tuple[Router, Choice]:
+    """A decode worker chosen by the router, and prefill workers p0, p1, ... with these queues."""
+    router = make_router(heartbeat("d", role="decode"),
+                         *[heartbeat(f"p{i}", role="prefill", queued_prefill_tokens=q)
+                           for i, q in enumerate(prefill_loads)])
+    return router, router.route(request(prompt(600)), 0.0)
+
+
+def test_the_cheapest_prefill_worker_takes_a_long_prompt():
+    router, decode = pair(5000, 1200, 3000)
+    assert decode.worker.worker_id == "d"
+    live = router.registry.live(0.0)
+    choice = choose_prefill(live, decode, request(prompt(600)), min_prefill_tokens=256)
+    assert (choice.worker.worker_id, choice.cost) == ("p1", 1800)
+    assert choose_prefill(live, decode, request(prompt(200)), min_prefill_tokens=256) is None  # short: local
+
+
+def test_a_queue_bound_sends_the_prompt_to_its_decode_worker_when_every_prefill_worker_is_behind():
+    router, decode = pair(5000, 1200)
+    live = router.registry.live(0.0)
+    long_prompt = request(prompt(600))
+    assert choose_prefill(live, decode, long_prompt, 256, max_queue_tokens=1200).worker.worker_id == "p1"
+    assert choose_prefill(live, decode, long_prompt, 256, max_queue_tokens=1199) is None
+    assert choose_prefill(live, decode, long_prompt, 256, max_queue_tokens=0).worker.worker_id == "p1"  # no bound
+    next(w for w in live if w.worker_id == "p1").note_routed(600)  # what was routed since p1's heartbeat counts as queued too
+    assert choose_prefill(live, decode, long_prompt, 256, max_queue_tokens=1200) is None
+
+
+def test_the_queue_bound_is_a_non_negative_int():
+    assert RouterConfig().disagg_max_prefill_queue_tokens == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            RouterConfig(disagg_max_prefill_queue_tokens=bad)
