@@ -128,3 +128,39 @@ def test_reservations_refused_cancelled_and_aborted(model_dirs):
     with pytest.raises(ValueError):  # a first token outside the vocabulary drops the reservation
         engine.complete_import("bad", 10**9, 1)
     torch.testing.assert_close(torch.tensor(engine.block_manager.num_free_blocks), torch.tensor(total))
+
+
+def test_hand_offs_take_the_buffer_set_aside_and_give_it_back(model_dirs):
+    """A prefill engine with a hand-off buffer (page_arena.py) gathers into it while it has room,
+    allocates afresh when it has not, and gets each run back when its pages have been sent."""
+    d = model_dirs[ARCH]
+    p_engine, d_engine = make_engine(d, handoff_buffer_tokens=64), make_engine(d)  # 4 pages of 16 tokens
+    vocab = p_engine.model_config.vocab_size
+    prompts = {"a": random_prompt(17, vocab, seed=301), "b": random_prompt(33, vocab, seed=302),
+               "c": random_prompt(70, vocab, seed=303)}  # 2, 3 and 5 pages
+    a = prefill(p_engine, "a", prompts["a"], greedy(), ())
+    arena = p_engine._export_arena
+    buffer = arena.buffer
+    assert a.handoff.release is not None and arena.free_pages == 2
+    assert a.handoff.pages.data_ptr() == buffer.data_ptr()
+    b = prefill(p_engine, "b", prompts["b"], greedy(), ())  # 3 pages, 2 free: a fresh allocation
+    c = prefill(p_engine, "c", prompts["c"], greedy(), ())  # more than the whole buffer
+    assert b.handoff.release is None and c.handoff.release is None
+    firsts = {}
+    for rid, out in (("a", a), ("b", b), ("c", c)):
+        res = d_engine.reserve_import(rid, prompts[rid], greedy(), ())
+        res.buffer.copy_(out.handoff.pages[res.skip_blocks:])
+        out.handoff.done()
+        out.handoff.done()  # twice: released once
+        d_engine.complete_import(rid, out.new_token_ids[0], out.handoff.seed, out.handoff.num_cached_tokens)
+        firsts[rid] = out.new_token_ids
+    assert arena.free_pages == 4
+    b2 = prefill(p_engine, "b2", prompts["b"], greedy(), ())  # room again: into the buffer
+    assert b2.handoff.release is not None and b2.handoff.pages.data_ptr() == buffer.data_ptr()
+    b2.handoff.done()
+    p_engine.abort("b2")
+    rest = run_all(d_engine)
+    expected = make_engine(d).generate(list(prompts.values()), greedy())
+    for rid, tokens in zip(prompts, expected):
+        assert firsts[rid] + rest[rid] == tokens, rid
+    assert arena.free_pages == 4

@@ -437,10 +437,11 @@ class LLMEngine:
 
     def _export_slot(self, n: int):
         """A run of the hand-off buffer for n pages and its release, or None: no buffer was set aside
-        (a mixed worker, the CPU), the cluster store shares the pages too (it keeps them longer than
-        a send), or every slot is taken (then a fresh allocation, as without a buffer)."""
+        (a mixed worker; a CPU worker, whose pool is not sized from memory), the cluster store shares
+        the pages too (it keeps them longer than a send), or every slot is taken (then a fresh
+        allocation, as without a buffer)."""
         cfg = self.config
-        if not (cfg.handoff_buffer_tokens and self.kv_cache.pool.is_cuda) or self.prompt_sink is not None:
+        if not cfg.handoff_buffer_tokens or self.prompt_sink is not None:
             return None
         if self._export_arena is None:
             from services.worker.engine.gpu_memory import handoff_buffer_blocks
