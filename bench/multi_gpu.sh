@@ -5,7 +5,8 @@
 # one host is what nvidia-h200-x2 lends, so this is one call's worth of both two-GPU benchmarks.
 # MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four.
 # Needs the wheels the image lacks in .whl/ (../shared/tools/gpu-wheels.sh, with UCX).
-# Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh
+# Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh  (write the sha out: on the device,
+# `git rev-parse HEAD` gives the landed commit, not the working tree the call carried)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
