@@ -139,7 +139,7 @@ def test_hand_offs_take_the_buffer_set_aside_and_give_it_back(model_dirs):
     prompts = {"a": random_prompt(17, vocab, seed=301), "b": random_prompt(33, vocab, seed=302),
                "c": random_prompt(70, vocab, seed=303)}  # 2, 3 and 5 pages
     a = prefill(p_engine, "a", prompts["a"], greedy(), ())
-    arena = p_engine._export_arena
+    arena = p_engine.exporter.arena
     buffer = arena.buffer
     assert a.handoff.release is not None and arena.free_pages == 2
     assert a.handoff.pages.data_ptr() == buffer.data_ptr()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,8 @@ from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
-from services.worker.engine.kv_pages import empty_pages, gather_pages, gather_pages_into, scatter_pages
+from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
+from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import make_ops
@@ -55,28 +55,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class Handoff:
-    """A prefill worker's request after its first token: its prompt's KV as pages, ready to send
-    once `ready()` returns (a GPU copy may still be running when the step returns)."""
-
-    pages: torch.Tensor  # [n, L, 2, block_size, H, D], one page per block of the prompt
-    seed: int
-    num_cached_tokens: int
-    event: object = None  # a CUDA event recorded after the copy
-    release: Callable[[], None] | None = None  # frees the pages' hand-off slot (page_arena.py)
-
-    def ready(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    def done(self) -> None:
-        """The pages have been sent (or never will be): their slot may hold the next hand-off."""
-        if self.release is not None:
-            self.release, release = None, self.release
-            release()
 
 
 class PromptSink:
@@ -216,8 +194,8 @@ class LLMEngine:
         self._imports: dict[str, ImportReservation] = {}
         # Set by a worker that shares prompt KV with a cluster store: gets each prompt's full blocks.
         self.prompt_sink: PromptSink | None = None
-        self._copy_stream = None  # where KV pages are copied out for a hand-off or the cluster store
-        self._export_arena = None  # the hand-offs' page slots, made at the first one (page_arena.py)
+        # Copies out of the pool: hand-offs (from the buffer set aside for them) and the cluster store's.
+        self.exporter = PageExporter(self.kv_cache, self.device, handoff_buffer_blocks(config))
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
 
@@ -386,31 +364,8 @@ class LLMEngine:
         if handoff is not None:
             pages, event = handoff.pages[start:full], handoff.event
         else:
-            pages, event = self._copy_out(block_ids[start:full], after)
+            pages, event = self.exporter.copy_out(block_ids[start:full], after)
         self.prompt_sink.take(hashes[start:full], pages, event)
-
-    def _copy_out(self, block_ids: list[int], after=None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
-        """These blocks' pages in a new tensor (or in `out`), and (on a GPU) an event for when they
-        are there. The copy runs on a side stream behind `after` (the step that wrote them): with
-        overlap the main stream holds the next step already, which the copy need not wait for.
-        Later steps wait for the copy, since the blocks may be handed to other requests from now on."""
-        if not self.kv_cache.pool.is_cuda:
-            return (gather_pages(self.kv_cache, block_ids) if out is None
-                    else gather_pages_into(self.kv_cache, block_ids, out)), None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream, main = self._copy_stream, torch.cuda.current_stream(self.device)
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            pages = gather_pages(self.kv_cache, block_ids) if out is None else gather_pages_into(
-                self.kv_cache, block_ids, out)
-            event = torch.cuda.Event()
-            event.record(stream)
-        main.wait_event(event)
-        return pages, event
 
     def insert_cached(self, hashes: list[bytes], pages: torch.Tensor) -> int:
         """Pages fetched from the cluster store become cached blocks here, found by the next
@@ -423,31 +378,7 @@ class LLMEngine:
 
     def _export(self, r: Request, block_ids: list[int], after=None) -> Handoff:
         blocks = block_ids[:-(-r.num_prompt_tokens // self.kv_cache.block_size)]
-        slot = self._export_slot(len(blocks))
-        if slot is None:
-            pages, event = self._copy_out(blocks, after)
-            return Handoff(pages, r.seed, r.num_cached_tokens, event)
-        out, release = slot
-        try:
-            pages, event = self._copy_out(blocks, after, out)
-        except BaseException:
-            release()
-            raise
-        return Handoff(pages, r.seed, r.num_cached_tokens, event, release)
-
-    def _export_slot(self, n: int):
-        """A run of the hand-off buffer for n pages and its release, or None: no buffer was set aside
-        (a mixed worker; a CPU worker, whose pool is not sized from memory), the cluster store shares
-        the pages too (it keeps them longer than a send), or every slot is taken (then a fresh
-        allocation, as without a buffer)."""
-        cfg = self.config
-        if not cfg.handoff_buffer_tokens or self.prompt_sink is not None:
-            return None
-        if self._export_arena is None:
-            from services.worker.engine.gpu_memory import handoff_buffer_blocks
-            from services.worker.engine.page_arena import PageArena
-            self._export_arena = PageArena(self.kv_cache.pool, handoff_buffer_blocks(cfg))
-        return self._export_arena.take(n)
+        return self.exporter.export(blocks, r.seed, r.num_cached_tokens, after, shared=self.prompt_sink is not None)
 
     @staticmethod
     def _outputs(sampling: list[tuple[int, Request]], result: SampleResult | None,

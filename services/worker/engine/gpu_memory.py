@@ -9,6 +9,7 @@ import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
+from services.worker.engine.kv_export import handoff_buffer_blocks
 from services.worker.kernels.extend_attention import query_tiles
 
 log = structlog.get_logger("worker.memory")
@@ -51,11 +52,6 @@ def dry_run_peak_bytes(engine) -> int:
     del scratch, hidden, meta
     torch.cuda.empty_cache()
     return peak
-
-
-def handoff_buffer_blocks(config) -> int:
-    """Pages of GPU memory a prefill or decode worker keeps out of its KV pool for hand-offs."""
-    return -(-config.handoff_buffer_tokens // config.block_size)
 
 
 def mixed_graph_bytes(engine) -> int:
