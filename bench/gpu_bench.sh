@@ -238,7 +238,7 @@ if has x4; then  # issue 11 on nvidia-h200-x4; X4_PARTS picks (in this order): t
   done
   if [[ $P == *" pd "* ]]; then
     for mode in pd mixed; do
-      if [ $mode = pd ]; then W="--prefill-workers 2 --decode-workers 2 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256}"
+      if [ $mode = pd ]; then W="--prefill-workers 2 --decode-workers 2 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-1}"
       else W="--workers 4"; fi
       serve x4_$mode "$MODEL" "$W" "--log-level DEBUG"
       wait_graphs /tmp/inferno-run-x4_$mode 90
