@@ -37,17 +37,16 @@ lane() {  # name, GPUs, stages, extra environment ...
 if [ -n "${GPU_TESTS:-}" ]; then  # CPU-tested code that has a CUDA case too
   python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -3
 fi
+# The pd lanes: worker defaults, every prompt prefilled remotely, a kvstore large enough for W4.
+PD=(PD_WORKER_ARGS="${PD_WORKER_ARGS:- }" PD_MIN_PREFILL=${PD_MIN_PREFILL:-1} PD_REQUESTS=${PD_REQUESTS:-200}
+    PD_KVSTORE_GB=${PD_KVSTORE_GB:-16})
 if [ "${MULTI:-pairs}" = x4 ]; then
   lane x4 0,1,2,3 x4 X4_PARTS="${X4_PARTS:-tp4w1 tp4w2}" &
 elif [ "${MULTI:-pairs}" = pd2 ]; then  # 1P+1D on GPUs 0-1 and its baseline, 2 mixed, on GPUs 2-3, at once
-  for mode in pd mixed; do
-    lane $mode $([ $mode = pd ] && echo 0,1 || echo 2,3) pd PD_MODES=$mode PD_PORT=$([ $mode = pd ] && echo 8003 || echo 8013) \
-      PD_WORKER_ARGS="${PD_WORKER_ARGS:- }" PD_MIN_PREFILL=${PD_MIN_PREFILL:-1} PD_REQUESTS=${PD_REQUESTS:-200} \
-      PD_KVSTORE_GB=${PD_KVSTORE_GB:-16} &
-  done
+  lane pd 0,1 pd PD_MODES=pd PD_PORT=8003 "${PD[@]}" &
+  lane mixed 2,3 pd PD_MODES=mixed PD_PORT=8013 "${PD[@]}" &
 else
-  lane pd 0,1 pd PD_WORKER_ARGS="${PD_WORKER_ARGS:- }" PD_MIN_PREFILL=${PD_MIN_PREFILL:-1} PD_REQUESTS=${PD_REQUESTS:-200} \
-    PD_KVSTORE_GB=${PD_KVSTORE_GB:-16} PD_W4=1 &
+  lane pd 0,1 pd "${PD[@]}" PD_W4=1 &
   lane tp 2,3 tp TP_W2_REQUESTS=${TP_W2_REQUESTS:-500} TP_TIMEOUT=${TP_TIMEOUT:-150} &
 fi
 wait

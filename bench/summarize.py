@@ -95,17 +95,11 @@ def main() -> int:
     if one and (nccl := load(folder, "tp2_nccl_w1.json")):
         rows.append(("8B W1 TP=2, NCCL for every all-reduce", f"{nccl['decode_tokens_per_s']:.1f} tok/s "
                      f"(× {nccl['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f})", ""))
-    if (w := load(folder, "tp4_70b_w1.json")):
-        rows.append(("70B W1 TP=4 (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
-                     f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", "≥ 75 % of roofline"))
-    for tag in ("tp4", "tp2pp2"):
-        if (w := load(folder, f"w2_70b_{tag}.json")):
-            s = w["summary"]
-            rows.append((f"70B W2 {tag.upper()} (HTTP)", f"{s['total_throughput']:.0f} tok/s (failed {s['failed']})", ""))
-    if (w := load(folder, "tp2_70b_w1.json")):
-        rows.append(("70B W1 TP=2 (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
-                     f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", "≥ 80 % of roofline"))
-    for tag in ("tp2", "pp2"):
+    for ranks, target in ((2, "≥ 80 % of roofline"), (4, "≥ 75 % of roofline")):
+        if (w := load(folder, f"tp{ranks}_70b_w1.json")):
+            rows.append((f"70B W1 TP={ranks} (dummy weights)", f"{w['decode_tokens_per_s']:.1f} tok/s "
+                         f"({w['decode_step_ms']:.2f} ms/step), KV {w.get('kv_gib') or 0:.1f} GiB", target))
+    for tag in ("tp2", "pp2", "tp4", "tp2pp2"):
         if (w := load(folder, f"w2_70b_{tag}.json")):
             s = w["summary"]
             rows.append((f"70B W2 {tag.upper()} (HTTP)", f"{s['total_throughput']:.0f} tok/s (failed {s['failed']})", ""))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.worker.engine.kv_cache import KVCache
-from services.worker.engine.kv_pages import gather_pages, gather_pages_into
+from services.worker.engine.kv_pages import gather_pages
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.page_arena import PageArena
 
@@ -85,9 +85,9 @@ def test_gather_into_a_slot_equals_gather_pages(device, dtype):
     arena = PageArena(kv.pool, 8)
     arena.take(2)  # the slot starts at page 2 of the buffer, not at its base
     slot, release = arena.take(len(blocks))
-    out = gather_pages_into(kv, blocks, slot)
+    out = gather_pages(kv, blocks, slot)
     assert out.data_ptr() == slot.data_ptr()
     assert torch.equal(slot.view(torch.uint8), gather_pages(kv, blocks).view(torch.uint8))
     with pytest.raises(ValueError):
-        gather_pages_into(kv, blocks[:3], slot)
+        gather_pages(kv, blocks[:3], slot)
     release()

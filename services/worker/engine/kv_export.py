@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.kv_cache import KVCache
-from services.worker.engine.kv_pages import gather_pages, gather_pages_into
+from services.worker.engine.kv_pages import gather_pages
 from services.worker.engine.page_arena import PageArena
 
 
@@ -56,7 +56,7 @@ class PageExporter:
         Later steps wait for the copy, since the blocks may be handed to other requests from now on."""
         kv = self.kv_cache
         if not kv.pool.is_cuda:
-            return (gather_pages(kv, block_ids) if out is None else gather_pages_into(kv, block_ids, out)), None
+            return gather_pages(kv, block_ids, out), None
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         stream, main = self._stream, torch.cuda.current_stream(self.device)
@@ -65,7 +65,7 @@ class PageExporter:
         else:
             stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            pages = gather_pages(kv, block_ids) if out is None else gather_pages_into(kv, block_ids, out)
+            pages = gather_pages(kv, block_ids, out)
             event = torch.cuda.Event()
             event.record(stream)
         main.wait_event(event)

@@ -22,15 +22,12 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return kv_bytes_per_block(cfg, block_size, dtype)
 
 
-def gather_pages(kv: KVCache, block_ids: list[int]) -> torch.Tensor:
-    """A new contiguous [n, L, 2, block_size, H, D] tensor holding these blocks, on the pool's device."""
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
-    return byte_view(kv.pool).index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().view(kv.pool.dtype)
-
-
-def gather_pages_into(kv: KVCache, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
-    """gather_pages into `out` [n, L, 2, block_size, H, D] (a hand-off slot): no new allocation."""
-    if out.shape[0] != len(block_ids) or out.shape[1:] != (kv.pool.shape[0], 2, *kv.pool.shape[3:]):
+def gather_pages(kv: KVCache, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """These blocks as contiguous pages [n, L, 2, block_size, H, D] on the pool's device: in `out` (a
+    hand-off slot) when given, else in a new tensor."""
+    if out is None:
+        out = empty_pages(kv, len(block_ids))
+    elif out.shape[0] != len(block_ids) or out.shape[1:] != (kv.pool.shape[0], 2, *kv.pool.shape[3:]):
         raise ValueError(f"a slot of shape {tuple(out.shape)} does not hold {len(block_ids)} pages of this pool")
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv.pool.device)
     torch.index_select(byte_view(kv.pool), 2, idx, out=byte_view(out).permute(1, 2, 0, 3, 4, 5))
