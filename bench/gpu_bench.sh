@@ -153,6 +153,8 @@ if has pd; then
     wait_graphs /tmp/inferno-run-$mode 90
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests 30 --vocab-size $VOCAB \
       --seed 7 --out /tmp/pd_warmup_$mode.json > /dev/null 2>&1  # first shapes and hand-offs out of the figures
+    python3 bench/greedy_probe.py --base-url http://127.0.0.1:$PD_PORT --vocab-size $VOCAB --out "$OUT/greedy_$mode.json" \
+      || echo "greedy probe failed"  # compared across modes: the hand-off must move the KV intact
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_REQUESTS:-300} --vocab-size $VOCAB \
       --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_LONG_REQUESTS:-100} \

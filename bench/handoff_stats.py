@@ -22,7 +22,8 @@ def summary(rows: list[dict]) -> dict:
             "export_ms_p50": pct([r["export_s"] * 1e3 for r in rows], 0.5),
             "offer_ms_p50": pct([r["offer_s"] * 1e3 for r in rows], 0.5),
             "push_ms_p50": pct(push, 0.5), "push_ms_p99": pct(push, 0.99),
-            "mib_p50": pct([r["bytes"] / 2**20 for r in rows], 0.5), "push_gbps_p50": pct(gbps, 0.5)}
+            "mib_p50": pct([r["bytes"] / 2**20 for r in rows], 0.5), "push_gbps_p50": pct(gbps, 0.5),
+            "over_cuda_ipc": sum(bool(r.get("ipc")) for r in rows)}
 
 
 def main() -> int:

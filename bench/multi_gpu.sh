@@ -50,6 +50,10 @@ else
   lane tp 2,3 tp TP_W2_REQUESTS=${TP_W2_REQUESTS:-500} TP_TIMEOUT=${TP_TIMEOUT:-150} &
 fi
 wait
+for d in "$OUT" "$OUT/pd"; do  # the pd lane against the mixed one (pd2), or both modes in one lane
+  a=$d/greedy_pd.json; b=$d/greedy_mixed.json; [ -f "$b" ] || b=$OUT/mixed/greedy_mixed.json
+  [ -f "$a" ] && [ -f "$b" ] && python3 bench/greedy_probe.py --compare "$a" "$b"
+done
 pkill -f "services\.(cli|gateway|scheduler|worker|kvstore)" 2>/dev/null  # anything a lane's timeout left
 pkill nats-server 2>/dev/null
 for d in "$OUT"/*/; do

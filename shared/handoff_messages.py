@@ -49,6 +49,7 @@ class KvHandoffReply(Message):
     skip_pages: int = 0
     address: str = ""
     reason: str = ""
+    host_id: str = ""  # as KvHandoffReady's
 
 
 @register
@@ -68,6 +69,7 @@ class KvHandoffReady(Message):
     address: str
     layout: str
     page_bytes: int
+    host_id: str = ""  # the decode worker's host and boot: equal to the prefill worker's, CUDA IPC is tried
 
     def _check(self) -> None:
         if not (self.request_id and self.address and self.layout and 0 <= self.skip_pages <= self.num_pages <= MAX_PAGES

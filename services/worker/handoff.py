@@ -6,6 +6,9 @@ prompt was prefilled (the scheduler's prepare) and said so (KvHandoffReady: its 
 pages it caches already), so the pages go straight there with the offer in the frame's header:
 one UCXX message, no NATS round trip. Otherwise the KV is offered over NATS (offer → reply with
 the address) and then pushed. A refusal or a failed transfer ends the request with a clean error.
+Between two GPU workers of one host the frame carries no pages, only where they lie in the prefill
+worker's hand-off buffer: the decode worker copies them over CUDA IPC (cuda_ipc.py), and its reply
+says they are copied, so the buffer's slot is free again.
 Decode side: the reservation, the receive buffer the pages land in, the import into the step
 loop, and an expiry for offers whose pages never come.
 """
@@ -18,6 +21,7 @@ import uuid
 
 import structlog
 
+from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcImporter
 from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
@@ -36,14 +40,17 @@ class HandoffSender:
     """The prefill worker's side: owns the requests it must hand on, and their transfers."""
 
     def __init__(self, conn, prefix: str, worker_id: str, layout: str, page_bytes: int,
-                 transfer: TransferClient, timeout: float = 10.0):
+                 transfer: TransferClient, timeout: float = 10.0, ipc: IpcExporter | None = None,
+                 host_id: str = ""):
         self.conn, self.prefix, self.worker_id = conn, prefix, worker_id
         self.layout, self.page_bytes, self.timeout = layout, page_bytes, timeout
         self.transfer = transfer
+        self.ipc, self.host_id = ipc, host_id  # a GPU worker's CUDA IPC exports, and its host
+        self._no_ipc: set[str] = set()  # decode workers that refused a descriptor: bytes from now on
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
         self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0}
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0}
 
     async def on_ready(self, msg: KvHandoffReady) -> None:
         now = time.monotonic()
@@ -98,7 +105,7 @@ class HandoffSender:
         t0 = time.perf_counter()
         handoff = output.handoff
         ready = self.ready.pop(msg.request_id, (None, 0.0))[0]
-        direct = False
+        direct, ipc_before = False, self.stats["ipc"]
         try:
             await asyncio.to_thread(handoff.ready)
             t_ready = time.perf_counter()
@@ -107,7 +114,7 @@ class HandoffSender:
                                    page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
                                    prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex)
             if ready is not None and self._fits(ready, offer):
-                direct = await self._push_direct(ready, offer, handoff.pages)
+                direct = await self._push_direct(ready, offer, handoff)
             if direct:
                 skip, t_offer = ready.skip_pages, t_ready
             else:
@@ -117,9 +124,8 @@ class HandoffSender:
                     raise HandoffRefused(reply.reason)
                 t_offer = time.perf_counter()
                 skip = reply.skip_pages
-                pages = handoff.pages[skip:]
-                await self.transfer.call(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
-                                         pages if pages.shape[0] else None, timeout=self.timeout)
+                await self._deliver(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
+                                    handoff, skip, reply.host_id)
             pages = handoff.pages[skip:]
         except (ServiceError, TransferError, HandoffRefused, asyncio.TimeoutError) as e:
             self.stats["failed"] += 1
@@ -138,25 +144,54 @@ class HandoffSender:
         self.stats["bytes"] += nbytes_of(pages)
         # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
-                  skipped=skip, direct=direct, export_s=t_ready - t0, offer_s=t_offer - t_ready,
+                  skipped=skip, direct=direct, ipc=self.stats["ipc"] > ipc_before, export_s=t_ready - t0, offer_s=t_offer - t_ready,
                   push_s=t_end - t_offer, total_s=t_end - t0)
 
     def _fits(self, ready: KvHandoffReady, offer: KvHandoffOffer) -> bool:
         return (ready.decode_worker_id == offer.request.decode_worker_id and ready.layout == self.layout
                 and ready.page_bytes == self.page_bytes and ready.num_pages == offer.num_pages)
 
-    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, pages) -> bool:
+    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, handoff) -> bool:
         """The pages and the offer in one UCXX frame to the blocks waiting for them. False when the
         decode worker no longer holds them (expired, aborted): the offer round trip decides then."""
-        pages = pages[ready.skip_pages:]
         header = {"op": "kv_handoff_direct", "request_id": offer.request.request_id, "offer": encode(offer)}
         try:
-            reply, _ = await self.transfer.call(ready.address, header, pages if pages.shape[0] else None,
-                                                timeout=self.timeout)
+            reply = await self._deliver(ready.address, header, handoff, ready.skip_pages, ready.host_id)
         except TransferError as e:
             log.info("direct hand-off failed; offering instead", request_id=offer.request.request_id, error=str(e))
             return False
         return bool(reply.get("ok"))
+
+    async def _deliver(self, address: str, header: dict, handoff, skip: int, peer_host: str) -> dict:
+        """One frame with pages[skip:]: their place in the hand-off buffer when the decode worker
+        can copy them over CUDA IPC, else the bytes. Returns the reply header."""
+        pages = handoff.pages[skip:]
+        desc = self._describe(pages, handoff, address, peer_host)
+        if desc is not None:
+            try:
+                reply, _ = await self.transfer.call(address, {**header, "ipc": desc}, None, timeout=self.timeout)
+                self.stats["ipc"] += 1
+                return reply
+            except TransferError as e:
+                if REFUSED not in str(e):
+                    raise
+                log.info("cuda ipc refused; sending the bytes from now on", decode_address=address, error=str(e))
+                self._no_ipc.add(address)
+        reply, _ = await self.transfer.call(address, header, pages if pages.shape[0] else None, timeout=self.timeout)
+        return reply
+
+    def _describe(self, pages, handoff, address: str, peer_host: str) -> dict | None:
+        """The IPC descriptor of pages in the hand-off buffer (it lives as long as the worker, so a
+        mapping of it stays valid), when the decode worker shares our host; None otherwise."""
+        if (self.ipc is None or not handoff.in_buffer or not pages.shape[0] or not peer_host
+                or peer_host != self.host_id or address in self._no_ipc):
+            return None
+        try:
+            return self.ipc.describe(pages)
+        except IpcError as e:
+            log.warning("cuda ipc unavailable here; hand-offs send bytes", error=str(e))
+            self.ipc = None
+            return None
 
 
 class HandoffRefused(RuntimeError):
@@ -168,15 +203,19 @@ class HandoffReceiver:
     pairing, so an offer finds its blocks ready) and by transfer, and the UCXX handler pages hit."""
 
     def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0,
-                 publish=None, prefix: str = "", worker_id: str = ""):
+                 publish=None, prefix: str = "", worker_id: str = "", ipc: IpcImporter | None = None,
+                 host_id: str = ""):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
         self.address, self.ttl = address, ttl
+        # A GPU worker's CUDA IPC mappings; the host it announces (prefill workers there send descriptors).
+        self.ipc, self.host_id = ipc, host_id if ipc is not None else ""
+        self._copy_stream = None
         # publish(subject, message): tells a prefill worker its request's blocks are reserved here.
         self.publish, self.prefix, self.worker_id = publish, prefix, worker_id
         self.accepting = True
         self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
-        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0}
+        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0, "ipc": 0}
 
     def on_prepare(self, msg: GenerateRequest) -> None:
         """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
@@ -199,7 +238,8 @@ class HandoffReceiver:
             return
         ready = KvHandoffReady(request_id=msg.request_id, decode_worker_id=self.worker_id,
                                skip_pages=result.skip_blocks, num_pages=result.skip_blocks + result.buffer.shape[0],
-                               address=self.address, layout=self.layout, page_bytes=self.page_bytes)
+                               address=self.address, layout=self.layout, page_bytes=self.page_bytes,
+                               host_id=self.host_id)
         asyncio.ensure_future(self._publish_ready(msg.worker_id, ready))
 
     async def _publish_ready(self, prefill_worker_id: str, ready: KvHandoffReady) -> None:
@@ -250,7 +290,8 @@ class HandoffReceiver:
             return KvHandoffReply(accepted=False, reason="page count disagrees with the prompt length")
         expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, offer.transfer_id)
         self.waiting[offer.transfer_id] = (offer, result, expiry)
-        return KvHandoffReply(accepted=True, skip_pages=result.skip_blocks, address=self.address)
+        return KvHandoffReply(accepted=True, skip_pages=result.skip_blocks, address=self.address,
+                              host_id=self.host_id)
 
     def _check(self, offer: KvHandoffOffer) -> str:
         if not self.accepting:
@@ -286,22 +327,60 @@ class HandoffReceiver:
 
     async def on_frame(self, header: dict, payload) -> tuple[dict, None]:
         if header.get("op") == "kv_handoff_direct":
-            return self._on_direct(header), None
+            return await self._on_direct(header), None
         if header.get("op") != "kv_handoff":
             return {"error": f"unknown op {header.get('op')!r}"}, None
-        entry = self.waiting.pop(header.get("transfer_id"), None)
+        tid = header.get("transfer_id")
+        entry = self.waiting.get(tid) if isinstance(tid, str) else None
         if entry is None:
             return {"error": "no reservation for this transfer (expired or aborted)"}, None
         offer, reservation, expiry = entry
+        copied = await self._copy_in(header, reservation.buffer)
+        if isinstance(copied, str):
+            return {"error": copied}, None
+        if self.waiting.pop(tid, None) is None:
+            return {"error": "the reservation ended while its pages were copied"}, None
         expiry.cancel()
-        self.stats["imports"] += 1
-        self.stats["bytes"] += header["nbytes"]
         req = offer.request
-        self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
-                                            offer.num_cached_tokens))
+        await self._import(header, req, offer, copied)
         return {"ok": True}, None
 
-    def _on_direct(self, header: dict) -> dict:
+    async def _copy_in(self, header: dict, buffer):
+        """Pages described by an "ipc" header: copy them out of the prefill worker's buffer on a
+        stream of ours; returns the copy's CUDA event (None when the frame carried the bytes, an
+        error text refusing the descriptor when they cannot be copied so)."""
+        if "ipc" not in header:
+            return None
+        try:
+            if self.ipc is None or not buffer.is_cuda:
+                raise IpcError("this worker takes no CUDA IPC")
+            import torch
+
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(buffer.device)
+            stream = self._copy_stream
+            # The buffer was allocated on the step stream: whatever used its memory before must be done.
+            stream.wait_stream(torch.cuda.current_stream(buffer.device))
+            self.ipc.copy_into(buffer, header["ipc"], stream)
+            buffer.record_stream(stream)  # and it is not reused before the copy ends
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+        except IpcError as e:
+            return f"{REFUSED}: {e}"
+
+    async def _import(self, header: dict, req: GenerateRequest, offer: KvHandoffOffer, copied) -> None:
+        """Hand the landed request to the step loop (its scatter waits for an IPC copy on the device);
+        an IPC copy is waited for before the reply, which frees the prefill worker's slot."""
+        self.stats["imports"] += 1
+        self.stats["bytes"] += header["ipc"]["nbytes"] if copied is not None else header["nbytes"]
+        self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
+                                            offer.num_cached_tokens, after=copied))
+        if copied is not None:
+            self.stats["ipc"] += 1
+            await asyncio.to_thread(copied.synchronize)
+
+    async def _on_direct(self, header: dict) -> dict:
         """Pages and offer in one frame, into blocks reserved at the scheduler's prepare."""
         rid = header.get("request_id")
         reservation = self._prepared_reservation(rid)
@@ -314,14 +393,15 @@ class HandoffReceiver:
         pages = reservation.skip_blocks + reservation.buffer.shape[0]
         if offer.request.request_id != rid or offer.num_pages != pages or self._check(offer):
             return {"error": self._check(offer) or "the pages do not fit the reserved blocks"}
+        copied = await self._copy_in(header, reservation.buffer)
+        if isinstance(copied, str):
+            return {"error": copied}
+        if self._prepared_reservation(rid) is not reservation:
+            return {"error": "the reservation ended while its pages were copied"}
         _, expiry = self.prepared.pop(rid)
         expiry.cancel()
-        self.stats["imports"] += 1
         self.stats["direct"] += 1
-        self.stats["bytes"] += header["nbytes"]
-        req = offer.request
-        self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
-                                            offer.num_cached_tokens))
+        await self._import(header, offer.request, offer, copied)
         return {"ok": True}
 
     def abort(self, request_ids: list[str]) -> None:

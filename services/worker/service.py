@@ -11,6 +11,7 @@ from typing import Callable
 import structlog
 
 from services.worker.engine.cuda_device import bind_thread
+from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.handoff import HandoffReceiver, HandoffSender
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, StepLoop
 from services.worker.token_batches import token_batches
@@ -151,6 +152,8 @@ class WorkerService:
         await asyncio.to_thread(loop_thread.join)
         if self.transfer_server is not None:
             await self.transfer_server.close()
+        if self.receiver is not None and self.receiver.ipc is not None:
+            self.receiver.ipc.close()  # the prefill workers' buffers it mapped
         if self.cluster_cache is not None:
             await self.cluster_cache.close()
         self.sender = self.receiver = self.transfer_server = self.cluster_cache = None
@@ -197,12 +200,15 @@ class WorkerService:
         from shared.kv_transfer import TransferServer
 
         layout, size = self._page_layout()
+        on_gpu = self.loop_thread.engine.kv_cache.pool.is_cuda
         if role == "prefill":
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
-                                        self._transfer(), self.cfg.handoff_timeout)
+                                        self._transfer(), self.cfg.handoff_timeout,
+                                        IpcExporter() if on_gpu else None, host_id())
         else:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
-                                            self.conn.publish, self.prefix, self.cfg.worker_id)
+                                            self.conn.publish, self.prefix, self.cfg.worker_id,
+                                            IpcImporter() if on_gpu else None, host_id())
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address
@@ -375,9 +381,9 @@ class WorkerService:
         if self.sender is not None:
             stats = self.sender.stats
             return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"]}
+                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"]}
         if self.receiver is not None:
             stats = self.receiver.stats
             return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"]}
+                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"]}
         return {}

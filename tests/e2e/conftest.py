@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -12,6 +13,9 @@ from services.launcher import Stack, StackConfig, free_port
 from inferno.tools.make_model import write_model
 
 MODEL_NAME = "tiny-e2e"
+# The stacks' device: cpu here and in CI; INFERNO_TEST_DEVICE=cuda runs the same tests on a GPU
+# machine (a worker per GPU), e.g. the prefill/decode hand-off over CUDA IPC.
+TEST_DEVICE = os.environ.get("INFERNO_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +27,7 @@ def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), sch
                 prefill_workers=0, decode_workers=0, gateway_args=(), **stack_config) -> Stack:
     cfg = StackConfig(model_dir=model_dir, model_name=MODEL_NAME, port=free_port(), nats_port=free_port(),
                       workers=workers, prefill_workers=prefill_workers, decode_workers=decode_workers,
-                      api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json",
+                      api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json", device=TEST_DEVICE,
                       worker_args=("--num-blocks", "256", "--heartbeat-interval", "0.5", *worker_args),
                       gateway_args=("--max-body-bytes", "65536", *gateway_args), scheduler_args=tuple(scheduler_args),
                       **stack_config)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared.messages import WorkerHeartbeat
-from tests.e2e.conftest import MODEL_NAME, heartbeats, start_stack
+from tests.e2e.conftest import MODEL_NAME, TEST_DEVICE, heartbeats, start_stack
 
 pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
 
@@ -80,6 +80,9 @@ def test_completions_equal_the_aggregated_worker(pd_stack, aggregated):
     # than one prompt (seen at b138d2c and since), so the direct path is asserted to work, not to
     # win every race; the offer round trip served the others, as the hand-off counts above show.
     assert hbs["prefill-0"].kv_handoffs_direct >= 1
+    # GPU workers of one host copy the pages over CUDA IPC, every time; CPU workers send them over UCXX.
+    ipc = hbs["prefill-0"].kv_handoffs_ipc
+    assert ipc == hbs["prefill-0"].kv_handoffs if TEST_DEVICE.startswith("cuda") else ipc == 0
 
 
 def test_streamed_chat_with_n_equals_the_aggregated_worker(pd_stack, aggregated):

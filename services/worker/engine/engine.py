@@ -253,9 +253,11 @@ class LLMEngine:
         reservation = self._imports[request_id] = ImportReservation(request, skip, buffer)
         return reservation
 
-    def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0) -> Request:
-        """The buffer holds the pages: write them into the reserved blocks, append the first token
-        the prefill worker sampled (with its resolved seed, so seeded draws go on) and decode on."""
+    def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0,
+                        after=None) -> Request:
+        """The buffer holds the pages (or will, once the CUDA event `after` is reached): write them
+        into the reserved blocks, append the first token the prefill worker sampled (with its
+        resolved seed, so seeded draws go on) and decode on."""
         res = self._imports.pop(request_id)
         if not 0 <= first_token < self.model_config.vocab_size:
             self.batcher.cancel_reserved(request_id)
@@ -264,6 +266,8 @@ class LLMEngine:
         r.all_token_ids.append(first_token)
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
+        if after is not None:
+            torch.cuda.current_stream(self.device).wait_event(after)
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
         return self.batcher.start_imported(request_id)
 

@@ -24,6 +24,12 @@ class Handoff:
     event: object = None  # a CUDA event recorded after the copy
     release: Callable[[], None] | None = None  # frees the pages' hand-off slot (page_arena.py)
 
+    @property
+    def in_buffer(self) -> bool:
+        """The pages lie in the hand-off buffer, which lives as long as the worker: another process
+        may map it once and copy from it (cuda_ipc.py)."""
+        return self.release is not None
+
     def ready(self) -> None:
         if self.event is not None:
             self.event.synchronize()

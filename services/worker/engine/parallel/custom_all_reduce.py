@@ -37,6 +37,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from services.worker.engine.cuda_ipc import open_shared, share
+
 MAX_RANKS = 8
 MAX_BLOCKS = 128  # a signal buffer has one slot per (rank, block)
 TILE_BYTES = 4096  # one block's tile per loop step: 16 bytes for each of 256 threads
@@ -198,8 +200,8 @@ class CustomAllReduce:
             state = torch.zeros(2, dtype=torch.int64, device=device)
             # Zeroed on the device before any peer can learn of the buffers (and write a flag).
             torch.cuda.synchronize(device)
-            mine = msgpack.packb({"device": device.index, "data": _ipc_handle(buffer),
-                                  "signal": _ipc_handle(signal)})
+            mine = msgpack.packb({"device": device.index, "data": share(buffer),
+                                  "signal": share(signal)})
         except Exception as e:  # noqa: BLE001 - whatever it was, this rank cannot take part
             error = f"rank {rank}: {type(e).__name__}: {e}"
         blobs = _all_gather_bytes(mine, group)  # an empty blob: that rank failed and says why below
@@ -213,8 +215,8 @@ class CustomAllReduce:
                     peer = msgpack.unpackb(blob)
                     if peer["device"] != device.index and not torch.cuda.can_device_access_peer(device, peer["device"]):
                         raise RuntimeError(f"cuda:{device.index} cannot reach cuda:{peer['device']} (no peer access)")
-                    buffers.append(_open_ipc_handle(peer["data"], device))
-                    signals.append(_open_ipc_handle(peer["signal"], device).view(torch.int64))
+                    buffers.append(open_shared(peer["data"], device))
+                    signals.append(open_shared(peer["signal"], device).view(torch.int64))
             except Exception as e:  # noqa: BLE001
                 error = f"rank {rank}: {type(e).__name__}: {e}"
         failures = [m.decode() for m in _all_gather_bytes(error.encode(), group) if m]
@@ -233,21 +235,6 @@ def _expect(t: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.devic
     if t.dtype != dtype or t.numel() != numel or t.device != device or not t.is_contiguous():
         raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}; expected a contiguous "
                          f"{dtype} of {numel} elements on {device}")
-
-
-def _ipc_handle(t: torch.Tensor) -> list:
-    """What another process needs to map t's storage (torch.multiprocessing's own fields)."""
-    _device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = t.untyped_storage()._share_cuda_()
-    return [handle, size, offset, ref_handle, ref_offset, event_handle, event_sync]
-
-
-def _open_ipc_handle(fields: list, device: torch.device) -> torch.Tensor:
-    """Map a peer's storage into this process, opened on this rank's device (so CUDA enables
-    peer access from it to the owner's), as a flat uint8 tensor."""
-    handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
-    storage = torch.UntypedStorage._new_shared_cuda(device.index, handle, size, offset, ref_handle, ref_offset,
-                                                    event_handle, event_sync)
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (size,), (1,))
 
 
 def _all_gather_bytes(blob: bytes, group) -> list[bytes]:
