@@ -335,22 +335,23 @@ class HandoffReceiver:
         if entry is None:
             return {"error": "no reservation for this transfer (expired or aborted)"}, None
         offer, reservation, expiry = entry
-        copied = await self._copy_in(header, reservation.buffer)
-        if isinstance(copied, str):
-            return {"error": copied}, None
+        refused = await self._copy_in(header, reservation)
+        if refused:
+            return {"error": refused}, None
         if self.waiting.pop(tid, None) is None:
             return {"error": "the reservation ended while its pages were copied"}, None
         expiry.cancel()
-        req = offer.request
-        await self._import(header, req, offer, copied)
+        self._import(header, offer)
         return {"ok": True}, None
 
-    async def _copy_in(self, header: dict, buffer):
+    async def _copy_in(self, header: dict, reservation) -> str | None:
         """Pages described by an "ipc" header: copy them out of the prefill worker's buffer on a
-        stream of ours; returns the copy's CUDA event (None when the frame carried the bytes, an
-        error text refusing the descriptor when they cannot be copied so)."""
+        stream of ours and wait for the copy (the step stream never waits for it, and the reply
+        frees the prefill worker's slot). An error text refuses the descriptor when they cannot be
+        copied so; None when they are in the buffer (or came as the frame's bytes)."""
         if "ipc" not in header:
             return None
+        buffer = reservation.buffer
         try:
             if self.ipc is None or not buffer.is_cuda:
                 raise IpcError("this worker takes no CUDA IPC")
@@ -359,26 +360,25 @@ class HandoffReceiver:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(buffer.device)
             stream = self._copy_stream
-            # The buffer was allocated on the step stream: whatever used its memory before must be done.
-            stream.wait_stream(torch.cuda.current_stream(buffer.device))
+            if reservation.allocated is not None:  # what used the buffer's memory before is done
+                stream.wait_event(reservation.allocated)
             self.ipc.copy_into(buffer, header["ipc"], stream)
             buffer.record_stream(stream)  # and it is not reused before the copy ends
-            event = torch.cuda.Event()
-            event.record(stream)
-            return event
+            copied = torch.cuda.Event()
+            copied.record(stream)
         except IpcError as e:
             return f"{REFUSED}: {e}"
+        await asyncio.to_thread(copied.synchronize)
+        self.stats["ipc"] += 1
+        return None
 
-    async def _import(self, header: dict, req: GenerateRequest, offer: KvHandoffOffer, copied) -> None:
-        """Hand the landed request to the step loop (its scatter waits for an IPC copy on the device);
-        an IPC copy is waited for before the reply, which frees the prefill worker's slot."""
+    def _import(self, header: dict, offer: KvHandoffOffer) -> None:
+        """The pages are in the reservation's buffer: the step loop writes them into its blocks."""
         self.stats["imports"] += 1
-        self.stats["bytes"] += header["ipc"]["nbytes"] if copied is not None else header["nbytes"]
+        self.stats["bytes"] += header["ipc"]["nbytes"] if "ipc" in header else header["nbytes"]
+        req = offer.request
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
-                                            offer.num_cached_tokens, after=copied))
-        if copied is not None:
-            self.stats["ipc"] += 1
-            await asyncio.to_thread(copied.synchronize)
+                                            offer.num_cached_tokens))
 
     async def _on_direct(self, header: dict) -> dict:
         """Pages and offer in one frame, into blocks reserved at the scheduler's prepare."""
@@ -393,15 +393,15 @@ class HandoffReceiver:
         pages = reservation.skip_blocks + reservation.buffer.shape[0]
         if offer.request.request_id != rid or offer.num_pages != pages or self._check(offer):
             return {"error": self._check(offer) or "the pages do not fit the reserved blocks"}
-        copied = await self._copy_in(header, reservation.buffer)
-        if isinstance(copied, str):
-            return {"error": copied}
+        refused = await self._copy_in(header, reservation)
+        if refused:
+            return {"error": refused}
         if self._prepared_reservation(rid) is not reservation:
             return {"error": "the reservation ended while its pages were copied"}
         _, expiry = self.prepared.pop(rid)
         expiry.cancel()
         self.stats["direct"] += 1
-        await self._import(header, offer.request, offer, copied)
+        self._import(header, offer)
         return {"ok": True}
 
     def abort(self, request_ids: list[str]) -> None:

@@ -65,7 +65,6 @@ class ImportCommand:
     first_token: int
     seed: int
     num_cached_tokens: int
-    after: object = None  # a CUDA event: the pages are still being copied into the receive buffer
 
 
 @dataclass(slots=True)
@@ -217,7 +216,7 @@ class StepLoop(threading.Thread):
             elif isinstance(command, ImportCommand):
                 c = command
                 try:
-                    self.engine.complete_import(c.request_id, c.first_token, c.seed, c.num_cached_tokens, c.after)
+                    self.engine.complete_import(c.request_id, c.first_token, c.seed, c.num_cached_tokens)
                     self.reply_to[c.request_id] = c.reply_to
                 except KeyError:  # cancelled (aborted or expired) before its pages arrived
                     pass

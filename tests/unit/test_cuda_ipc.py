@@ -62,7 +62,7 @@ def test_a_receiver_without_cuda_ipc_refuses_descriptors_and_the_bytes_come_inst
         receiver = HandoffReceiver(step_loop, "layout", 96, "", ttl=5.0, ipc=None, host_id="h")
         assert receiver.host_id == ""  # it does not announce IPC it cannot take
         server = TransferServer(receiver.on_frame, receiver.allocate).start()
-        refused = await receiver._copy_in({"ipc": GOOD}, torch.empty(4))
+        refused = await receiver._copy_in({"ipc": GOOD}, SimpleNamespace(buffer=torch.empty(4), allocated=None))
         assert isinstance(refused, str) and refused.startswith(REFUSED)
 
         offer = SimpleNamespace(request=SimpleNamespace(request_id="r1", reply_to="inbox"), first_token=5, seed=7,
@@ -89,7 +89,7 @@ def test_a_receiver_without_cuda_ipc_refuses_descriptors_and_the_bytes_come_inst
     assert sender._no_ipc and sender.stats["ipc"] == 0  # and it will not offer this worker a descriptor again
     assert not receiver.waiting and receiver.stats["imports"] == 1 and receiver.stats["ipc"] == 0
     (command,) = step_loop.commands
-    assert isinstance(command, ImportCommand) and command.after is None and command.first_token == 5
+    assert isinstance(command, ImportCommand) and command.first_token == 5
 
 
 def test_the_sender_describes_only_pages_in_the_buffer_for_a_worker_of_its_host():

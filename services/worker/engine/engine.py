@@ -77,6 +77,10 @@ class ImportReservation:
     request: Request
     skip_blocks: int
     buffer: torch.Tensor
+    # A CUDA event on the step stream after the buffer was allocated: another stream that writes
+    # the buffer waits for it (kernels that used its memory before were queued ahead of it), not
+    # for the steps queued since.
+    allocated: object = None
 
 
 _REASONS = {status: status.value for status in FINISHED if status is not RequestStatus.HANDED_OFF}
@@ -250,14 +254,16 @@ class LLMEngine:
         except RuntimeError:  # no device memory for the receive buffer now: like no free blocks
             self.batcher.cancel_reserved(request_id)
             return None
-        reservation = self._imports[request_id] = ImportReservation(request, skip, buffer)
+        allocated = None
+        if buffer.is_cuda:
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(buffer.device))
+        reservation = self._imports[request_id] = ImportReservation(request, skip, buffer, allocated)
         return reservation
 
-    def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0,
-                        after=None) -> Request:
-        """The buffer holds the pages (or will, once the CUDA event `after` is reached): write them
-        into the reserved blocks, append the first token the prefill worker sampled (with its
-        resolved seed, so seeded draws go on) and decode on."""
+    def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0) -> Request:
+        """The buffer holds the pages: write them into the reserved blocks, append the first token
+        the prefill worker sampled (with its resolved seed, so seeded draws go on) and decode on."""
         res = self._imports.pop(request_id)
         if not 0 <= first_token < self.model_config.vocab_size:
             self.batcher.cancel_reserved(request_id)
@@ -266,8 +272,6 @@ class LLMEngine:
         r.all_token_ids.append(first_token)
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
-        if after is not None:
-            torch.cuda.current_stream(self.device).wait_event(after)
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
         return self.batcher.start_imported(request_id)
 
