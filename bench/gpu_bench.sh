@@ -144,32 +144,32 @@ if has pd; then
     else W="--workers 2"; fi
     python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device $DEV --port $PD_PORT $W \
       --kvstore-capacity-gb ${PD_KVSTORE_GB:-2} \
-      --run-dir /tmp/inferno-run-$mode --log-format json \
+      --run-dir /tmp/inferno-run-$mode${PD_RUN_TAG:-} --log-format json \
       --worker-arg "${PD_WORKER_ARGS:---max-num-seqs 256 --max-num-batched-tokens 8192} --log-level DEBUG" \
       > "$OUT/up_$mode.log" 2>&1 &
     UP=$!
     for i in $(seq 1 480); do curl -sf localhost:$PD_PORT/ready >/dev/null && break; sleep 0.5; done
     sleep 4  # both workers registered
-    wait_graphs /tmp/inferno-run-$mode 90
+    wait_graphs /tmp/inferno-run-$mode${PD_RUN_TAG:-} 90
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests 30 --vocab-size $VOCAB \
       --seed 7 --out /tmp/pd_warmup_$mode.json > /dev/null 2>&1  # first shapes and hand-offs out of the figures
     python3 bench/greedy_probe.py --base-url http://127.0.0.1:$PD_PORT --vocab-size $VOCAB --out "$OUT/greedy_$mode.json" \
       || echo "greedy probe failed"  # compared across modes: the hand-off must move the KV intact
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_REQUESTS:-300} --vocab-size $VOCAB \
-      --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
+      --sweep-rates ${PD_RATES:-10,20,40} --pids-file /tmp/inferno-run-$mode${PD_RUN_TAG:-}/pids.json --out "$OUT/pd_w3_$mode.json" 2>&1 | tail -12
     python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --num-requests ${PD_LONG_REQUESTS:-100} \
       --input-len 1000:3000 --output-len 100:300 --vocab-size $VOCAB --sweep-rates ${PD_LONG_RATES:-5,10} \
-      --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/pd_long_$mode.json" 2>&1 | tail -12
+      --pids-file /tmp/inferno-run-$mode${PD_RUN_TAG:-}/pids.json --out "$OUT/pd_long_$mode.json" 2>&1 | tail -12
     if [ $mode = mixed ] && [ "${PD_W4:-0}" = 1 ]; then  # W4 on the two mixed workers and the kvstore
       for w4 in affinity plain; do  # other seeds: other system prompts, so the second run starts cold too
         python3 -m services.cli bench --base-url http://127.0.0.1:$PD_PORT --sessions ${W4_SESSIONS:-16} --turns 8 --system-len ${W4_SYSTEM_LEN:-4000} \
           --output-len 64 --seed $([ $w4 = affinity ] && echo 1 || echo 2) $([ $w4 = affinity ] && echo --session-affinity) \
-          --pids-file /tmp/inferno-run-$mode/pids.json --out "$OUT/w4_$w4.json" 2>&1 | tail -8
+          --pids-file /tmp/inferno-run-$mode${PD_RUN_TAG:-}/pids.json --out "$OUT/w4_$w4.json" 2>&1 | tail -8
       done
     fi
     kill -INT $UP; wait $UP
-    grep -h handoff_done /tmp/inferno-run-$mode/prefill-*.log > "$OUT/handoffs_$mode.jsonl" 2>/dev/null
-    grep -h -i "error\|Traceback" /tmp/inferno-run-$mode/*.log | head -20
+    grep -h "handoff_done\|handoff_landed" /tmp/inferno-run-$mode${PD_RUN_TAG:-}/prefill-*.log /tmp/inferno-run-$mode${PD_RUN_TAG:-}/decode-*.log > "$OUT/handoffs_$mode.jsonl" 2>/dev/null
+    grep -h -i "error\|Traceback" /tmp/inferno-run-$mode${PD_RUN_TAG:-}/*.log | head -20
   done
   [ -s "$OUT/handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/handoffs_pd.jsonl" | tee "$OUT/handoff_summary.json"
 fi
@@ -244,13 +244,15 @@ if has x4; then  # issue 11 on nvidia-h200-x4; X4_PARTS picks (in this order): t
       else W="--workers 4"; fi
       serve x4_$mode "$MODEL" "$W" "--log-level DEBUG"
       wait_graphs /tmp/inferno-run-x4_$mode 90
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests 60 --vocab-size $VOCAB \
+        --seed 7 --out /tmp/x4_warmup_$mode.json > /dev/null 2>&1  # first shapes and hand-offs out of the figures
       python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests ${X4_PD_REQUESTS:-600} --vocab-size $VOCAB \
         --sweep-rates 20,40,80 --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_w3_$mode.json" 2>&1 | tail -6
       python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests ${X4_LONG_REQUESTS:-200} \
         --input-len 1000:3000 --output-len 100:300 --vocab-size $VOCAB --sweep-rates 10,20 \
         --pids-file /tmp/inferno-run-x4_$mode/pids.json --out "$OUT/x4_long_$mode.json" 2>&1 | tail -6
       stop x4_$mode
-      grep -h handoff_done /tmp/inferno-run-x4_$mode/prefill-*.log > "$OUT/x4_handoffs_$mode.jsonl" 2>/dev/null
+      grep -h "handoff_done\|handoff_landed" /tmp/inferno-run-x4_$mode/prefill-*.log /tmp/inferno-run-x4_$mode/decode-*.log > "$OUT/x4_handoffs_$mode.jsonl" 2>/dev/null
     done
     [ -s "$OUT/x4_handoffs_pd.jsonl" ] && python3 bench/handoff_stats.py "$OUT/x4_handoffs_pd.jsonl" | tee "$OUT/x4_handoff_summary.json"
   fi

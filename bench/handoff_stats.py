@@ -1,5 +1,7 @@
 """Summarizes the prefill workers' `handoff_done` debug lines (JSON logs): hand-off time per request
-(p50/p99) and its phases, bytes and GB/s, overall and for prompts of ≥ 2,800 tokens."""
+(p50/p99) and its phases, bytes and GB/s, overall and for prompts of ≥ 2,800 tokens. With the
+decode workers' `handoff_landed` lines too, the push's timeline: the frame in flight (prefill's
+send → decode's handler), the copy, and the rest (the reply's way back, the handler's own work)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,22 @@ def summary(rows: list[dict]) -> dict:
             "offer_ms_p50": pct([r["offer_s"] * 1e3 for r in rows], 0.5),
             "push_ms_p50": pct(push, 0.5), "push_ms_p99": pct(push, 0.99),
             "mib_p50": pct([r["bytes"] / 2**20 for r in rows], 0.5), "push_gbps_p50": pct(gbps, 0.5),
-            "over_cuda_ipc": sum(bool(r.get("ipc")) for r in rows)}
+            "over_cuda_ipc": sum(bool(r.get("ipc")) for r in rows), **timeline(rows)}
+
+
+def timeline(rows: list[dict]) -> dict:
+    landed = [(r, r["landed"]) for r in rows if "landed" in r]
+    if not landed:
+        return {}
+    return {"landed": len(landed),
+            "wire_ms_p50": pct([x["wire_s"] * 1e3 for _, x in landed], 0.5),
+            "copy_ms_p50": pct([x["copy_s"] * 1e3 for _, x in landed], 0.5),
+            "handler_ms_p50": pct([x["handler_s"] * 1e3 for _, x in landed], 0.5),
+            "back_ms_p50": pct([(r["push_s"] - x["wire_s"] - x["handler_s"]) * 1e3 for r, x in landed], 0.5)}
 
 
 def main() -> int:
-    rows = []
+    rows, landed = [], {}
     for path in sys.argv[1:]:
         with open(path) as f:
             for line in f:
@@ -37,6 +50,11 @@ def main() -> int:
                     continue
                 if event.get("event") == "handoff_done":
                     rows.append(event)
+                elif event.get("event") == "handoff_landed":
+                    landed[event.get("request_id")] = event
+    for r in rows:
+        if r["request_id"] in landed:
+            r["landed"] = landed[r["request_id"]]
     block = 16
     long_rows = [r for r in rows if (r["pages"] + r["skipped"]) * block >= 2800]
     print(json.dumps({"all": summary(rows), "prompt_ge_2800": summary(long_rows)}))

@@ -3,7 +3,8 @@
 # own: issue 8's prefill/decode split against two mixed workers on GPUs 0-1 (bench/gpu_bench.sh's
 # `pd` stage) and issue 10's tensor/pipeline parallelism on GPUs 2-3 (its `tp` stage). A pair of
 # one host is what nvidia-h200-x2 lends, so this is one call's worth of both two-GPU benchmarks.
-# MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four.
+# MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four; MULTI=pd2
+# runs 1P+1D and 2 mixed workers at once, MULTI=pdab 1P+1D twice (B with PD_B_WORKER_ARGS).
 # Needs the wheels the image lacks in .whl/ (../shared/tools/gpu-wheels.sh, with UCX).
 # Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh  (write the sha out: on the device,
 # `git rev-parse HEAD` gives the landed commit, not the working tree the call carried)
@@ -45,6 +46,9 @@ if [ "${MULTI:-pairs}" = x4 ]; then
 elif [ "${MULTI:-pairs}" = pd2 ]; then  # 1P+1D on GPUs 0-1 and its baseline, 2 mixed, on GPUs 2-3, at once
   lane pd 0,1 pd PD_MODES=pd PD_PORT=8003 "${PD[@]}" &
   lane mixed 2,3 pd PD_MODES=mixed PD_PORT=8013 "${PD[@]}" &
+elif [ "${MULTI:-pairs}" = pdab ]; then  # 1P+1D twice at once: an A/B of worker flags (PD_B_WORKER_ARGS)
+  lane pd 0,1 pd PD_MODES=pd PD_PORT=8003 "${PD[@]}" &
+  lane pdb 2,3 pd PD_MODES=pd PD_PORT=8013 PD_RUN_TAG=b "${PD[@]}" PD_WORKER_ARGS="${PD_B_WORKER_ARGS:?}" &
 else
   lane pd 0,1 pd "${PD[@]}" PD_W4=1 &
   lane tp 2,3 tp TP_W2_REQUESTS=${TP_W2_REQUESTS:-500} TP_TIMEOUT=${TP_TIMEOUT:-150} &

@@ -107,7 +107,8 @@ class HandoffSender:
         ready = self.ready.pop(msg.request_id, (None, 0.0))[0]
         direct, ipc_before = False, self.stats["ipc"]
         try:
-            await asyncio.to_thread(handoff.ready)
+            if not handoff.copied():  # usually it is, by the time the event loop gets here
+                await asyncio.to_thread(handoff.ready)
             t_ready = time.perf_counter()
             offer = KvHandoffOffer(request=msg, first_token=output.new_token_ids[0], seed=handoff.seed,
                                    num_cached_tokens=handoff.num_cached_tokens, layout=self.layout,
@@ -166,6 +167,7 @@ class HandoffSender:
         """One frame with pages[skip:]: their place in the hand-off buffer when the decode worker
         can copy them over CUDA IPC, else the bytes. Returns the reply header."""
         pages = handoff.pages[skip:]
+        header = {**header, "sent_at": time.time()}  # the decode side's timeline (one host, one clock)
         desc = self._describe(pages, handoff, address, peer_host)
         if desc is not None:
             try:
@@ -326,23 +328,35 @@ class HandoffReceiver:
         return None if result is None or isinstance(result, str) else result
 
     async def on_frame(self, header: dict, payload) -> tuple[dict, None]:
+        arrived = time.perf_counter()
+        reply = await self._on_frame(header)
+        sent_at = header.get("sent_at")
+        if reply.get("ok") and isinstance(sent_at, float):
+            # One line per landed hand-off at debug level: with the prefill side's handoff_done, a
+            # hand-off's timeline (frame in flight, copy, reply).
+            log.debug("handoff_landed", request_id=header.get("request_id") or header.get("transfer_id"),
+                      ipc="ipc" in header, wire_s=time.time() - sent_at - (time.perf_counter() - arrived),
+                      handler_s=time.perf_counter() - arrived, copy_s=header.get("copy_s", 0.0))
+        return reply, None
+
+    async def _on_frame(self, header: dict) -> dict:
         if header.get("op") == "kv_handoff_direct":
-            return await self._on_direct(header), None
+            return await self._on_direct(header)
         if header.get("op") != "kv_handoff":
-            return {"error": f"unknown op {header.get('op')!r}"}, None
+            return {"error": f"unknown op {header.get('op')!r}"}
         tid = header.get("transfer_id")
         entry = self.waiting.get(tid) if isinstance(tid, str) else None
         if entry is None:
-            return {"error": "no reservation for this transfer (expired or aborted)"}, None
+            return {"error": "no reservation for this transfer (expired or aborted)"}
         offer, reservation, expiry = entry
         refused = await self._copy_in(header, reservation)
         if refused:
-            return {"error": refused}, None
+            return {"error": refused}
         if self.waiting.pop(tid, None) is None:
-            return {"error": "the reservation ended while its pages were copied"}, None
+            return {"error": "the reservation ended while its pages were copied"}
         expiry.cancel()
         self._import(header, offer)
-        return {"ok": True}, None
+        return {"ok": True}
 
     async def _copy_in(self, header: dict, reservation) -> str | None:
         """Pages described by an "ipc" header: copy them out of the prefill worker's buffer on a
@@ -368,7 +382,9 @@ class HandoffReceiver:
             copied.record(stream)
         except IpcError as e:
             return f"{REFUSED}: {e}"
+        t0 = time.perf_counter()
         await asyncio.to_thread(copied.synchronize)
+        header["copy_s"] = time.perf_counter() - t0  # for the timeline's log line
         self.stats["ipc"] += 1
         return None
 

@@ -80,6 +80,10 @@ def parse_args(argv):
     ap.add_argument("--emit-step-seconds", type=float, default=0.0,
                     help="with --emit-only: seconds per step, e.g. 0.015 for a GPU's batch-256 decode (one token "
                          "per request per step, as there); 0 emits as fast as it can")
+    ap.add_argument("--gil-switch-interval-ms", type=float,
+                    default=env_default("INFERNO_GIL_SWITCH_INTERVAL_MS", None, float),
+                    help="how long the step thread may run Python before the event loop (hand-offs, tokens "
+                         "out) gets the interpreter (sys.setswitchinterval; Python's default is 5 ms)")
     ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
@@ -130,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.prefetch import start_prefetch
         prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
+    if args.gil_switch_interval_ms is not None:
+        if not args.gil_switch_interval_ms > 0:
+            raise SystemExit("--gil-switch-interval-ms must be above 0")
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
     kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                   num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -34,6 +34,10 @@ class Handoff:
         if self.event is not None:
             self.event.synchronize()
 
+    def copied(self) -> bool:
+        """The copy out of the pool has ended (ready() would not wait)."""
+        return self.event is None or self.event.query()
+
     def done(self) -> None:
         """The pages have been sent (or never will be): their slot may hold the next hand-off."""
         if self.release is not None:
