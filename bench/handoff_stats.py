@@ -35,6 +35,7 @@ def timeline(rows: list[dict]) -> dict:
     return {"landed": len(landed),
             "wire_ms_p50": pct([x["wire_s"] * 1e3 for _, x in landed], 0.5),
             "copy_ms_p50": pct([x["copy_s"] * 1e3 for _, x in landed], 0.5),
+            "copy_gpu_ms_p50": pct([x.get("copy_gpu_s", 0.0) * 1e3 for _, x in landed], 0.5),
             "handler_ms_p50": pct([x["handler_s"] * 1e3 for _, x in landed], 0.5),
             "back_ms_p50": pct([(r["push_s"] - x["wire_s"] - x["handler_s"]) * 1e3 for r, x in landed], 0.5)}
 

@@ -4,7 +4,8 @@
 # `pd` stage) and issue 10's tensor/pipeline parallelism on GPUs 2-3 (its `tp` stage). A pair of
 # one host is what nvidia-h200-x2 lends, so this is one call's worth of both two-GPU benchmarks.
 # MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four; MULTI=pd2
-# runs 1P+1D and 2 mixed workers at once, MULTI=pdab 1P+1D twice (B with PD_B_WORKER_ARGS).
+# runs 1P+1D and 2 mixed workers at once, MULTI=pdab 1P+1D twice (B with PD_B_WORKER_ARGS and the
+# environment PD_B_ENV, e.g. "INFERNO_KV_COPY_STREAMS=4"). PRE: a command run first (a probe).
 # Needs the wheels the image lacks in .whl/ (../shared/tools/gpu-wheels.sh, with UCX).
 # Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh  (write the sha out: on the device,
 # `git rev-parse HEAD` gives the landed commit, not the working tree the call carried)
@@ -35,6 +36,9 @@ lane() {  # name, GPUs, stages, extra environment ...
     timeout -k 5 ${LANE_SECONDS:-520} bash bench/gpu_bench.sh > "$OUT/$name.log" 2>&1
   echo "lane $name ended at ${SECONDS} s (code $?)"
 }
+if [ -n "${PRE:-}" ]; then
+  bash -c "$PRE" 2>&1 | tee "$OUT/pre.log" | tail -30
+fi
 if [ -n "${GPU_TESTS:-}" ]; then  # CPU-tested code that has a CUDA case too
   python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -3
 fi
@@ -48,7 +52,7 @@ elif [ "${MULTI:-pairs}" = pd2 ]; then  # 1P+1D on GPUs 0-1 and its baseline, 2 
   lane mixed 2,3 pd PD_MODES=mixed PD_PORT=8013 "${PD[@]}" &
 elif [ "${MULTI:-pairs}" = pdab ]; then  # 1P+1D twice at once: an A/B of worker flags (PD_B_WORKER_ARGS)
   lane pd 0,1 pd PD_MODES=pd PD_PORT=8003 "${PD[@]}" &
-  lane pdb 2,3 pd PD_MODES=pd PD_PORT=8013 PD_RUN_TAG=b "${PD[@]}" PD_WORKER_ARGS="${PD_B_WORKER_ARGS:?}" &
+  lane pdb 2,3 pd PD_MODES=pd PD_PORT=8013 PD_RUN_TAG=b "${PD[@]}" PD_WORKER_ARGS="${PD_B_WORKER_ARGS:- }" ${PD_B_ENV:-} &
 else
   lane pd 0,1 pd "${PD[@]}" PD_W4=1 &
   lane tp 2,3 tp TP_W2_REQUESTS=${TP_W2_REQUESTS:-500} TP_TIMEOUT=${TP_TIMEOUT:-150} &

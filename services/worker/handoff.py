@@ -211,7 +211,6 @@ class HandoffReceiver:
         self.address, self.ttl = address, ttl
         # A GPU worker's CUDA IPC mappings; the host it announces (prefill workers there send descriptors).
         self.ipc, self.host_id = ipc, host_id if ipc is not None else ""
-        self._copy_stream = None
         # publish(subject, message): tells a prefill worker its request's blocks are reserved here.
         self.publish, self.prefix, self.worker_id = publish, prefix, worker_id
         self.accepting = True
@@ -336,7 +335,8 @@ class HandoffReceiver:
             # hand-off's timeline (frame in flight, copy, reply).
             log.debug("handoff_landed", request_id=header.get("request_id") or header.get("transfer_id"),
                       ipc="ipc" in header, wire_s=time.time() - sent_at - (time.perf_counter() - arrived),
-                      handler_s=time.perf_counter() - arrived, copy_s=header.get("copy_s", 0.0))
+                      handler_s=time.perf_counter() - arrived, copy_s=header.get("copy_s", 0.0),
+                      copy_gpu_s=header.get("copy_gpu_s", 0.0))
         return reply, None
 
     async def _on_frame(self, header: dict) -> dict:
@@ -369,22 +369,14 @@ class HandoffReceiver:
         try:
             if self.ipc is None or not buffer.is_cuda:
                 raise IpcError("this worker takes no CUDA IPC")
-            import torch
-
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(buffer.device)
-            stream = self._copy_stream
-            if reservation.allocated is not None:  # what used the buffer's memory before is done
-                stream.wait_event(reservation.allocated)
-            self.ipc.copy_into(buffer, header["ipc"], stream)
-            buffer.record_stream(stream)  # and it is not reused before the copy ends
-            copied = torch.cuda.Event()
-            copied.record(stream)
+            # Behind the buffer's allocation (what used its memory before is done), not the steps since.
+            start, copied = self.ipc.copy_into(buffer, header["ipc"], reservation.allocated, timing=True)
         except IpcError as e:
             return f"{REFUSED}: {e}"
         t0 = time.perf_counter()
         await asyncio.to_thread(copied.synchronize)
         header["copy_s"] = time.perf_counter() - t0  # for the timeline's log line
+        header["copy_gpu_s"] = start.elapsed_time(copied) / 1e3
         self.stats["ipc"] += 1
         return None
 

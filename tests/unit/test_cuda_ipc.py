@@ -132,17 +132,17 @@ def test_a_second_process_copies_a_slot_out_of_the_exported_buffer():
                            for i, f in enumerate(desc["storage"])]
         assert desc["offset"] == 4096 and desc["nbytes"] == 65536
         dst = torch.empty(65536, dtype=torch.uint8, device="cuda:0")
-        stream = torch.cuda.Stream("cuda:0")
-        importer = IpcImporter()
-        importer.copy_into(dst, desc, stream)
-        stream.synchronize()
         expected = (torch.arange(4096, 4096 + 65536, dtype=torch.int64) * 7 % 251).to(torch.uint8)
-        assert torch.equal(dst.cpu(), expected)
+        for streams in (1, 3):  # one copy, or chunks on three streams
+            dst.zero_()
+            importer = IpcImporter(streams=streams)
+            start, end = importer.copy_into(dst, desc, timing=True)
+            end.synchronize()
+            assert torch.equal(dst.cpu(), expected) and start.elapsed_time(end) >= 0
         with pytest.raises(IpcError):  # beyond the shared storage
-            importer.copy_into(torch.empty(1 << 23, dtype=torch.uint8, device="cuda:0"),
-                               {**desc, "nbytes": 1 << 23}, stream)
-        importer.copy_into(dst[:8], {**desc, "offset": 8192, "nbytes": 8}, stream)  # mapped once, reused
-        stream.synchronize()
+            importer.copy_into(torch.empty(1 << 23, dtype=torch.uint8, device="cuda:0"), {**desc, "nbytes": 1 << 23})
+        _, end = importer.copy_into(dst[:8], {**desc, "offset": 8192, "nbytes": 8})  # mapped once, reused
+        end.synchronize()
         assert torch.equal(dst[:8].cpu(), expected[4096:4104])
         importer.close()
     finally:

@@ -17,6 +17,7 @@ and the tensor reads as local to it: copies from it are plain device copies on o
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import threading
 from collections import OrderedDict
@@ -84,16 +85,20 @@ class IpcExporter:
 
 
 class IpcImporter:
-    """The decode side: peer storages mapped once (the last `keep` of them), and copies out."""
+    """The decode side: peer storages mapped once (the last `keep` of them), and copies out of
+    them on streams of its own, in `streams` chunks at once (several copy engines)."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, streams: int | None = None):
         self.keep = keep
+        self.num_streams = streams or int(os.environ.get("INFERNO_KV_COPY_STREAMS", "1"))
+        self._streams: list = []
         self._mapped: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # IPC handle → mapped storage
         self._lock = threading.Lock()
 
-    def copy_into(self, dst: torch.Tensor, desc, stream) -> None:
-        """Enqueue a copy of the described bytes into the contiguous CUDA tensor `dst` on `stream`;
-        IpcError when the descriptor is malformed, out of bounds or cannot be mapped."""
+    def copy_into(self, dst: torch.Tensor, desc, after=None, timing: bool = False):
+        """Enqueue a copy of the described bytes into the contiguous CUDA tensor `dst`, behind the
+        CUDA event `after`; returns (start, end) CUDA events (start None unless `timing`). IpcError
+        when the descriptor is malformed, out of bounds or cannot be mapped."""
         fields, offset, nbytes = _fields(desc)
         if nbytes != dst.numel() * dst.element_size() or not dst.is_contiguous():
             raise IpcError(f"{nbytes} bytes described, the receive buffer holds {dst.numel() * dst.element_size()}")
@@ -102,8 +107,28 @@ class IpcImporter:
             raise IpcError(f"bytes {offset}..{offset + nbytes} lie outside the shared {peer.numel()} bytes")
         import torch
 
-        with torch.cuda.stream(stream):
-            dst.view(-1).view(torch.uint8).copy_(peer[offset:offset + nbytes], non_blocking=True)
+        if not self._streams:
+            self._streams = [torch.cuda.Stream(dst.device) for _ in range(max(1, self.num_streams))]
+        first, *others = self._streams
+        start = torch.cuda.Event(enable_timing=True) if timing else None
+        if after is not None:
+            first.wait_event(after)
+        if start is not None:
+            start.record(first)
+        flat = dst.view(-1).view(torch.uint8)
+        src = peer[offset:offset + nbytes]
+        chunks = list(zip(flat.chunk(len(self._streams)), src.chunk(len(self._streams))))
+        for stream in others:
+            stream.wait_stream(first)
+        for stream, (d, s) in zip(self._streams, chunks):
+            with torch.cuda.stream(stream):
+                d.copy_(s, non_blocking=True)
+            dst.record_stream(stream)  # the buffer is not reused before its copy ends
+        for stream in others:
+            first.wait_stream(stream)
+        end = torch.cuda.Event(enable_timing=timing)
+        end.record(first)
+        return start, end
 
     def _map(self, fields: list, device: torch.device) -> torch.Tensor:
         handle = fields[0]
