@@ -37,7 +37,12 @@ def timeline(rows: list[dict]) -> dict:
             "copy_ms_p50": pct([x["copy_s"] * 1e3 for _, x in landed], 0.5),
             "copy_gpu_ms_p50": pct([x.get("copy_gpu_s", 0.0) * 1e3 for _, x in landed], 0.5),
             "handler_ms_p50": pct([x["handler_s"] * 1e3 for _, x in landed], 0.5),
-            "back_ms_p50": pct([(r["push_s"] - x["wire_s"] - x["handler_s"]) * 1e3 for r, x in landed], 0.5)}
+            "back_ms_p50": pct([(r["push_s"] - x["wire_s"] - x["handler_s"]) * 1e3 for r, x in landed], 0.5),
+            # The first token's KV is in the decode worker's buffer and its import queued: what the
+            # request waits for (the reply's way back only frees the prefill worker's slot).
+            "landed_ms_p50": pct(until_landed := [(r["export_s"] + r["offer_s"] + x["wire_s"] + x["handler_s"]) * 1e3
+                                                  for r, x in landed], 0.5),
+            "landed_ms_p99": pct(until_landed, 0.99)}
 
 
 def main() -> int:

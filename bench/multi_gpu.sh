@@ -5,7 +5,7 @@
 # one host is what nvidia-h200-x2 lends, so this is one call's worth of both two-GPU benchmarks.
 # MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four; MULTI=pd2
 # runs 1P+1D and 2 mixed workers at once, MULTI=pdab 1P+1D twice (B with PD_B_WORKER_ARGS and the
-# environment PD_B_ENV, e.g. "INFERNO_KV_COPY_STREAMS=4"). PRE: a command run first (a probe).
+# environment PD_B_ENV, e.g. "INFERNO_SOME_KNOB=1"). PRE: a command run first (a probe).
 # Needs the wheels the image lacks in .whl/ (../shared/tools/gpu-wheels.sh, with UCX).
 # Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh  (write the sha out: on the device,
 # `git rev-parse HEAD` gives the landed commit, not the working tree the call carried)
