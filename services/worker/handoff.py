@@ -167,7 +167,9 @@ class HandoffSender:
         """One frame with pages[skip:]: their place in the hand-off buffer when the decode worker
         can copy them over CUDA IPC, else the bytes. Returns the reply header."""
         pages = handoff.pages[skip:]
-        header = {**header, "sent_at": time.time()}  # the decode side's timeline (one host, one clock)
+        # sent_at: the decode side's timeline (one host, one clock); prefill_worker_id: whose buffer
+        # a descriptor names (the decode side keeps one mapping per prefill worker).
+        header = {**header, "sent_at": time.time(), "prefill_worker_id": self.worker_id}
         desc = self._describe(pages, handoff, address, peer_host)
         if desc is not None:
             try:
@@ -370,7 +372,8 @@ class HandoffReceiver:
             if self.ipc is None or not buffer.is_cuda:
                 raise IpcError("this worker takes no CUDA IPC")
             # Behind the buffer's allocation (what used its memory before is done), not the steps since.
-            start, copied = self.ipc.copy_into(buffer, header["ipc"], reservation.allocated, timing=True)
+            start, copied = self.ipc.copy_into(buffer, header["ipc"], reservation.allocated, timing=True,
+                                               owner=str(header.get("prefill_worker_id", "")))
         except IpcError as e:
             return f"{REFUSED}: {e}"
         t0 = time.perf_counter()

@@ -105,6 +105,30 @@ def test_the_sender_describes_only_pages_in_the_buffer_for_a_worker_of_its_host(
     assert sender._describe(pages, in_buffer, "a:1", "h") is None
 
 
+def test_the_importer_keeps_one_mapping_per_prefill_worker(monkeypatch):
+    """A mapping pins the peer's memory even after its owner freed it: an owner's new storage
+    (restart, model reload) replaces its old mapping; at most `keep` owners are mapped."""
+    import services.worker.engine.cuda_ipc as cuda_ipc
+
+    opened = []
+
+    def fake_open(fields, device):
+        opened.append(fields[0])
+        return torch.zeros(16, dtype=torch.uint8)
+
+    monkeypatch.setattr(cuda_ipc, "open_shared", fake_open)
+    importer = IpcImporter(keep=2)
+    first = importer._map([b"a" * 64, *STORAGE[1:]], "cpu", "prefill-0")
+    assert importer._map([b"a" * 64, *STORAGE[1:]], "cpu", "prefill-0") is first and len(opened) == 1
+    importer._map([b"b" * 64, *STORAGE[1:]], "cpu", "prefill-0")  # prefill-0 restarted: a new buffer
+    assert importer.owners == ["prefill-0"] and len(opened) == 2
+    importer._map([b"c" * 64, *STORAGE[1:]], "cpu", "prefill-1")
+    importer._map([b"d" * 64, *STORAGE[1:]], "cpu", "prefill-2")
+    assert importer.owners == ["prefill-1", "prefill-2"]  # the least recently used owner went
+    importer.close()
+    assert importer.owners == []
+
+
 CHILD = r"""
 import json, sys, torch
 from services.worker.engine.cuda_ipc import IpcExporter

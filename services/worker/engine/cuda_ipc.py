@@ -61,10 +61,12 @@ def host_id() -> str:
 
 
 class IpcExporter:
-    """The prefill side: descriptors of CUDA tensors; each storage is shared once (cached)."""
+    """The prefill side: descriptors of CUDA tensors; each storage is shared once (cached). The
+    cache holds the storages it shared: one freed while cached could give its address to a new
+    allocation, whose pages would then go out under the old storage's handle."""
 
     def __init__(self):
-        self._shared: dict[int, list] = {}  # storage pointer → sharing fields
+        self._shared: dict[int, tuple[object, list]] = {}  # storage pointer → (storage, sharing fields)
         self._lock = threading.Lock()
 
     def describe(self, tensor: torch.Tensor) -> dict:
@@ -73,36 +75,39 @@ class IpcExporter:
             raise IpcError("only contiguous CUDA tensors can be shared")
         storage = tensor.untyped_storage()
         with self._lock:
-            fields = self._shared.get(storage.data_ptr())
-            if fields is None:
+            entry = self._shared.get(storage.data_ptr())
+            if entry is None:
                 try:
-                    fields = self._shared[storage.data_ptr()] = share(tensor)
+                    entry = self._shared[storage.data_ptr()] = (storage, share(tensor))
                 except RuntimeError as e:
                     raise IpcError(f"cannot share this memory: {e}") from e
+            fields = entry[1]
         return {"storage": fields, "offset": tensor.storage_offset() * tensor.element_size(),
                 "nbytes": tensor.numel() * tensor.element_size()}
 
 
 class IpcImporter:
-    """The decode side: peer storages mapped once (the last `keep` of them), and copies out of
-    them on a stream of its own. One copy at a time: in chunks on 2-8 streams (several copy
-    engines) a 362 MiB pull was no faster (four H100s, 2026-11-27: 1.00 ms on one, 1.01-1.05 ms
-    on more; bench/ipc_copy_probe.py)."""
+    """The decode side: peer storages mapped once, one per prefill worker (`owner`) and the last
+    `keep` owners, and copies out of them on a stream of its own. A mapping keeps the peer's
+    memory allocated even after its owner freed it (CUDA IPC), so an owner's new storage (a
+    restart, a model reload) replaces its old mapping at once. One copy at a time: in chunks on
+    2-8 streams (several copy engines) a 362 MiB pull was no faster (four H100s, 2026-11-27:
+    1.00 ms on one, 1.01-1.05 ms on more; bench/ipc_copy_probe.py)."""
 
     def __init__(self, keep: int = 8):
         self.keep = keep
         self._stream = None
-        self._mapped: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # IPC handle → mapped storage
+        self._mapped: OrderedDict[str, tuple[bytes, torch.Tensor]] = OrderedDict()  # owner → (handle, mapping)
         self._lock = threading.Lock()
 
-    def copy_into(self, dst: torch.Tensor, desc, after=None, timing: bool = False):
-        """Enqueue a copy of the described bytes into the contiguous CUDA tensor `dst`, behind the
-        CUDA event `after`; returns (start, end) CUDA events (start None unless `timing`). IpcError
-        when the descriptor is malformed, out of bounds or cannot be mapped."""
+    def copy_into(self, dst: torch.Tensor, desc, after=None, timing: bool = False, owner: str = ""):
+        """Enqueue a copy of the described bytes (shared by `owner`) into the contiguous CUDA
+        tensor `dst`, behind the CUDA event `after`; returns (start, end) CUDA events (start None
+        unless `timing`). IpcError when the descriptor is malformed, out of bounds or cannot be mapped."""
         fields, offset, nbytes = _fields(desc)
         if nbytes != dst.numel() * dst.element_size() or not dst.is_contiguous():
             raise IpcError(f"{nbytes} bytes described, the receive buffer holds {dst.numel() * dst.element_size()}")
-        peer = self._map(fields, dst.device)
+        peer = self._map(fields, dst.device, owner)
         if offset + nbytes > peer.numel():
             raise IpcError(f"bytes {offset}..{offset + nbytes} lie outside the shared {peer.numel()} bytes")
         import torch
@@ -122,19 +127,27 @@ class IpcImporter:
         end.record(stream)
         return start, end
 
-    def _map(self, fields: list, device: torch.device) -> torch.Tensor:
+    def _map(self, fields: list, device: torch.device, owner: str) -> torch.Tensor:
         handle = fields[0]
         with self._lock:
-            if handle in self._mapped:
-                self._mapped.move_to_end(handle)
-                return self._mapped[handle]
+            entry = self._mapped.get(owner)
+            if entry is not None and entry[0] == handle:
+                self._mapped.move_to_end(owner)
+                return entry[1]
+            self._mapped.pop(owner, None)  # that owner's previous storage: let its memory go
             try:
-                peer = self._mapped[handle] = open_shared(fields, device)
+                peer = open_shared(fields, device)
             except RuntimeError as e:
                 raise IpcError(f"cannot map the peer's memory: {e}") from e
-            while len(self._mapped) > self.keep:  # a restarted prefill worker's old buffer
+            self._mapped[owner] = (handle, peer)
+            while len(self._mapped) > self.keep:
                 self._mapped.popitem(last=False)
             return peer
+
+    @property
+    def owners(self) -> list[str]:
+        with self._lock:
+            return list(self._mapped)
 
     def close(self) -> None:
         with self._lock:
