@@ -189,6 +189,23 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
     --json --overlap --tensor-parallel-size 2 --no-custom-all-reduce 2>&1 | tee "$OUT/tp2_nccl_w1.log" | tail -3 \
     > "$OUT/tp2_nccl_w1.json"
   tail -1 "$OUT/tp2_nccl_w1.json"
+  # the one-shot all-reduce with the residual add and RMSNorm in the same kernel (off by default until this says)
+  timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
+    --json --overlap --tensor-parallel-size 2 --fused-all-reduce-norm 2>&1 | tee "$OUT/tp2_fused_w1.log" | tail -3 \
+    > "$OUT/tp2_fused_w1.json"
+  python3 - "$OUT" <<'PY'
+import json, sys
+rows = {}
+for tag in ("tp1", "tp2", "tp2_nccl", "tp2_fused"):
+    try:
+        rows[tag] = [json.loads(l) for l in open(f"{sys.argv[1]}/{tag}_w1.json") if l.startswith("{")][-1]
+    except (OSError, IndexError, ValueError):
+        pass
+for tag, r in rows.items():
+    same = sum(a == b for a, b in zip(r["first_tokens"], rows.get("tp2", r)["first_tokens"]))
+    print(f"W1 {tag}: {r['decode_tokens_per_s']:.1f} tok/s, {r['decode_step_ms']:.3f} ms/step, "
+          f"first tokens equal to tp2's: {same}/{len(r['first_tokens'])}")
+PY
   M70=${M70:-/tmp/llama-3.1-70b}
   [ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
   timeout $T python3 -m services.cli bench-engine --model "$M70" --load-format dummy --batch-size 1 --prompt-len 128 \

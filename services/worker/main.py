@@ -74,6 +74,10 @@ def parse_args(argv):
                     default=env_default("INFERNO_CUSTOM_ALL_REDUCE", True, parse_bool),
                     help="tensor parallelism on GPUs: small all-reduces in one kernel over the peers' memory "
                          "(CUDA IPC), larger ones through NCCL; --no-custom-all-reduce: NCCL for all")
+    ap.add_argument("--fused-all-reduce-norm", action=argparse.BooleanOptionalAction,
+                    default=env_default("INFERNO_FUSED_ALL_REDUCE_NORM", False, parse_bool),
+                    help="tensor parallelism with the one-shot all-reduce: the residual add and RMSNorm after "
+                         "each all-reduce in the same kernel (off until measured on GPUs)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
-                  pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce)
+                  pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
+                  fused_all_reduce_norm=args.fused_all_reduce_norm)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     cfg = WorkerServiceConfig(**kwargs)

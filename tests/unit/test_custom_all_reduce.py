@@ -160,23 +160,115 @@ def _interpreted_rank(rank: int, world: int, data, signals, results) -> None:
     results.put((rank, mismatches, state.tolist()))
 
 
-def test_the_kernel_protocol_between_two_interpreted_processes(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children import Triton afresh
-    world = 2
-    data, signals = buffers(world, INTERP_MAX_BYTES, shared=True)
+def run_interpreted(target, world: int, data, signals, timeout: float = 120) -> list:
+    """target(rank, world, data, signals, results) in one spawned process per rank, under the
+    interpreter (set by the caller); each rank's result, in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_interpreted_rank, args=(r, world, data, signals, results)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, data, signals, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        got = sorted(results.get(timeout=120) for _ in procs)
+        return sorted(results.get(timeout=timeout) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def test_the_kernel_protocol_between_two_interpreted_processes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children import Triton afresh
+    world = 2
+    data, signals = buffers(world, INTERP_MAX_BYTES, shared=True)
+    got = run_interpreted(_interpreted_rank, world, data, signals)
     calls = 4 * 2 * (len(SIZES) + 1)
     assert got == [(r, [], [calls, 0]) for r in range(world)]
     # Block 0's last flag reached the peer's inbox; no rank signals itself.
     assert [[s[r * MAX_BLOCKS].item() for r in range(world)] for s in signals] == [[0, calls], [calls, 0]]
+
+
+# -- the one-shot all-reduce fused with the residual add and RMSNorm ---------------------------
+NORM_SHAPES = ((1, 48), (3, 64), (40, 48), (100, 32))  # one row ... more rows than blocks take at once
+
+
+def _norm_inputs(rows, cols, dtype, world, step):
+    ins = [((torch.arange(rows * cols) * (r + 3) + 5 * step + r) % 23 - 11).to(dtype).view(rows, cols)
+           for r in range(world)]
+    residual = ((torch.arange(rows * cols) * 7 + step) % 13 - 6).to(dtype).view(rows, cols)
+    weight = (torch.arange(cols) % 5 + 1).to(dtype) / 4
+    return ins, residual, weight
+
+
+def _interpreted_fused_rank(rank: int, world: int, data, signals, results) -> None:
+    from services.worker.kernels.rmsnorm import fused_add_rmsnorm_ref
+
+    state = torch.zeros(2, dtype=torch.int64)
+    ar = CustomAllReduce(rank, data, signals, state, INTERP_MAX_BYTES)
+    bad = []
+    for step in range(2):
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows, cols in NORM_SHAPES:
+                ins, residual, weight = _norm_inputs(rows, cols, dtype, world, step)
+                x = ins[rank].clone()
+                assert ar.serves_add_rmsnorm(x, residual, weight)
+                out, new_residual = ar.all_reduce_add_rmsnorm(x, residual, weight, 1e-6)
+                ref_out, ref_residual = fused_add_rmsnorm_ref(all_reduce_ref(ins), residual, weight, 1e-6)
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                if not (torch.equal(new_residual, ref_residual) and torch.equal(x, ins[rank])
+                        and torch.allclose(out.float(), ref_out.float(), rtol=tol, atol=tol)):
+                    bad.append((step, str(dtype), rows, cols))
+                # A plain all-reduce between fused ones: the two kernels share halves and counter.
+                y = ins[rank].clone().view(-1)
+                ar.all_reduce(y)
+                if not torch.equal(y, all_reduce_ref([t.view(-1) for t in ins])):
+                    bad.append(("plain", step, str(dtype), rows, cols))
+    results.put((rank, bad, state.tolist()))
+
+
+def test_the_fused_kernel_between_two_interpreted_processes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    world = 2
+    data, signals = buffers(world, INTERP_MAX_BYTES, shared=True)
+    got = run_interpreted(_interpreted_fused_rank, world, data, signals, timeout=180)
+    calls = 2 * 2 * len(NORM_SHAPES) * 2
+    assert got == [(r, [], [calls, 0]) for r in range(world)]
+
+
+def test_the_fused_kernel_serves_rows_of_a_matching_residual_and_weight():
+    data, signals = buffers(2, 16384)
+    ar = CustomAllReduce(0, data, signals, torch.zeros(2, dtype=torch.int64), 16384)
+    x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    assert ar.serves_add_rmsnorm(x, torch.zeros_like(x), w)
+    assert not ar.serves_add_rmsnorm(x, torch.zeros(4, 64, dtype=torch.float32), w)  # residual dtype
+    assert not ar.serves_add_rmsnorm(x, torch.zeros(4, 32, dtype=torch.bfloat16), w)  # residual shape
+    assert not ar.serves_add_rmsnorm(x, torch.zeros_like(x), torch.ones(32, dtype=torch.bfloat16))
+    assert not ar.serves_add_rmsnorm(x.view(-1), torch.zeros_like(x).view(-1), w)  # rows, not a vector
+    big = torch.zeros(200, 64, dtype=torch.bfloat16)  # 25.6 KB: over the limit
+    assert not ar.serves_add_rmsnorm(big, torch.zeros_like(big), w)
+
+
+class _RecordingFusingPeer(_RecordingPeer):
+    def serves_add_rmsnorm(self, x, residual, weight):
+        return self.serves(x)
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps):
+        self.calls.append(("fused", x.numel()))
+        return x * 0 + 7, residual
+
+
+def test_reducing_ops_all_reduce_before_add_rmsnorm_fused_only_when_asked(gloo_one_rank):
+    from services.worker.engine.ops import TorchOps
+    from services.worker.engine.parallel.tensor_parallel import ReducingOps
+
+    x, residual, w = torch.ones(2, 4), torch.ones(2, 4), torch.ones(4)
+    for fuse in (False, True):
+        tg = TensorGroup(gloo_one_rank, 1, fuse_norm=fuse)
+        tg.peer = _RecordingFusingPeer(limit=64)
+        ops = ReducingOps(TorchOps(), tg)
+        assert ops.rmsnorm is not None and ops.name == TorchOps().name  # everything else is the wrapped ops'
+        out, new_residual = ops.add_rmsnorm(x.clone(), residual, w, 1e-6)
+        if fuse:
+            assert tg.peer.calls == [("fused", 8)] and torch.equal(out, torch.full((2, 4), 7.0))
+        else:  # the plain all-reduce (doubles, as the recording peer does), then the add and norm
+            assert tg.peer.calls == [8] and torch.equal(new_residual, torch.full((2, 4), 3.0))

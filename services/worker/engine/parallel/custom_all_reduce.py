@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.cuda_ipc import open_shared, share
+from services.worker.kernels._common import cast_rtne, next_power_of_2
 
 MAX_RANKS = 8
 MAX_BLOCKS = 128  # a signal buffer has one slot per (rank, block)
@@ -89,6 +90,36 @@ def _nth(i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _exchange(pid, flag, s0, s1, s2, s3, s4, s5, s6, s7,
+              WORLD: tl.constexpr, RANK: tl.constexpr, SLOTS: tl.constexpr):
+    """Block pid has copied its part into this rank's buffer: say so to every peer, then wait
+    until every peer's block pid has said so for this call."""
+    # Every thread's copy is done before the release below publishes it.
+    tl.debug_barrier()
+    for p in tl.static_range(WORLD):
+        if p != RANK:  # this block's own copy needs no flag: the barrier above ordered it
+            sig = _nth(p, s0, s1, s2, s3, s4, s5, s6, s7)
+            tl.atomic_xchg(sig + RANK * SLOTS + pid, flag, sem="release", scope="sys")
+    inbox = _nth(RANK, s0, s1, s2, s3, s4, s5, s6, s7) + pid
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
+            while seen < flag:
+                seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _end_call(state_ptr, grid, flag):
+    """The last block to finish resets the done count and moves the call counter on."""
+    tl.debug_barrier()
+    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == grid - 1:
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr, flag)
+
+
+@triton.jit
 def _one_shot_all_reduce_kernel(
     x_ptr, n,
     b0, b1, b2, b3, b4, b5, b6, b7,  # every rank's data buffer (as x's dtype), rank order
@@ -107,19 +138,7 @@ def _one_shot_all_reduce_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    # Every thread's copy is done before the release below publishes it.
-    tl.debug_barrier()
-    for p in tl.static_range(WORLD):
-        if p != RANK:  # this block's own copy needs no flag: the barrier above ordered it
-            sig = _nth(p, s0, s1, s2, s3, s4, s5, s6, s7)
-            tl.atomic_xchg(sig + RANK * SLOTS + pid, flag, sem="release", scope="sys")
-    inbox = _nth(RANK, s0, s1, s2, s3, s4, s5, s6, s7) + pid
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
-            while seen < flag:
-                seen = tl.atomic_add(inbox + p * SLOTS, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
+    _exchange(pid, flag, s0, s1, s2, s3, s4, s5, s6, s7, WORLD, RANK, SLOTS)
     for start in range(pid * BLOCK, n, grid * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -129,11 +148,54 @@ def _one_shot_all_reduce_kernel(
             peer = _nth(r, b0, b1, b2, b3, b4, b5, b6, b7)
             acc += tl.load(peer + half + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()
-    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if done == grid - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, flag)
+    _end_call(state_ptr, grid, flag)
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # eager steps change the row count every time
+def _one_shot_add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols, eps,
+    b0, b1, b2, b3, b4, b5, b6, b7,
+    s0, s1, s2, s3, s4, s5, s6, s7,
+    state_ptr,
+    WORLD: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The one-shot all-reduce of x [n_rows, n_cols], then the decoder's residual add and RMSNorm
+    on the sum (kernels/rmsnorm.py's order and roundings): two kernels of a tensor-parallel layer
+    in one. A block owns whole rows (rows pid, pid + grid, ...), so the flags stay per block as in
+    the plain kernel, whose protocol (halves, flags, the counter) this follows line for line."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    calls = tl.load(state_ptr)
+    flag = calls + 1
+    half = (calls % 2) * HALF
+    own = _nth(RANK, b0, b1, b2, b3, b4, b5, b6, b7) + half
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < n_cols
+    for row in range(pid, n_rows, grid):
+        offs = row * n_cols + cols
+        tl.store(own + offs, tl.load(x_ptr + offs, mask=cmask), mask=cmask)
+    _exchange(pid, flag, s0, s1, s2, s3, s4, s5, s6, s7, WORLD, RANK, SLOTS)
+    dtype = x_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    for row in range(pid, n_rows, grid):
+        offs = row * n_cols + cols
+        acc = tl.load(b0 + half + offs, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        for r in tl.static_range(1, WORLD):
+            peer = _nth(r, b0, b1, b2, b3, b4, b5, b6, b7)
+            acc += tl.load(peer + half + offs, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        reduced = cast_rtne(acc, dtype)  # what the plain kernel leaves in x
+        res = tl.load(res_ptr + offs, mask=cmask, other=0.0)
+        summed = cast_rtne(res.to(tl.float32) + reduced.to(tl.float32), dtype)
+        tl.store(res_out_ptr + offs, summed, mask=cmask)
+        sf = summed.to(tl.float32)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sf * sf, axis=0) / n_cols + eps))
+        normed = cast_rtne(sf * rstd, dtype).to(tl.float32)
+        tl.store(out_ptr + offs, cast_rtne(normed * w, dtype), mask=cmask)
+    _end_call(state_ptr, grid, flag)
+
+
+MAX_NORM_COLS = 16384  # one row per block, in registers: hidden sizes up to 16k
 
 
 class CustomAllReduce:
@@ -184,6 +246,29 @@ class CustomAllReduce:
         block, args, consts = self._launch[x.dtype]
         _one_shot_all_reduce_kernel[(min(triton.cdiv(n, block), MAX_BLOCKS),)](x, n, *args, **consts)
         return x
+
+    def serves_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (self.serves(x) and x.dim() == 2 and 0 < x.shape[1] <= MAX_NORM_COLS
+                and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+                and residual.device == x.device and weight.shape == (x.shape[1],) and weight.is_contiguous()
+                and weight.device == x.device)
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum(x) + residual) * weight, sum(x) + residual), new tensors, in one kernel:
+        what all_reduce(x) then kernels/rmsnorm.fused_add_rmsnorm give. x is left as it was (its
+        sum lives only in the data buffers). The caller checked `serves_add_rmsnorm`."""
+        if not self.serves_add_rmsnorm(x, residual, weight):
+            raise ValueError(f"the fused all-reduce does not serve x {x.dtype} {tuple(x.shape)}, residual "
+                             f"{tuple(residual.shape)}, weight {tuple(weight.shape)}")
+        rows, cols = x.shape
+        out, new_residual = torch.empty_like(x), torch.empty_like(x)
+        _, args, consts = self._launch[x.dtype]
+        consts = {k: v for k, v in consts.items() if k != "BLOCK"}
+        _one_shot_add_rmsnorm_kernel[(min(rows, MAX_BLOCKS),)](
+            x, residual, weight, out, new_residual, rows, cols, float(eps), *args,
+            BLOCK_H=next_power_of_2(cols), **consts)
+        return out, new_residual
 
     @classmethod
     def setup(cls, group, device: torch.device, max_bytes: int | None = None) -> "CustomAllReduce":

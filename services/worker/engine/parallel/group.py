@@ -83,7 +83,7 @@ def rank_device(base: str, rank: int) -> torch.device:
 
 
 def join_group(layout: ParallelLayout, init_method: str, device: torch.device,
-               peer_all_reduce: bool = True) -> RankGroup:
+               peer_all_reduce: bool = True, fuse_norm: bool = False) -> RankGroup:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -94,7 +94,8 @@ def join_group(layout: ParallelLayout, init_method: str, device: torch.device,
     stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
     stage_hosts = [dist.new_group(layout.stage_ranks(s), backend="gloo") for s in range(layout.pp)]
     return RankGroup(layout, device, StepChannel(messages, layout.driver_rank),
-                     TensorGroup(stage_groups[layout.stage], layout.tp, peer_all_reduce, stage_hosts[layout.stage]))
+                     TensorGroup(stage_groups[layout.stage], layout.tp, peer_all_reduce, stage_hosts[layout.stage],
+                                 fuse_norm))
 
 
 def start_group(config, layout: ParallelLayout) -> RankGroup:
@@ -111,7 +112,8 @@ def start_group(config, layout: ParallelLayout) -> RankGroup:
                "--rank", str(rank), "--init-method", init_method, "--config", blob]
         followers.append(subprocess.Popen(cmd))
     try:
-        group = join_group(layout, init_method, rank_device(config.device, layout.rank), config.custom_all_reduce)
+        group = join_group(layout, init_method, rank_device(config.device, layout.rank), config.custom_all_reduce,
+                           config.fused_all_reduce_norm)
     except Exception:
         for proc in followers:
             proc.kill()

@@ -18,7 +18,8 @@ def join_or_start_group(config, layout: ParallelLayout, rank: int | None, init_m
     if rank is None:
         return start_group(config, layout.with_rank(layout.driver_rank))
     layout = layout.with_rank(rank)
-    return join_group(layout, init_method, rank_device(config.device, rank), config.custom_all_reduce)
+    return join_group(layout, init_method, rank_device(config.device, rank), config.custom_all_reduce,
+                      config.fused_all_reduce_norm)
 
 
 def load_rank_model(config, cfg: ModelConfig, group: RankGroup, device, dtype, ops) -> nn.Module:

@@ -87,17 +87,26 @@ class TensorGroup:
     rank can map the others' memory; larger ones, and everything on the CPU, through the group's
     backend (`peer_all_reduce` False: always the backend)."""
 
-    def __init__(self, group, size: int, peer_all_reduce: bool = True, host_group=None):
-        """host_group: a gloo group of the same ranks, for the setup's small host messages."""
+    def __init__(self, group, size: int, peer_all_reduce: bool = True, host_group=None, fuse_norm: bool = False):
+        """host_group: a gloo group of the same ranks, for the setup's small host messages.
+        fuse_norm: the one-shot all-reduce does the decoder's residual add and RMSNorm too."""
         self.group = group
         self.size = size
         self.peer = _setup_peer_all_reduce(group, size, peer_all_reduce, host_group)
+        self.fuse_norm = fuse_norm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.peer is not None and self.peer.serves(x):
             return self.peer.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps, ops):
+        """ops.add_rmsnorm of the group's sum of x: one kernel where the one-shot all-reduce serves
+        it and fuse_norm is on, else the all-reduce and then ops' add_rmsnorm."""
+        if self.fuse_norm and self.peer is not None and self.peer.serves_add_rmsnorm(x, residual, weight):
+            return self.peer.all_reduce_add_rmsnorm(x, residual, weight, eps)
+        return ops.add_rmsnorm(self.all_reduce(x), residual, weight, eps)
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[S, n] on each rank → [S, size × n], rank-major columns."""
@@ -164,19 +173,28 @@ class GatheredLogits:
         return self.comm.all_gather_columns(self.local_logits(hidden))[:, :self.vocab_size]
 
 
-def _all_reduce_output(comm: TensorGroup):
-    def hook(_module, _inputs, output):
-        return comm.all_reduce(output)
-    return hook
+class ReducingOps:
+    """A tensor-parallel model's ops. The row-parallel projections (o_proj, down_proj) leave each
+    rank a partial sum, and every one of those outputs goes straight into an add_rmsnorm (the
+    next one of the layer, of the next layer, or the final norm; through a pipeline hand-over
+    too, rank i to rank i), so add_rmsnorm all-reduces its input first, and can do both in one
+    kernel (TensorGroup.all_reduce_add_rmsnorm). Everything else is the wrapped ops'."""
+
+    def __init__(self, ops, comm: TensorGroup):
+        self._ops, self._comm = ops, comm
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        return self._comm.all_reduce_add_rmsnorm(x, residual, weight, eps, self._ops)
 
 
 def apply_tensor_parallel(model: DecoderLM, cfg: ModelConfig, layout: ParallelLayout, comm: TensorGroup) -> None:
-    """Hook the collectives onto a model built with layout.local_config(cfg) (loaded or not)."""
+    """Put the collectives into a model built with layout.local_config(cfg) (loaded or not)."""
     if layout.tp == 1:
         return
-    for layer in model.layers:
-        layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(comm))
-        layer.mlp.down_proj.register_forward_hook(_all_reduce_output(comm))
+    model.ops = ReducingOps(model.ops, comm)
     rows = layout.vocab_rows(cfg)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, layout.tp_rank * rows, comm)
     # An instance attribute shadows the method: the model file stays unaware of the split.
