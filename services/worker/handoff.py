@@ -374,7 +374,7 @@ class HandoffReceiver:
             # Behind the buffer's allocation (what used its memory before is done), not the steps since.
             start, copied = self.ipc.copy_into(buffer, header["ipc"], reservation.allocated, timing=True,
                                                owner=str(header.get("prefill_worker_id", "")))
-        except IpcError as e:
+        except RuntimeError as e:  # IpcError, or CUDA refusing the peer's memory: the bytes come instead
             return f"{REFUSED}: {e}"
         t0 = time.perf_counter()
         await asyncio.to_thread(copied.synchronize)
