@@ -105,7 +105,7 @@ class HandoffSender:
         t0 = time.perf_counter()
         handoff = output.handoff
         ready = self.ready.pop(msg.request_id, (None, 0.0))[0]
-        direct, ipc_before = False, self.stats["ipc"]
+        direct = via_ipc = False
         try:
             if not handoff.copied():  # usually it is, by the time the event loop gets here
                 await asyncio.to_thread(handoff.ready)
@@ -115,7 +115,7 @@ class HandoffSender:
                                    page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
                                    prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex)
             if ready is not None and self._fits(ready, offer):
-                direct = await self._push_direct(ready, offer, handoff)
+                direct, via_ipc = await self._push_direct(ready, offer, handoff)
             if direct:
                 skip, t_offer = ready.skip_pages, t_ready
             else:
@@ -125,8 +125,8 @@ class HandoffSender:
                     raise HandoffRefused(reply.reason)
                 t_offer = time.perf_counter()
                 skip = reply.skip_pages
-                await self._deliver(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
-                                    handoff, skip, reply.host_id)
+                _, via_ipc = await self._deliver(reply.address, {"op": "kv_handoff", "transfer_id": offer.transfer_id},
+                                                 handoff, skip, reply.host_id)
             pages = handoff.pages[skip:]
         except (ServiceError, TransferError, HandoffRefused, asyncio.TimeoutError) as e:
             self.stats["failed"] += 1
@@ -145,27 +145,29 @@ class HandoffSender:
         self.stats["bytes"] += nbytes_of(pages)
         # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
-                  skipped=skip, direct=direct, ipc=self.stats["ipc"] > ipc_before, export_s=t_ready - t0, offer_s=t_offer - t_ready,
+                  skipped=skip, direct=direct, ipc=via_ipc, export_s=t_ready - t0, offer_s=t_offer - t_ready,
                   push_s=t_end - t_offer, total_s=t_end - t0)
 
     def _fits(self, ready: KvHandoffReady, offer: KvHandoffOffer) -> bool:
         return (ready.decode_worker_id == offer.request.decode_worker_id and ready.layout == self.layout
                 and ready.page_bytes == self.page_bytes and ready.num_pages == offer.num_pages)
 
-    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, handoff) -> bool:
-        """The pages and the offer in one UCXX frame to the blocks waiting for them. False when the
-        decode worker no longer holds them (expired, aborted): the offer round trip decides then."""
+    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, handoff) -> tuple[bool, bool]:
+        """The pages and the offer in one UCXX frame to the blocks waiting for them: (delivered,
+        over CUDA IPC). Not delivered when the decode worker no longer holds them (expired,
+        aborted): the offer round trip decides then."""
         header = {"op": "kv_handoff_direct", "request_id": offer.request.request_id, "offer": encode(offer)}
         try:
-            reply = await self._deliver(ready.address, header, handoff, ready.skip_pages, ready.host_id)
+            reply, via_ipc = await self._deliver(ready.address, header, handoff, ready.skip_pages, ready.host_id)
         except TransferError as e:
             log.info("direct hand-off failed; offering instead", request_id=offer.request.request_id, error=str(e))
-            return False
-        return bool(reply.get("ok"))
+            return False, False
+        return bool(reply.get("ok")), via_ipc
 
-    async def _deliver(self, address: str, header: dict, handoff, skip: int, peer_host: str) -> dict:
+    async def _deliver(self, address: str, header: dict, handoff, skip: int, peer_host: str) -> tuple[dict, bool]:
         """One frame with pages[skip:]: their place in the hand-off buffer when the decode worker
-        can copy them over CUDA IPC, else the bytes. Returns the reply header."""
+        can copy them over CUDA IPC, else the bytes. Returns the reply header and whether IPC
+        carried them."""
         pages = handoff.pages[skip:]
         # sent_at: the decode side's timeline (one host, one clock); prefill_worker_id: whose buffer
         # a descriptor names (the decode side keeps one mapping per prefill worker).
@@ -175,14 +177,14 @@ class HandoffSender:
             try:
                 reply, _ = await self.transfer.call(address, {**header, "ipc": desc}, None, timeout=self.timeout)
                 self.stats["ipc"] += 1
-                return reply
+                return reply, True
             except TransferError as e:
                 if REFUSED not in str(e):
                     raise
                 log.info("cuda ipc refused; sending the bytes from now on", decode_address=address, error=str(e))
                 self._no_ipc.add(address)
         reply, _ = await self.transfer.call(address, header, pages if pages.shape[0] else None, timeout=self.timeout)
-        return reply
+        return reply, False
 
     def _describe(self, pages, handoff, address: str, peer_host: str) -> dict | None:
         """The IPC descriptor of pages in the hand-off buffer (it lives as long as the worker, so a

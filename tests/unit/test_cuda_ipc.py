@@ -77,7 +77,9 @@ def test_a_receiver_without_cuda_ipc_refuses_descriptors_and_the_bytes_come_inst
         handoff = Handoff(pages, seed=7, num_cached_tokens=0, release=lambda: None)
         assert handoff.in_buffer
         try:
-            reply = await sender._deliver(server.address, {"op": "kv_handoff", "transfer_id": "t1"}, handoff, 0, "h")
+            reply, via_ipc = await sender._deliver(server.address, {"op": "kv_handoff", "transfer_id": "t1"},
+                                                   handoff, 0, "h")
+            assert not via_ipc
         finally:
             await transfer.close()
             await server.close()

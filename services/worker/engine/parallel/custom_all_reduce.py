@@ -90,6 +90,14 @@ def _nth(i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _begin_call(state_ptr, b0, b1, b2, b3, b4, b5, b6, b7, RANK: tl.constexpr, HALF: tl.constexpr):
+    """This call's flag (its number + 1), its half of the data buffers, and this rank's half."""
+    calls = tl.load(state_ptr)
+    half = (calls % 2) * HALF
+    return calls + 1, half, _nth(RANK, b0, b1, b2, b3, b4, b5, b6, b7) + half
+
+
+@triton.jit
 def _exchange(pid, flag, s0, s1, s2, s3, s4, s5, s6, s7,
               WORLD: tl.constexpr, RANK: tl.constexpr, SLOTS: tl.constexpr):
     """Block pid has copied its part into this rank's buffer: say so to every peer, then wait
@@ -130,10 +138,7 @@ def _one_shot_all_reduce_kernel(
 ):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    calls = tl.load(state_ptr)
-    flag = calls + 1
-    half = (calls % 2) * HALF
-    own = _nth(RANK, b0, b1, b2, b3, b4, b5, b6, b7) + half
+    flag, half, own = _begin_call(state_ptr, b0, b1, b2, b3, b4, b5, b6, b7, RANK, HALF)
     for start in range(pid * BLOCK, n, grid * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -166,10 +171,7 @@ def _one_shot_add_rmsnorm_kernel(
     the plain kernel, whose protocol (halves, flags, the counter) this follows line for line."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    calls = tl.load(state_ptr)
-    flag = calls + 1
-    half = (calls % 2) * HALF
-    own = _nth(RANK, b0, b1, b2, b3, b4, b5, b6, b7) + half
+    flag, half, own = _begin_call(state_ptr, b0, b1, b2, b3, b4, b5, b6, b7, RANK, HALF)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < n_cols
     for row in range(pid, n_rows, grid):
