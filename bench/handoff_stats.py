@@ -1,7 +1,8 @@
 """Summarizes the prefill workers' `handoff_done` debug lines (JSON logs): hand-off time per request
 (p50/p99) and its phases, bytes and GB/s, overall and for prompts of ≥ 2,800 tokens. With the
-decode workers' `handoff_landed` lines too, the push's timeline: the frame in flight (prefill's
-send → decode's handler), the copy, and the rest (the reply's way back, the handler's own work)."""
+decode workers' `handoff_landed` lines too, the push's timeline: the prefill worker's write into the
+decode worker's slot (a CUDA IPC push), the frame in flight (prefill's send → decode's handler), the
+decode worker's copy (a pull), and the rest (the reply's way back, the handler's own work)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def summary(rows: list[dict]) -> dict:
     return {"count": len(rows), "total_ms_p50": pct(total, 0.5), "total_ms_p99": pct(total, 0.99),
             "export_ms_p50": pct([r["export_s"] * 1e3 for r in rows], 0.5),
             "offer_ms_p50": pct([r["offer_s"] * 1e3 for r in rows], 0.5),
+            "pushed": sum(r.get("push_copy_s", 0.0) > 0 for r in rows),
+            "push_copy_ms_p50": pct([r.get("push_copy_s", 0.0) * 1e3 for r in rows], 0.5),
+            "push_copy_ms_p99": pct([r.get("push_copy_s", 0.0) * 1e3 for r in rows], 0.99),
             "push_ms_p50": pct(push, 0.5), "push_ms_p99": pct(push, 0.99),
             "mib_p50": pct([r["bytes"] / 2**20 for r in rows], 0.5), "push_gbps_p50": pct(gbps, 0.5),
             "over_cuda_ipc": sum(bool(r.get("ipc")) for r in rows), **timeline(rows)}
@@ -37,11 +41,13 @@ def timeline(rows: list[dict]) -> dict:
             "copy_ms_p50": pct([x["copy_s"] * 1e3 for _, x in landed], 0.5),
             "copy_gpu_ms_p50": pct([x.get("copy_gpu_s", 0.0) * 1e3 for _, x in landed], 0.5),
             "handler_ms_p50": pct([x["handler_s"] * 1e3 for _, x in landed], 0.5),
-            "back_ms_p50": pct([(r["push_s"] - x["wire_s"] - x["handler_s"]) * 1e3 for r, x in landed], 0.5),
+            "back_ms_p50": pct([(r["push_s"] - r.get("push_copy_s", 0.0) - x["wire_s"] - x["handler_s"]) * 1e3
+                                for r, x in landed], 0.5),
             # The first token's KV is in the decode worker's buffer and its import queued: what the
-            # request waits for (the reply's way back only frees the prefill worker's slot).
-            "landed_ms_p50": pct(until_landed := [(r["export_s"] + r["offer_s"] + x["wire_s"] + x["handler_s"]) * 1e3
-                                                  for r, x in landed], 0.5),
+            # request waits for (the reply's way back only frees the prefill worker's slot). A
+            # push's write into the decode worker's slot comes before the frame.
+            "landed_ms_p50": pct(until_landed := [(r["export_s"] + r["offer_s"] + r.get("push_copy_s", 0.0)
+                                                   + x["wire_s"] + x["handler_s"]) * 1e3 for r, x in landed], 0.5),
             "landed_ms_p99": pct(until_landed, 0.99)}
 
 

@@ -5,7 +5,8 @@
 # one host is what nvidia-h200-x2 lends, so this is one call's worth of both two-GPU benchmarks.
 # MULTI=x4 instead runs issue 11's four-GPU parts (the `x4` stage, X4_PARTS) on all four; MULTI=pd2
 # runs 1P+1D and 2 mixed workers at once, MULTI=pdab 1P+1D twice (B with PD_B_WORKER_ARGS and the
-# environment PD_B_ENV, e.g. "INFERNO_SOME_KNOB=1"). PRE: a command run first (a probe).
+# environment PD_B_ENV, e.g. "INFERNO_SOME_KNOB=1"). PRE: a command run first (a probe); POST: one run
+# after the lanes (on all four GPUs).
 # Needs the wheels the image lacks in .whl/ (../shared/tools/gpu-wheels.sh, with UCX).
 # Usage: COMMIT=<sha> LANE_SECONDS=520 bash bench/multi_gpu.sh  (write the sha out: on the device,
 # `git rev-parse HEAD` gives the landed commit, not the working tree the call carried)
@@ -60,9 +61,13 @@ fi
 wait
 for d in "$OUT" "$OUT/pd"; do  # the pd lane against the mixed one (pd2), or both modes in one lane
   a=$d/greedy_pd.json; b=$d/greedy_mixed.json; [ -f "$b" ] || b=$OUT/mixed/greedy_mixed.json
+  [ -f "$b" ] || b=$OUT/pdb/greedy_pd.json  # pdab: A's 1P+1D against B's
   [ -f "$a" ] && [ -f "$b" ] && python3 bench/greedy_probe.py --compare "$a" "$b"
 done
 pkill -f "services\.(cli|gateway|scheduler|worker|kvstore)" 2>/dev/null  # anything a lane's timeout left
+if [ -n "${POST:-}" ]; then
+  bash -c "$POST" 2>&1 | tee "$OUT/post.log" | tail -30
+fi
 pkill nats-server 2>/dev/null
 for d in "$OUT"/*/; do
   echo "== $(basename "$d")"; tail -60 "${d%/}.log" | grep -v '^\s*$' | tail -40

@@ -183,6 +183,9 @@ class WorkerServiceConfig:
     # Where a decode worker's UCXX listener takes KV pages: an address prefill workers can reach.
     transfer_host: str = "127.0.0.1"
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
+    # Decode role on a GPU: prefill workers of this host write the pages into its receive slots over
+    # CUDA IPC (else it copies them out of theirs).
+    handoff_push: bool = True
     kvstore: str = "auto"  # "auto": use the cluster store when one answers (GPU: fetch only); "on"; "off"
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster

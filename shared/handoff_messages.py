@@ -13,6 +13,47 @@ MAX_PAGES = 1 << 20
 
 @register
 @dataclass(slots=True, frozen=True, kw_only=True)
+class KvPushTarget(Message):
+    """A decode worker's receive slot that a prefill worker of its host may write over CUDA IPC:
+    torch's sharing fields of the slot's long-lived buffer (cuda_ipc.share), where the slot lies in
+    it, and until when (wall clock, one host) a write may start. The slot stays held for a grace
+    period after `until` even when the request is dropped, so a late write never lands in a slot
+    that holds another request's pages."""
+
+    TYPE = "kv_push_target"
+    VERSION = 1
+
+    handle: bytes
+    size: int
+    base: int
+    ref_handle: bytes
+    ref_offset: int
+    event_handle: bytes | None = None
+    event_sync: bool = False
+    offset: int
+    nbytes: int
+    until: float
+
+    def _check(self) -> None:
+        if not (self.handle and self.nbytes > 0 and min(self.size, self.base, self.ref_offset, self.offset) >= 0):
+            raise MessageError("kv_push_target: handle, nbytes > 0, non-negative sizes and offsets")
+
+    @classmethod
+    def of(cls, desc: dict, until: float) -> "KvPushTarget":
+        """From cuda_ipc's descriptor {"storage": fields, "offset", "nbytes"}."""
+        handle, size, base, ref_handle, ref_offset, event_handle, event_sync = desc["storage"]
+        return cls(handle=handle, size=size, base=base, ref_handle=ref_handle, ref_offset=ref_offset,
+                   event_handle=event_handle, event_sync=event_sync, offset=desc["offset"],
+                   nbytes=desc["nbytes"], until=until)
+
+    def descriptor(self) -> dict:
+        """cuda_ipc's descriptor form (checked again there before anything is mapped)."""
+        return {"storage": [self.handle, self.size, self.base, self.ref_handle, self.ref_offset,
+                            self.event_handle, self.event_sync], "offset": self.offset, "nbytes": self.nbytes}
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
 class KvHandoffOffer(Message):
     """prefill worker → decode worker (request/reply on worker_handoff): take this request, whose
     prompt is prefilled and first token sampled; its KV is `num_pages` pages of `page_bytes`."""
@@ -70,6 +111,7 @@ class KvHandoffReady(Message):
     layout: str
     page_bytes: int
     host_id: str = ""  # the decode worker's host and boot: equal to the prefill worker's, CUDA IPC is tried
+    push: KvPushTarget | None = None  # where to write pages[skip_pages:] over CUDA IPC before the frame
 
     def _check(self) -> None:
         if not (self.request_id and self.address and self.layout and 0 <= self.skip_pages <= self.num_pages <= MAX_PAGES

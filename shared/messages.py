@@ -376,6 +376,7 @@ class WorkerHeartbeat(Message):
     kv_handoff_bytes: int = 0  # cumulative page bytes of those hand-offs
     kv_handoffs_direct: int = 0  # of kv_handoffs: pushed to blocks reserved at prepare, no offer round trip
     kv_handoffs_ipc: int = 0  # of kv_handoffs: copied over CUDA IPC (one host), not sent over UCXX
+    kv_handoffs_pushed: int = 0  # of kv_handoffs_ipc: written into the decode worker's slot by the prefill worker
     state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading (a worker that loads models)
 
     def _check(self) -> None:

@@ -6,9 +6,11 @@ prompt was prefilled (the scheduler's prepare) and said so (KvHandoffReady: its 
 pages it caches already), so the pages go straight there with the offer in the frame's header:
 one UCXX message, no NATS round trip. Otherwise the KV is offered over NATS (offer → reply with
 the address) and then pushed. A refusal or a failed transfer ends the request with a clean error.
-Between two GPU workers of one host the frame carries no pages, only where they lie in the prefill
-worker's hand-off buffer: the decode worker copies them over CUDA IPC (cuda_ipc.py), and its reply
-says they are copied, so the buffer's slot is free again.
+Between two GPU workers of one host the frame carries no pages. Usually the ready notice names a
+receive slot of the decode worker's hand-off buffer, and the prefill worker writes the pages into it
+over CUDA IPC (cuda_ipc.py) before it sends the frame: the decode worker's handler only queues the
+import. Otherwise the frame says where the pages lie in the prefill worker's hand-off buffer, the
+decode worker copies them, and its reply says so, so the buffer's slot is free again.
 Decode side: the reservation, the receive buffer the pages land in, the import into the step
 loop, and an expiry for offers whose pages never come.
 """
@@ -25,7 +27,7 @@ from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcI
 from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
-from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply
+from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply, KvPushTarget
 from shared.kv_transfer import TransferClient, TransferError, nbytes_of
 from shared.messages import AbortRequest, GenerateRequest, TokenBatch, TokenDelta
 from shared.wire import decode, encode
@@ -34,6 +36,9 @@ log = structlog.get_logger("worker.handoff")
 
 FORWARD_ABORTS_FOR = 600.0  # seconds a prefill worker forwards a handed-off request's aborts
 READY_KEPT_FOR = 60.0  # seconds a decode worker's ready notice waits for its request's first token
+# Seconds a receive slot stays held past the last moment a prefill worker may start writing it (the
+# write itself takes milliseconds): a dropped request's slot is never handed on under a late write.
+PUSH_GRACE = 5.0
 
 
 class HandoffSender:
@@ -41,16 +46,17 @@ class HandoffSender:
 
     def __init__(self, conn, prefix: str, worker_id: str, layout: str, page_bytes: int,
                  transfer: TransferClient, timeout: float = 10.0, ipc: IpcExporter | None = None,
-                 host_id: str = ""):
+                 host_id: str = "", pusher: IpcImporter | None = None):
         self.conn, self.prefix, self.worker_id = conn, prefix, worker_id
         self.layout, self.page_bytes, self.timeout = layout, page_bytes, timeout
         self.transfer = transfer
         self.ipc, self.host_id = ipc, host_id  # a GPU worker's CUDA IPC exports, and its host
+        self.pusher = pusher  # ... and its mappings of decode workers' receive buffers (pushes)
         self._no_ipc: set[str] = set()  # decode workers that refused a descriptor: bytes from now on
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
         self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0}
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0}
 
     async def on_ready(self, msg: KvHandoffReady) -> None:
         now = time.monotonic()
@@ -106,6 +112,7 @@ class HandoffSender:
         handoff = output.handoff
         ready = self.ready.pop(msg.request_id, (None, 0.0))[0]
         direct = via_ipc = False
+        push_copy_s = 0.0
         try:
             if not handoff.copied():  # usually it is, by the time the event loop gets here
                 await asyncio.to_thread(handoff.ready)
@@ -115,7 +122,7 @@ class HandoffSender:
                                    page_bytes=self.page_bytes, num_pages=handoff.pages.shape[0],
                                    prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex)
             if ready is not None and self._fits(ready, offer):
-                direct, via_ipc = await self._push_direct(ready, offer, handoff)
+                direct, via_ipc, push_copy_s = await self._push_direct(ready, offer, handoff)
             if direct:
                 skip, t_offer = ready.skip_pages, t_ready
             else:
@@ -146,32 +153,66 @@ class HandoffSender:
         # One line per hand-off at debug level: the benchmark's timeline (copy, offer, push).
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
                   skipped=skip, direct=direct, ipc=via_ipc, export_s=t_ready - t0, offer_s=t_offer - t_ready,
-                  push_s=t_end - t_offer, total_s=t_end - t0)
+                  push_s=t_end - t_offer, push_copy_s=push_copy_s, total_s=t_end - t0)
 
     def _fits(self, ready: KvHandoffReady, offer: KvHandoffOffer) -> bool:
         return (ready.decode_worker_id == offer.request.decode_worker_id and ready.layout == self.layout
                 and ready.page_bytes == self.page_bytes and ready.num_pages == offer.num_pages)
 
-    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, handoff) -> tuple[bool, bool]:
+    async def _push_direct(self, ready: KvHandoffReady, offer: KvHandoffOffer, handoff) -> tuple[bool, bool, float]:
         """The pages and the offer in one UCXX frame to the blocks waiting for them: (delivered,
-        over CUDA IPC). Not delivered when the decode worker no longer holds them (expired,
-        aborted): the offer round trip decides then."""
+        over CUDA IPC, seconds the pages took to write into the decode worker's slot). Not
+        delivered when the decode worker no longer holds them (expired, aborted): the offer round
+        trip decides then."""
         header = {"op": "kv_handoff_direct", "request_id": offer.request.request_id, "offer": encode(offer)}
         try:
+            copy_s = await self._write_slot(ready, handoff)
+            if copy_s is not None:
+                reply, _ = await self.transfer.call(ready.address, self._stamp(header, pushed=ready.push.nbytes),
+                                                    None, timeout=self.timeout)
+                self.stats["ipc"] += 1
+                self.stats["pushed"] += 1
+                return bool(reply.get("ok")), True, copy_s
             reply, via_ipc = await self._deliver(ready.address, header, handoff, ready.skip_pages, ready.host_id)
         except TransferError as e:
             log.info("direct hand-off failed; offering instead", request_id=offer.request.request_id, error=str(e))
-            return False, False
-        return bool(reply.get("ok")), via_ipc
+            return False, False, 0.0
+        return bool(reply.get("ok")), via_ipc, 0.0
+
+    async def _write_slot(self, ready: KvHandoffReady, handoff) -> float | None:
+        """Write pages[skip_pages:] into the receive slot the decode worker announced, over CUDA IPC,
+        and wait for the write: its seconds, or None when there is no slot to write (none announced,
+        another host, its time is up, no IPC here) and the frame must carry or describe the pages."""
+        target, pages = ready.push, handoff.pages[ready.skip_pages:]
+        if (target is None or self.pusher is None or not pages.shape[0]
+                or ready.host_id != self.host_id or ready.address in self._no_ipc or time.time() >= target.until):
+            return None
+        t0 = time.perf_counter()
+        try:
+            _, written = self.pusher.copy_to(pages, target.descriptor(), after=handoff.event,
+                                             owner=ready.decode_worker_id)
+            if not written.query():
+                await asyncio.to_thread(written.synchronize)
+        except RuntimeError as e:  # IpcError, or CUDA refusing the peer's memory: describe or send instead
+            log.info("cuda ipc push refused; the decode worker copies from now on", decode_address=ready.address,
+                     error=str(e))
+            self.pusher = None
+            return None
+        if time.time() > target.until + PUSH_GRACE:  # the slot may have gone to another request meanwhile
+            raise TransferError(f"the write into the decode worker's slot ended {PUSH_GRACE} s past its time")
+        return time.perf_counter() - t0
+
+    def _stamp(self, header: dict, **more) -> dict:
+        """sent_at: the decode side's timeline (one host, one clock); prefill_worker_id: whose buffer
+        a descriptor names (the decode side keeps one mapping per prefill worker)."""
+        return {**header, **more, "sent_at": time.time(), "prefill_worker_id": self.worker_id}
 
     async def _deliver(self, address: str, header: dict, handoff, skip: int, peer_host: str) -> tuple[dict, bool]:
         """One frame with pages[skip:]: their place in the hand-off buffer when the decode worker
         can copy them over CUDA IPC, else the bytes. Returns the reply header and whether IPC
         carried them."""
         pages = handoff.pages[skip:]
-        # sent_at: the decode side's timeline (one host, one clock); prefill_worker_id: whose buffer
-        # a descriptor names (the decode side keeps one mapping per prefill worker).
-        header = {**header, "sent_at": time.time(), "prefill_worker_id": self.worker_id}
+        header = self._stamp(header)
         desc = self._describe(pages, handoff, address, peer_host)
         if desc is not None:
             try:
@@ -210,17 +251,20 @@ class HandoffReceiver:
 
     def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0,
                  publish=None, prefix: str = "", worker_id: str = "", ipc: IpcImporter | None = None,
-                 host_id: str = ""):
+                 host_id: str = "", slots: IpcExporter | None = None):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
         self.address, self.ttl = address, ttl
         # A GPU worker's CUDA IPC mappings; the host it announces (prefill workers there send descriptors).
         self.ipc, self.host_id = ipc, host_id if ipc is not None else ""
+        # ... and its receive slots' descriptors, announced so that prefill workers write them (None: they do not).
+        self.slots = slots if ipc is not None else None
         # publish(subject, message): tells a prefill worker its request's blocks are reserved here.
         self.publish, self.prefix, self.worker_id = publish, prefix, worker_id
         self.accepting = True
         self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
-        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0, "ipc": 0}
+        self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0, "ipc": 0,
+                      "pushed": 0}
 
     def on_prepare(self, msg: GenerateRequest) -> None:
         """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
@@ -244,8 +288,23 @@ class HandoffReceiver:
         ready = KvHandoffReady(request_id=msg.request_id, decode_worker_id=self.worker_id,
                                skip_pages=result.skip_blocks, num_pages=result.skip_blocks + result.buffer.shape[0],
                                address=self.address, layout=self.layout, page_bytes=self.page_bytes,
-                               host_id=self.host_id)
+                               host_id=self.host_id, push=self._push_target(result))
         asyncio.ensure_future(self._publish_ready(msg.worker_id, ready))
+
+    def _push_target(self, reservation) -> KvPushTarget | None:
+        """The reservation's receive slot for the prefill worker to write, when it is a run of the
+        hand-off buffer (shared once; a fresh allocation would need a mapping per hand-off). From
+        now on the slot outlives a dropped request by the write window and PUSH_GRACE."""
+        if self.slots is None or reservation.release is None or not reservation.buffer.shape[0]:
+            return None
+        try:
+            desc = self.slots.describe(reservation.buffer)
+        except IpcError as e:
+            log.warning("cuda ipc unavailable for receive slots; prefill workers copy nothing here", error=str(e))
+            self.slots = None
+            return None
+        reservation.hold_until = time.monotonic() + self.ttl + PUSH_GRACE
+        return KvPushTarget.of(desc, time.time() + self.ttl)
 
     async def _publish_ready(self, prefill_worker_id: str, ready: KvHandoffReady) -> None:
         try:
@@ -359,7 +418,7 @@ class HandoffReceiver:
         if self.waiting.pop(tid, None) is None:
             return {"error": "the reservation ended while its pages were copied"}
         expiry.cancel()
-        self._import(header, offer)
+        self._import(offer, reservation)
         return {"ok": True}
 
     async def _copy_in(self, header: dict, reservation) -> str | None:
@@ -385,10 +444,11 @@ class HandoffReceiver:
         self.stats["ipc"] += 1
         return None
 
-    def _import(self, header: dict, offer: KvHandoffOffer) -> None:
+    def _import(self, offer: KvHandoffOffer, reservation, pushed: bool = False) -> None:
         """The pages are in the reservation's buffer: the step loop writes them into its blocks."""
         self.stats["imports"] += 1
-        self.stats["bytes"] += header["ipc"]["nbytes"] if "ipc" in header else header["nbytes"]
+        self.stats["ipc"] += pushed  # (_copy_in counted the pulls)
+        self.stats["bytes"] += nbytes_of(reservation.buffer)
         req = offer.request
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
                                             offer.num_cached_tokens))
@@ -406,6 +466,8 @@ class HandoffReceiver:
         pages = reservation.skip_blocks + reservation.buffer.shape[0]
         if offer.request.request_id != rid or offer.num_pages != pages or self._check(offer):
             return {"error": self._check(offer) or "the pages do not fit the reserved blocks"}
+        if "pushed" in header and (not reservation.hold_until or header["pushed"] != nbytes_of(reservation.buffer)):
+            return {"error": "pages pushed into a slot this reservation never announced"}
         refused = await self._copy_in(header, reservation)
         if refused:
             return {"error": refused}
@@ -414,7 +476,8 @@ class HandoffReceiver:
         _, expiry = self.prepared.pop(rid)
         expiry.cancel()
         self.stats["direct"] += 1
-        self._import(header, offer)
+        self.stats["pushed"] += "pushed" in header
+        self._import(offer, reservation, "pushed" in header)
         return {"ok": True}
 
     def abort(self, request_ids: list[str]) -> None:

@@ -57,6 +57,11 @@ def parse_args(argv):
                     help="decode role: the address prefill workers reach this worker's UCXX listener at")
     ap.add_argument("--handoff-timeout", type=float, default=10.0,
                     help="seconds a prefill → decode hand-off may take before the request fails")
+    ap.add_argument("--handoff-push", action=argparse.BooleanOptionalAction,
+                    default=env_default("INFERNO_HANDOFF_PUSH", True, parse_bool),
+                    help="decode role on a GPU: prefill workers of this host write the prompt's KV into this "
+                         "worker's receive slots over CUDA IPC; --no-handoff-push: this worker copies it out "
+                         "of theirs")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: when a cluster KV store answers, fetch prefixes from it when that beats "
                          "recomputing, and (CPU workers) write prompt blocks to it; on: GPU workers write too")
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
-                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout, kvstore=args.kvstore,
+                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
+                  handoff_push=args.handoff_push, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm)

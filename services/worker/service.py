@@ -154,6 +154,8 @@ class WorkerService:
             await self.transfer_server.close()
         if self.receiver is not None and self.receiver.ipc is not None:
             self.receiver.ipc.close()  # the prefill workers' buffers it mapped
+        if self.sender is not None and self.sender.pusher is not None:
+            self.sender.pusher.close()  # the decode workers' receive buffers it mapped
         if self.cluster_cache is not None:
             await self.cluster_cache.close()
         self.sender = self.receiver = self.transfer_server = self.cluster_cache = None
@@ -204,11 +206,13 @@ class WorkerService:
         if role == "prefill":
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
                                         self._transfer(), self.cfg.handoff_timeout,
-                                        IpcExporter() if on_gpu else None, host_id())
+                                        IpcExporter() if on_gpu else None, host_id(),
+                                        IpcImporter() if on_gpu else None)
         else:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
                                             self.conn.publish, self.prefix, self.cfg.worker_id,
-                                            IpcImporter() if on_gpu else None, host_id())
+                                            IpcImporter() if on_gpu else None, host_id(),
+                                            IpcExporter() if on_gpu and self.cfg.handoff_push else None)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address
@@ -381,9 +385,11 @@ class WorkerService:
         if self.sender is not None:
             stats = self.sender.stats
             return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"]}
+                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
+                    "kv_handoffs_pushed": stats["pushed"]}
         if self.receiver is not None:
             stats = self.receiver.stats
             return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"]}
+                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
+                    "kv_handoffs_pushed": stats["pushed"]}
         return {}

@@ -83,6 +83,9 @@ def test_completions_equal_the_aggregated_worker(pd_stack, aggregated):
     # GPU workers of one host copy the pages over CUDA IPC, every time; CPU workers send them over UCXX.
     ipc = hbs["prefill-0"].kv_handoffs_ipc
     assert ipc == hbs["prefill-0"].kv_handoffs if TEST_DEVICE.startswith("cuda") else ipc == 0
+    # ... and on the direct path the prefill worker writes them into the decode worker's slot itself.
+    pushed = hbs["prefill-0"].kv_handoffs_pushed
+    assert pushed >= 1 if TEST_DEVICE.startswith("cuda") else pushed == 0
 
 
 def test_streamed_chat_with_n_equals_the_aggregated_worker(pd_stack, aggregated):

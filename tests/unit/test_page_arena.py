@@ -72,13 +72,15 @@ def test_a_run_of_no_pages_is_refused():
         PageArena(pool(), 4).take(0)
 
 
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_gather_into_a_slot_equals_gather_pages(device, dtype):
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
-    kv = KVCache(cfg, 12, 4, dtype, torch.device(device))
+    kv = KVCache(CFG, 12, 4, dtype, torch.device(device))
     raw = kv.pool.view(torch.uint8)  # any bytes; 0..119 are finite in every dtype here
     raw.copy_(torch.randint(0, 120, raw.shape, dtype=torch.uint8, device=device))
     blocks = [9, 2, 7, 3, 11]
@@ -91,3 +93,35 @@ def test_gather_into_a_slot_equals_gather_pages(device, dtype):
     with pytest.raises(ValueError):
         gather_pages(kv, blocks[:3], slot)
     release()
+
+
+class Event:
+    """A CUDA event's query(), set by the test."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_a_retired_receive_slot_waits_for_its_reads_and_for_late_writes():
+    """A decode worker's receive slot goes back only once the import's scatter has read it (its
+    event) and the window in which a prefill worker may still write it (hold_until) has passed."""
+    import time
+
+    from services.worker.engine.kv_export import PageExporter
+
+    kv = KVCache(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    exporter = PageExporter(kv, torch.device("cpu"), buffer_blocks=4)
+    slot, release = exporter.receive_slot(3)
+    assert slot.shape[0] == 3 and exporter.receive_slot(2) is None
+    read = Event()
+    exporter.retire(release, read)
+    assert exporter.receive_slot(2) is None  # the scatter may still read it
+    read.done = True
+    slot, release = exporter.receive_slot(4)  # reaped: the whole buffer is free again
+    exporter.retire(release, None, hold_until=time.monotonic() + 60)  # announced to a prefill worker
+    assert exporter.receive_slot(1) is None
+    exporter._retired = [(r, e, 0.0) for r, e, _ in exporter._retired]  # ... and its window has passed
+    assert exporter.receive_slot(4) is not None

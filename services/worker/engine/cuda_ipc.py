@@ -1,14 +1,16 @@
 """GPU memory of one process mapped by another of the same host (CUDA IPC), with torch's own
 sharing fields: the one-shot all-reduce's peer buffers, and the prefill → decode hand-off.
 
-The hand-off: the prefill worker cuts every hand-off from one long-lived buffer (page_arena.py)
-and shares that buffer once; the decode worker maps it once and copies each hand-off's slot into
-its receive buffer on its own stream, a peer copy over NVLink. Only the sharing fields, an offset
-and a length cross the wire, in the hand-off's UCXX frame header. Why: UCXX through Python moved
-a 3,000-token prompt's 375 MiB at ~100 GB/s (3.7 ms p50, four H100s, 2026-11-27) where a peer
-copy runs at ~390 GB/s, and a warm buffer on the prefill side did not change that. Where IPC is
-not possible (another host or container, a CPU worker) the receiver refuses the descriptor and
-the pages go over UCXX as before.
+The hand-off, both ways round. Pull: the prefill worker cuts every hand-off from one long-lived
+buffer (page_arena.py) and shares that buffer once; the decode worker maps it once and copies each
+hand-off's slot into its receive buffer on its own stream, a peer copy over NVLink. Push (when the
+decode worker announced a receive slot of its own long-lived buffer): the prefill worker maps that
+buffer once and writes the slot itself, so the decode worker's handler copies nothing. Only the
+sharing fields, an offset and a length cross the wire. Why: UCXX through Python moved a
+3,000-token prompt's 375 MiB at ~100 GB/s (3.7 ms p50, four H100s, 2026-11-27) where a peer copy
+runs at ~390 GB/s, and a warm buffer on the prefill side did not change that. Where IPC is not
+possible (another host or container, a CPU worker) the receiver refuses the descriptor and the
+pages go over UCXX as before.
 
 A mapping is opened on the *caller's* device, so CUDA enables peer access from it to the owner's
 and the tensor reads as local to it: copies from it are plain device copies on our streams.
@@ -61,7 +63,8 @@ def host_id() -> str:
 
 
 class IpcExporter:
-    """The prefill side: descriptors of CUDA tensors; each storage is shared once (cached). The
+    """Descriptors of CUDA tensors (the prefill side's hand-off slots to pull, the decode side's
+    receive slots to push into); each storage is shared once (cached). The
     cache holds the storages it shared: one freed while cached could give its address to a new
     allocation, whose pages would then go out under the old storage's handle."""
 
@@ -87,8 +90,9 @@ class IpcExporter:
 
 
 class IpcImporter:
-    """The decode side: peer storages mapped once, one per prefill worker (`owner`) and the last
-    `keep` owners, and copies out of them on a stream of its own. A mapping keeps the peer's
+    """Peer storages mapped once, one per owner (the decode side maps prefill workers' buffers to
+    pull, the prefill side decode workers' to push) and the last `keep` owners, and copies out of
+    or into them on a stream of its own. A mapping keeps the peer's
     memory allocated even after its owner freed it (CUDA IPC), so an owner's new storage (a
     restart, a model reload) replaces its old mapping at once. One copy at a time: in chunks on
     2-8 streams (several copy engines) a 362 MiB pull was no faster (four H100s, 2026-11-27:
@@ -101,19 +105,41 @@ class IpcImporter:
         self._lock = threading.Lock()
 
     def copy_into(self, dst: torch.Tensor, desc, after=None, timing: bool = False, owner: str = ""):
-        """Enqueue a copy of the described bytes (shared by `owner`) into the contiguous CUDA
+        """Pull: enqueue a copy of the described bytes (shared by `owner`) into the contiguous CUDA
         tensor `dst`, behind the CUDA event `after`; returns (start, end) CUDA events (start None
         unless `timing`). IpcError when the descriptor is malformed, out of bounds or cannot be mapped."""
+        import torch
+
+        peer = self._peer_bytes(desc, dst, owner)
+        return self._enqueue(dst, lambda: dst.view(-1).view(torch.uint8).copy_(peer, non_blocking=True),
+                             after, timing)
+
+    def copy_to(self, src: torch.Tensor, desc, after=None, timing: bool = False, owner: str = ""):
+        """Push: enqueue a copy of the contiguous CUDA tensor `src` into the described bytes (shared
+        by `owner`), behind `after`; returns (start, end) as copy_into. NVLink writes: the prefill
+        worker's copy engine fills the decode worker's receive slot, so neither side's SMs move the
+        bytes, and the decode worker's handler has nothing left to copy."""
+        import torch
+
+        peer = self._peer_bytes(desc, src, owner)
+        return self._enqueue(src, lambda: peer.copy_(src.view(-1).view(torch.uint8), non_blocking=True),
+                             after, timing)
+
+    def _peer_bytes(self, desc, local: torch.Tensor, owner: str) -> torch.Tensor:
+        """The described bytes of a peer's storage, mapped on `local`'s device, checked against it."""
         fields, offset, nbytes = _fields(desc)
-        if nbytes != dst.numel() * dst.element_size() or not dst.is_contiguous():
-            raise IpcError(f"{nbytes} bytes described, the receive buffer holds {dst.numel() * dst.element_size()}")
-        peer = self._map(fields, dst.device, owner)
+        if nbytes != local.numel() * local.element_size() or not local.is_contiguous():
+            raise IpcError(f"{nbytes} bytes described, the local buffer holds {local.numel() * local.element_size()}")
+        peer = self._map(fields, local.device, owner)
         if offset + nbytes > peer.numel():
             raise IpcError(f"bytes {offset}..{offset + nbytes} lie outside the shared {peer.numel()} bytes")
+        return peer[offset:offset + nbytes]
+
+    def _enqueue(self, local: torch.Tensor, copy, after, timing: bool):
         import torch
 
         if self._stream is None:
-            self._stream = torch.cuda.Stream(dst.device)
+            self._stream = torch.cuda.Stream(local.device)
         stream = self._stream
         start = torch.cuda.Event(enable_timing=True) if timing else None
         if after is not None:
@@ -121,8 +147,8 @@ class IpcImporter:
         if start is not None:
             start.record(stream)
         with torch.cuda.stream(stream):
-            dst.view(-1).view(torch.uint8).copy_(peer[offset:offset + nbytes], non_blocking=True)
-        dst.record_stream(stream)  # the buffer is not reused before its copy ends
+            copy()
+        local.record_stream(stream)  # the local buffer is not reused before its copy ends
         end = torch.cuda.Event(enable_timing=timing)
         end.record(stream)
         return start, end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,10 @@ class ImportReservation:
     # the buffer waits for it (kernels that used its memory before were queued ahead of it), not
     # for the steps queued since.
     allocated: object = None
+    release: Callable[[], None] | None = None  # the receive slot's (a hand-off buffer run), or None
+    # time.monotonic() until which a prefill worker may write the slot (it was told where it lies):
+    # a dropped reservation's slot stays held that long (kv_export.PageExporter.retire).
+    hold_until: float = 0.0
 
 
 _REASONS = {status: status.value for status in FINISHED if status is not RequestStatus.HANDED_OFF}
@@ -249,8 +254,10 @@ class LLMEngine:
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
+        n = len(request.block_ids) - skip
+        slot = self.exporter.receive_slot(n) if n else None
         try:
-            buffer = empty_pages(self.kv_cache, len(request.block_ids) - skip)
+            buffer, release = slot if slot is not None else (empty_pages(self.kv_cache, n), None)
         except RuntimeError:  # no device memory for the receive buffer now: like no free blocks
             self.batcher.cancel_reserved(request_id)
             return None
@@ -258,7 +265,7 @@ class LLMEngine:
         if buffer.is_cuda:
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(buffer.device))
-        reservation = self._imports[request_id] = ImportReservation(request, skip, buffer, allocated)
+        reservation = self._imports[request_id] = ImportReservation(request, skip, buffer, allocated, release)
         return reservation
 
     def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0) -> Request:
@@ -273,13 +280,25 @@ class LLMEngine:
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
+        self._free_receive_slot(res)
         return self.batcher.start_imported(request_id)
 
     def cancel_import(self, request_id: str) -> bool:
-        if self._imports.pop(request_id, None) is None:
+        res = self._imports.pop(request_id, None)
+        if res is None:
             return False
         self.batcher.cancel_reserved(request_id)
+        self._free_receive_slot(res)
         return True
+
+    def _free_receive_slot(self, res: ImportReservation) -> None:
+        if res.release is None:
+            return
+        event = None
+        if res.buffer.is_cuda:  # behind the scatter just queued (or whatever last read the slot)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(res.buffer.device))
+        self.exporter.retire(res.release, event, res.hold_until)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished() or bool(self._inflight)

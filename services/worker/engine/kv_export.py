@@ -3,6 +3,7 @@ buffer where one is set aside) and the cluster store's, on a side stream the nex
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,13 +52,15 @@ def handoff_buffer_blocks(config) -> int:
 
 
 class PageExporter:
-    """The engine's copies out of its KV pool; owns the side stream and the hand-off buffer."""
+    """The engine's copies out of its KV pool; owns the side stream and the hand-off buffer (a prefill
+    worker's pages on their way out, a decode worker's receive slots)."""
 
     def __init__(self, kv_cache: KVCache, device: torch.device, buffer_blocks: int = 0):
         self.kv_cache, self.device = kv_cache, device
         self.buffer_blocks = buffer_blocks
         self.arena: PageArena | None = None  # made at the first hand-off
         self._stream = None
+        self._retired: list[tuple[Callable[[], None], object, float]] = []  # (release, CUDA event, hold until)
 
     def copy_out(self, block_ids: list[int], after=None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """These blocks' pages in a new tensor (or in `out`), and (on a GPU) an event for when they
@@ -98,6 +101,29 @@ class PageExporter:
             release()
             raise
         return Handoff(pages, seed, num_cached_tokens, event, release)
+
+    def receive_slot(self, n: int):
+        """A decode worker's receive buffer for n pages cut from the hand-off buffer, and its release
+        (give it to retire()); None where there is none free (the caller allocates instead)."""
+        self.reap()
+        return self._slot(n)
+
+    def retire(self, release: Callable[[], None], event=None, hold_until: float = 0.0) -> None:
+        """Free a receive slot once the kernels queued before `event` (the import's scatter) have
+        read it and time.monotonic() has passed `hold_until` (a prefill worker may still write a
+        slot it was told of until then): before that the next reservation must not get it."""
+        self._retired.append((release, event, hold_until))
+
+    def reap(self) -> None:
+        if not self._retired:
+            return
+        now, kept = time.monotonic(), []
+        for release, event, hold_until in self._retired:
+            if hold_until <= now and (event is None or event.query()):
+                release()
+            else:
+                kept.append((release, event, hold_until))
+        self._retired = kept
 
     def _slot(self, n: int):
         """A run of the hand-off buffer and its release; None without a buffer (a mixed worker; a CPU
