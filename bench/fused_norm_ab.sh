@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --fused-all-reduce-norm (the one-shot all-reduce, residual add and RMSNorm in one kernel) against
+# --fused-all-reduce-norm (default since 2026-11-27: the one-shot all-reduce, residual add and RMSNorm in one kernel) against
 # the plain one-shot all-reduce at W1 (bench-engine, batch 1), on a four-GPU machine: 8B TP=1 and
 # TP=2 on GPUs 0-1 while the 70B shape (dummy weights) runs TP=2 on GPUs 2-3, then 70B TP=4 on all
 # four. First tokens compared with the plain run's; the one-shot kernel's exactness check first.
@@ -25,11 +25,11 @@ w1() {  # tag, GPUs, model, flags...
   grep '^{' "$OUT/$tag.log" | tail -1 > "$OUT/$tag.json"
   echo "$tag done at ${SECONDS} s"
 }
-(w1 8b_tp1 0 "$MODEL"; w1 8b_tp2 0,1 "$MODEL" --tensor-parallel-size 2
+(w1 8b_tp1 0 "$MODEL"; w1 8b_tp2 0,1 "$MODEL" --tensor-parallel-size 2 --no-fused-all-reduce-norm
  w1 8b_tp2_fused 0,1 "$MODEL" --tensor-parallel-size 2 --fused-all-reduce-norm) &
-(w1 70b_tp2 2,3 "$M70" --tensor-parallel-size 2; w1 70b_tp2_fused 2,3 "$M70" --tensor-parallel-size 2 --fused-all-reduce-norm) &
+(w1 70b_tp2 2,3 "$M70" --tensor-parallel-size 2 --no-fused-all-reduce-norm; w1 70b_tp2_fused 2,3 "$M70" --tensor-parallel-size 2 --fused-all-reduce-norm) &
 wait
-w1 70b_tp4 0,1,2,3 "$M70" --tensor-parallel-size 4
+w1 70b_tp4 0,1,2,3 "$M70" --tensor-parallel-size 4 --no-fused-all-reduce-norm
 w1 70b_tp4_fused 0,1,2,3 "$M70" --tensor-parallel-size 4 --fused-all-reduce-norm
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -183,13 +183,13 @@ if has tp; then  # tensor/pipeline parallelism on two GPUs (nvidia-h200-x2): 8B 
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
     --json --overlap | tee "$OUT/tp1_w1.json"
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
-    --json --overlap --tensor-parallel-size 2 2>&1 | tee "$OUT/tp2_w1.log" | tail -3 > "$OUT/tp2_w1.json"
+    --json --overlap --tensor-parallel-size 2 --no-fused-all-reduce-norm 2>&1 | tee "$OUT/tp2_w1.log" | tail -3 > "$OUT/tp2_w1.json"
   tail -3 "$OUT/tp2_w1.json"
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
     --json --overlap --tensor-parallel-size 2 --no-custom-all-reduce 2>&1 | tee "$OUT/tp2_nccl_w1.log" | tail -3 \
     > "$OUT/tp2_nccl_w1.json"
   tail -1 "$OUT/tp2_nccl_w1.json"
-  # the one-shot all-reduce with the residual add and RMSNorm in the same kernel (off by default until this says)
+  # the one-shot all-reduce with the residual add and RMSNorm in the same kernel (the default since 2026-11-27)
   timeout $T python3 -m services.cli bench-engine --model "$MODEL" --batch-size 1 --prompt-len 128 --decode-tokens 256 \
     --json --overlap --tensor-parallel-size 2 --fused-all-reduce-norm 2>&1 | tee "$OUT/tp2_fused_w1.log" | tail -3 \
     > "$OUT/tp2_fused_w1.json"

@@ -191,7 +191,7 @@ class WorkerServiceConfig:
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
     pipeline_parallel_size: int = 1  # stages the layers are split into
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs)
-    fused_all_reduce_norm: bool = False  # ... with the residual add and RMSNorm in the same kernel
+    fused_all_reduce_norm: bool = True  # ... with the residual add and RMSNorm in the same kernel
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")

@@ -80,9 +80,9 @@ def parse_args(argv):
                     help="tensor parallelism on GPUs: small all-reduces in one kernel over the peers' memory "
                          "(CUDA IPC), larger ones through NCCL; --no-custom-all-reduce: NCCL for all")
     ap.add_argument("--fused-all-reduce-norm", action=argparse.BooleanOptionalAction,
-                    default=env_default("INFERNO_FUSED_ALL_REDUCE_NORM", False, parse_bool),
+                    default=env_default("INFERNO_FUSED_ALL_REDUCE_NORM", True, parse_bool),
                     help="tensor parallelism with the one-shot all-reduce: the residual add and RMSNorm after "
-                         "each all-reduce in the same kernel (off until measured on GPUs)")
+                         "each all-reduce in the same kernel (default; --no-fused-all-reduce-norm: two kernels)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")

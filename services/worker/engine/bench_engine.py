@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     ap.add_argument("--custom-all-reduce", action=argparse.BooleanOptionalAction, default=True,
                     help="small tensor-parallel all-reduces over peer memory (default); --no-custom-all-reduce: NCCL")
-    ap.add_argument("--fused-all-reduce-norm", action="store_true",
-                    help="the one-shot all-reduce does the residual add and RMSNorm after it in the same kernel")
+    ap.add_argument("--fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="the one-shot all-reduce does the residual add and RMSNorm after it in the same kernel "
+                         "(default); --no-fused-all-reduce-norm: two kernels")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -280,6 +280,9 @@ class LLMEngine:
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
+        # The pages came, so no write into the slot is still on its way (a prefill worker's push
+        # ends before its frame is sent): only the scatter must read it before it is reused.
+        res.hold_until = 0.0
         self._free_receive_slot(res)
         return self.batcher.start_imported(request_id)
 
