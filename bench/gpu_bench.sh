@@ -140,7 +140,7 @@ fi
 if has pd; then
   PD_PORT=${PD_PORT:-8003}  # 1 prefill + 1 decode against 2 mixed workers (spread over the visible GPUs): W3, long prompts
   for mode in ${PD_MODES:-pd mixed}; do
-    if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256}"
+    if [ $mode = pd ]; then W="--prefill-workers 1 --decode-workers 1 --disagg-min-prefill-tokens ${PD_MIN_PREFILL:-256} ${PD_UP_ARGS:-}"
     else W="--workers 2"; fi
     python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device $DEV --port $PD_PORT $W \
       --kvstore-capacity-gb ${PD_KVSTORE_GB:-2} \
@@ -277,7 +277,7 @@ if has x4; then  # issue 11 on nvidia-h200-x4; X4_PARTS picks (in this order): t
     for n in 1 2 4; do
       serve scale$n "$MODEL" "--workers $n" ""
       wait_graphs /tmp/inferno-run-scale$n 90
-      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((1000 * n)) \
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((${X4_SCALE_REQUESTS:-1000} * n)) \
         --vocab-size $VOCAB --pids-file /tmp/inferno-run-scale$n/pids.json --out "$OUT/scale_w2_$n.json" 2>&1 | tail -14
       stop scale$n
     done

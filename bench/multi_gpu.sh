@@ -45,7 +45,7 @@ if [ -n "${GPU_TESTS:-}" ]; then  # CPU-tested code that has a CUDA case too
 fi
 # The pd lanes: worker defaults, every prompt prefilled remotely, a kvstore large enough for W4.
 PD=(PD_WORKER_ARGS="${PD_WORKER_ARGS:- }" PD_MIN_PREFILL=${PD_MIN_PREFILL:-1} PD_REQUESTS=${PD_REQUESTS:-200}
-    PD_KVSTORE_GB=${PD_KVSTORE_GB:-16})
+    PD_KVSTORE_GB=${PD_KVSTORE_GB:-16} PD_UP_ARGS="${PD_UP_ARGS:-}")  # PD_UP_ARGS: `inferno up` flags of 1P+1D
 if [ "${MULTI:-pairs}" = x4 ]; then
   lane x4 0,1,2,3 x4 X4_PARTS="${X4_PARTS:-tp4w1 tp4w2}" &
 elif [ "${MULTI:-pairs}" = pd2 ]; then  # 1P+1D on GPUs 0-1 and its baseline, 2 mixed, on GPUs 2-3, at once
