@@ -277,7 +277,7 @@ if has x4; then  # issue 11 on nvidia-h200-x4; X4_PARTS picks (in this order): t
     for n in 1 2 4; do
       serve scale$n "$MODEL" "--workers $n" ""
       wait_graphs /tmp/inferno-run-scale$n 90
-      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((${X4_SCALE_REQUESTS:-1000} * n)) \
+      python3 -m services.cli bench --base-url http://127.0.0.1:8005 --model m --num-requests $((${X4_SCALE_REQUESTS:-1000} * n)) ${X4_SCALE_ARGS:-} \
         --vocab-size $VOCAB --pids-file /tmp/inferno-run-scale$n/pids.json --out "$OUT/scale_w2_$n.json" 2>&1 | tail -14
       stop scale$n
     done

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     w4.add_argument("--session-affinity", action="store_true",
                     help="send x-session-affinity: SEED-SESSION on every turn of a session")
     p.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="client processes sending the requests (default 1): one tops out near a CPU core, "
+                        "which a fast server outpaces (the report's load generator CPU says when)")
     p.add_argument("--seed", type=int, default=0,
                    help="prompts, lengths and arrivals follow it; a server with prefix caching "
                         "serves a repeated seed's prompts from cache (a sweep uses SEED+i per rate)")
@@ -155,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         base_url=args.base_url, model=args.model, endpoint=endpoint, api_key=args.api_key,
         num_requests=W2_NUM_REQUESTS if args.num_requests is None else args.num_requests,
         input_len=args.input_len or W2_INPUT_LEN, output_len=args.output_len,
-        concurrency=args.concurrency, request_rate=args.request_rate, seed=args.seed,
+        concurrency=args.concurrency, processes=args.processes, request_rate=args.request_rate, seed=args.seed,
         prompt_mode=args.prompt_mode or ("tokens" if endpoint == "completions" else "text"),
         vocab_size=args.vocab_size, ignore_eos=args.ignore_eos, temperature=args.temperature,
         timeout=args.timeout, max_duration=args.max_duration, pids=_pids(args),

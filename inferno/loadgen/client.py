@@ -6,10 +6,12 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import aiohttp
 
+from inferno.loadgen import shards
 from inferno.loadgen.session_stats import SessionSummary, summarize_sessions
 from inferno.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
 from inferno.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
@@ -30,7 +32,7 @@ class BenchResult:
     started_at: float  # unix time of the first send
     summary: Summary
     cpu: CpuCost | None  # None when no service pids were given
-    client_cpu_s: float  # CPU used by this process meanwhile: is the load generator the limit?
+    client_cpu_s: float  # CPU used by the client's processes meanwhile: is the load generator the limit?
     records: list[RequestRecord]
     sessions: SessionSummary | None = None  # session runs (W4) only
 
@@ -241,9 +243,30 @@ async def _send_all(session: aiohttp.ClientSession, url: str, bodies: list[bytes
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _send_sharded(session: aiohttp.ClientSession, url: str, bodies: list[bytes], offsets: list[float],
+                        records: list[RequestRecord], cfg: BenchConfig, t0: float,
+                        executor: Executor) -> float:
+    """Shard 0 from this process, the others from the pool's processes on the same clock; the
+    records merged back in order. Returns the children's CPU seconds."""
+    n = cfg.processes
+    concurrency = -(-cfg.concurrency // n) if cfg.concurrency else None
+    b, o, r = shards.split(bodies, n), shards.split(offsets, n), shards.split(records, n)
+    loop = asyncio.get_running_loop()
+    children = [loop.run_in_executor(executor, shards.run_shard, shards.Shard(
+        url, request_headers(cfg), b[i], o[i], r[i], concurrency, cfg.timeout, cfg.max_duration, t0))
+        for i in range(1, n)]
+    try:
+        await _send_all(session, url, b[0], o[0], r[0], concurrency, t0)
+    finally:
+        done = await asyncio.gather(*children)
+    shards.merge(records, [r[0]] + [recs for recs, _ in done])
+    return sum(cpu for _, cpu in done)
+
+
 # Given the model id and the URL, returns what sends the run's requests (given the HTTP
-# session and the run's clock origin): the plan is made before the clock starts.
-Driver = Callable[[aiohttp.ClientSession, float], Awaitable[None]]
+# session and the run's clock origin) and returns the CPU seconds of client processes other than
+# this one (None: there are none): the plan is made before the clock starts.
+Driver = Callable[[aiohttp.ClientSession, float], Awaitable[float | None]]
 Planner = Callable[[str, str], Driver]
 
 
@@ -254,12 +277,26 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     items = build_workload(cfg)
     offsets = arrival_offsets(cfg.num_requests, cfg.request_rate, cfg.seed)
     records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]
+    executor = shards.pool(cfg.processes) if cfg.processes > 1 else None
 
     def plan(model: str, url: str) -> Driver:
         bodies = [request_body(cfg, model, item) for item in items]  # encoded before the clock starts
+        if executor is not None:
+            return lambda session, t0: _send_sharded(session, url, bodies, offsets, records, cfg, t0, executor)
         return lambda session, t0: _send_all(session, url, bodies, offsets, records, cfg.concurrency, t0)
 
-    return await measure(cfg, records, plan)
+    try:
+        return await measure(cfg, records, plan)
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+
+
+def request_headers(cfg: BenchConfig) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    return headers
 
 
 async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner) -> BenchResult:
@@ -270,9 +307,7 @@ async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner)
     except ValueError as exc:  # a pid that is not running
         raise BenchError(str(exc)) from None
     root = api_root(cfg.base_url)
-    headers = {"Content-Type": "application/json"}
-    if cfg.api_key:
-        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    headers = request_headers(cfg)
     # limit=0 is no limit: with unbounded concurrency every request gets its own connection.
     connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, headers=headers,
@@ -281,11 +316,12 @@ async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner)
         drive = plan(model, f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}")
         cpu_before = meter.sample() if meter else None
         client_cpu0, started_at, t0 = time.process_time(), time.time(), time.perf_counter()
+        others = None
         try:
-            await asyncio.wait_for(drive(session, t0), cfg.max_duration)
+            others = await asyncio.wait_for(drive(session, t0), cfg.max_duration)
         except asyncio.TimeoutError:
             pass  # the requests still open were cancelled and marked run-deadline
-        client_cpu = time.process_time() - client_cpu0
+        client_cpu = time.process_time() - client_cpu0 + (others or 0.0)
         cpu_after = meter.sample() if meter else None
     for record in records:
         if record.start is None and record.error is None:

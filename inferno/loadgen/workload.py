@@ -88,6 +88,7 @@ class BenchConfig:
     pids: dict[str, int] = field(default_factory=dict)  # service name -> pid, for CPU cost
     save_requests: bool = False
     sessions: SessionConfig | None = None  # W4 instead of independent requests (chat endpoint only)
+    processes: int = 1  # client processes sending the requests (shards.py): one tops out near a core
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -106,6 +107,10 @@ class BenchConfig:
                 raise ValueError(f"{name} must satisfy 1 <= low <= high, got {(lo, hi)}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be at least 1 (or None for no cap)")
+        if not 1 <= self.processes <= 64:
+            raise ValueError("processes must be in [1, 64]")
+        if self.processes > 1 and self.sessions is not None:
+            raise ValueError("a session workload (W4) runs in one client process")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf sends everything at once)")
         if self.prompt_mode == "tokens" and self.vocab_size <= MIN_TOKEN_ID:

@@ -184,6 +184,28 @@ async def test_counts_tokens_and_errors_against_a_streaming_server(fake):
     assert cpu.total_us_per_token == pytest.approx(cpu.us_per_token["self"])
 
 
+async def test_several_client_processes_send_every_request_once_on_one_clock():
+    """--processes 3: three processes share the run (each sends every third request); the records
+    come back in plan order with their timings on the parent's clock, as one process would have
+    measured them, and the client CPU counts the children too."""
+    server = FakeOpenAI(all_ok=True)
+    runner, base_url = await _serve(server)
+    try:
+        result = await run_benchmark(_config(base_url, num_requests=12, concurrency=None, processes=3))
+    finally:
+        await runner.cleanup()
+    s = result.summary
+    assert (s.completed, s.failed) == (12, 0) and len(server.served) == 12
+    assert sorted((len(x.body["prompt"]), x.body["max_tokens"]) for x in server.served) == sorted(
+        (r.planned_input_len, r.planned_output_len) for r in result.records)
+    assert [r.index for r in result.records] == list(range(12))
+    for r in result.records:
+        assert r.completion_tokens == r.planned_output_len == len(r.chunk_times)
+        assert 0 <= r.start < r.end <= s.duration_s + r.start and 0 < r.ttft <= r.e2e
+    assert s.duration_s < 10.0  # one clock: no child's times are offset by its start-up
+    assert result.client_cpu_s > 0.0
+
+
 async def test_cli_writes_json_and_table(fake, tmp_path, capsys):
     out, plot = tmp_path / "result.json", tmp_path / "cdf.png"
     argv = ["--base-url", fake.base_url + "/v1", "--num-requests", "20", "--concurrency", "4",
