@@ -1,6 +1,6 @@
 """Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
 
-    python3 bench/sampling_variants.py [--block-v N] [LABEL]
+    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [LABEL]
 
 For A/B runs of kernel variants in one device call: run it from each variant's tree.
 """
@@ -23,8 +23,8 @@ MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.
 def main() -> None:
     args = sys.argv[1:]
     kw = {}
-    if args[:1] == ["--block-v"]:
-        kw["block_v"] = int(args[1])
+    while args[:1] in (["--block-v"], ["--chain-rounds"]):
+        kw[args[0][2:].replace("-", "_")] = int(args[1])
         args = args[2:]
     label = args[0] if args else "?"
     dev = torch.device("cuda")
@@ -35,7 +35,7 @@ def main() -> None:
         ok = bool(torch.equal(K.sample(*a, **kw), K.sample_ref(*a)))
         row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'}")
     regs = []
-    for kern in (K._stats_kernel, K._sample_kernel):
+    for kern in (K._stats_kernel, K._sample_kernel, K._chain_round_kernel, K._chain_finish_kernel):
         for cache in kern.device_caches.values():
             for c in cache[0].values():
                 regs.append(f"{kern.__name__} regs {c.n_regs} spills {c.n_spills}")

@@ -177,16 +177,19 @@ def test_large_vocab_multi_tile(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=1), want)
 
 
-def _draws(row, n, device, block_v, num_splits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+def _draws(row, n, device, block_v, num_splits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+           chain_rounds=K.CHAIN_ROUNDS):
     """n draws from one row (one seed, offsets 0..n-1: only the noise changes), kernel and reference;
     also how many times the kernel read each row. The launch shape is explicit: its default depends
-    on the device's SM count, and a row's path depends on it (through pass 1's chunks)."""
+    on the device's SM count, and a row's path depends on it (through pass 1's chunks). chain_rounds
+    0: top-p's chain runs serially in the row program (with its buffer finish), as top-k's does."""
     t, k, p, mp = _params(n, device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     seeds = torch.full((n,), 77, dtype=torch.int64, device=device)
     offsets = torch.arange(n, device=device)
     logits = row.to(device).expand(n, -1).contiguous()
     reads = torch.zeros(n, dtype=torch.int32, device=device)
-    got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits, reads=reads)
+    got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits, reads=reads,
+                   chain_rounds=chain_rounds, chain_block=min(block_v, 64))
     return got, K.sample_ref(logits, t, k, p, mp, seeds, offsets), reads.tolist()
 
 
@@ -209,13 +212,16 @@ def test_bound_from_pass_one_fits_the_buffer(filters, num_splits, device):
     assert reads == [2] * 12
 
 
+@pytest.mark.parametrize("chain_rounds", [0, K.CHAIN_ROUNDS, 1])
 @pytest.mark.parametrize("filters,longest", [(dict(top_p=0.9), 4), (dict(top_p=0.3), 5), (dict(top_k=150), 5),
                                              (dict(min_p=0.1, top_p=0.3), 5)])
-def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, device):
+def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, chain_rounds, device):
     """Flat rows keep far more than the buffer: the bound's set yields its Gumbel winner, accepted
     (3 reads) or rejected, and the next read checks the winner above it (tiles both dense and sparse
-    in the set, so noise is drawn in place and through the buffer, with refills)."""
-    got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, **filters)
+    in the set, so noise is drawn in place and through the buffer, with refills). Top-p's links run in
+    the row program (chain_rounds 0), in chunked rounds, or in one round and then serially for the
+    rows it left pending: the same draws, the same reads."""
+    got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, chain_rounds=chain_rounds, **filters)
     assert torch.equal(got, want)
     assert min(reads) == 3 and max(reads) >= longest
 
@@ -228,10 +234,13 @@ def test_chain_ends_in_the_buffer_after_rejections(device):
     row = torch.full((512,), -3.0)
     row[1:41] = 1.5
     row[0:160:16] = 3.0
-    got, want, reads = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4)
+    got, want, reads = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4, chain_rounds=0)
     assert torch.equal(got, want)
     assert set(want.tolist()) <= set(range(0, 160, 16)) and len(set(want.tolist())) > 3
     assert reads == [3] * 12
+    # In chunked rounds there is no buffer: a rejected winner costs one round more, never a wrong draw.
+    got, _, chunked = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4)
+    assert torch.equal(got, want) and set(chunked) <= {3, 4}
 
 
 def test_loose_min_p_is_the_only_filter(device):

@@ -30,7 +30,9 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 # The reference (torch) lives beside the kernels; its names stay importable from here.
 from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, uniform_noise_ref  # noqa: F401
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
-from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _finish, _float_key, _key_float,
+from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel, _chain_round_kernel,
+                                                    _chain_step_kernel, chain_splits)
+from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float,
                                                    _row_count_select, _row_key, _scan, _tile_select, _uniform)
 
 # --- the kernel ----------------------------------------------------------------------------
@@ -261,10 +263,10 @@ def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
 @triton.jit
 def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
                    lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
-                   SCAN_ONLY: tl.constexpr):
+                   SCAN_ONLY: tl.constexpr, DEFER: tl.constexpr):
     """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
     through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
-    of the row)."""
+    of the row, the chain's first candidate when DEFER left top-p's chain to the chunked rounds, else -1)."""
     m_key = _float_key(m).to(tl.int64)
     no_key = tl.full([], _NEG_INF_KEY, tl.int64)
     # The bound of C: the grid's when it has one (lo_k is a bound, lo_p an estimate checked after the
@@ -299,7 +301,7 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
     if SCAN_ONLY:  # probes: the cost of the first scan alone (bench/sampling_probe.py); wrong draws
-        return tl.where(best < _NONE, best, 0), reads
+        return tl.where(best < _NONE, best, 0), reads, tl.full([], -1, tl.int32)
     # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
     # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).
     if use_p & (use_k == 0) & (lo_p > tail) & (mass < top_p * z) & (tl.exp(beta - m) >= min_p):
@@ -333,34 +335,24 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
     accepted = ((in_buf == 0) & (use_k == 0) & (use_p == 0)).to(tl.int32)  # min-p alone: C is exact
     if accepted != 0:
         cand = best
-    while (accepted == 0) & (in_buf == 0) & (best < _NONE):
-        cand = best
-        l_c = tl.load(base + cand).to(tl.float32) * inv_t
-        n, mass, n_keep, cut, drawn, best_s, best = _scan(
-            base, buf_l, buf_i, vocab, inv_t, m, key, l_c, tl.full([], 1, tl.int32), float("inf"), 0.0, min_p,
-            BLOCK_V)
-        reads += 1
-        in_buf = cut == float("inf")
-        accepted = (((k_sel == 0) | (n < top_k)) & ((use_p == 0) | (mass < top_p * z))).to(tl.int32)
-    token = tl.zeros([], tl.int32)  # nothing kept (min_p > 1): index 0, as argmax over -inf
-    if accepted != 0:
-        token = tl.where(cand < _NONE, cand, 0)
-    elif in_buf & (n_keep <= SMALL):
-        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
-                        key, best_s, best, SMALL)
-    elif in_buf:
-        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
-                        key, best_s, best, BLOCK_V)
-    return token, reads
+    pending = tl.full([], -1, tl.int32)
+    token = tl.zeros([], tl.int32)
+    if DEFER & (use_k == 0) & (accepted == 0) & (in_buf == 0) & (best < _NONE):
+        pending = best  # top-p's chain goes on in chunked rounds (_chain_round_kernel), not here
+    else:
+        token, reads = _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m, z, cand, accepted,
+                              in_buf, n, n_keep, drawn, best_s, best, floor, k_sel, z_from_buf, reads, BLOCK_V, SMALL)
+    return token, reads, pending
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
     reads_ptr, times_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr,
-    vocab, num_splits, n_u,
+    cand_ptr, m_ptr, z_ptr, vocab, num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
     SMALL: tl.constexpr, SCAN_ONLY: tl.constexpr, COUNT_READS: tl.constexpr, TIMES: tl.constexpr,
+    DEFER: tl.constexpr,
 ):
     """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
     row = tl.program_id(0).to(tl.int64)
@@ -371,6 +363,7 @@ def _sample_kernel(
     s = tl.arange(0, BLOCK_S)
     part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     reads = tl.full([], 1, tl.int32)
+    pending = tl.full([], -1, tl.int32)
     if simple:
         part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
         s_max = tl.max(part_score, axis=0)
@@ -390,11 +383,16 @@ def _sample_kernel(
             u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
             lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
                                             BLOCK_V * 5 // 8)
-        token, reads = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
-                                      buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k, use_p,
-                                      key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U, BLOCK_V,
-                                      SMALL, SCAN_ONLY)
+        token, reads, pending = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
+                                               buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k,
+                                               use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p,
+                                               BLOCK_U, BLOCK_V, SMALL, SCAN_ONLY, DEFER)
+        if DEFER:
+            tl.store(m_ptr + row, m)
+            tl.store(z_ptr + row, z)
     tl.store(out_ptr + row, token.to(tl.int64))
+    if DEFER:
+        tl.store(cand_ptr + row, pending)
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
     if TIMES:
@@ -473,7 +471,7 @@ def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
-    times: torch.Tensor | None = None,
+    times: torch.Tensor | None = None, chain_rounds: int = CHAIN_ROUNDS, chain_block: int | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -483,7 +481,8 @@ def sample(
     block_v and num_splits override the launch shape (tests use them). reads, an int32 [B] tensor,
     if given receives how many times each row was read in full (benchmarks and tests use it). times, an
     int64 [B, 3] tensor on a GPU, receives each row's start and end (globaltimer ns) and SM in the
-    second launch (probes)."""
+    second launch (probes). chain_rounds: top-p's chunked chain rounds (0: the row program follows the
+    chain alone, as before); chain_block: their tile (tests use small ones)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
@@ -503,6 +502,8 @@ def sample(
     if n_rows == 0:
         return out
     block_v = _block_v(vocab, block_v)
+    chain_block = min(block_v, 2048) if chain_block is None else chain_block
+    check(chain_rounds >= 0, "chain_rounds must not be negative, got {}", chain_rounds)
     split_block, block_s, block_u, grid_s = launch_constants(vocab, block_v)
     if num_splits is None:
         num_splits = _num_splits(vocab, n_rows, split_block, device)
@@ -517,6 +518,9 @@ def sample(
     part_grid = torch.empty((n_rows, num_splits * _GRID_BINS.value), **i32)
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
+    defer = chain_rounds > 0
+    cand, row_m, row_z = (torch.empty((n_rows,), **i32), torch.empty((n_rows,), **f32),
+                          torch.empty((n_rows,), **f32)) if defer else (out, out, out)
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
         part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
@@ -526,14 +530,41 @@ def sample(
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
         out if reads is None else reads, out if times is None else times, part_score, part_idx, part_z, part_u,
-        part_grid, buf_l, buf_i, vocab, num_splits, num_splits * n_groups,
+        part_grid, buf_l, buf_i, cand, row_m, row_z, vocab, num_splits, num_splits * n_groups,
         BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s,
         BLOCK_V=block_v, SMALL=min(block_v, 256), SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None,
-        TIMES=times is not None,
+        TIMES=times is not None, DEFER=defer,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
     )
+    if defer:
+        _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, reads, buf_l,
+                      buf_i, block_v, chain_rounds, chain_block)
     return out
+
+
+def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, reads, buf_l,
+                  buf_i, block_v, rounds, chain_block):
+    """Top-p's chain for the rows the row program left pending: `rounds` chunked rounds, then the
+    serial chain for any row still pending (sampling_chain.py)."""
+    n_rows, vocab = logits.shape
+    chunk, splits = chain_splits(vocab, chain_block)
+    f32, i32 = dict(dtype=torch.float32, device=logits.device), dict(dtype=torch.int32, device=logits.device)
+    part_n, part_idx = torch.empty((n_rows, splits), **i32), torch.empty((n_rows, splits), **i32)
+    part_mass, part_score = torch.empty((n_rows, splits), **f32), torch.empty((n_rows, splits), **f32)
+    counts = reads if reads is not None else out
+    for _ in range(rounds):
+        _chain_round_kernel[(n_rows, splits)](
+            logits, logits.stride(0), temperature, min_p, seeds, offsets, cand, row_m, part_n, part_mass, part_score,
+            part_idx, vocab, chunk, splits, BLOCK=chain_block, num_warps=8 if chain_block >= 2048 else 4,
+            enable_fp_fusion=False)
+        _chain_step_kernel[(n_rows,)](
+            top_p, cand, row_z, out, counts, part_n, part_mass, part_score, part_idx, splits,
+            BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None, num_warps=1)
+    _chain_finish_kernel[(n_rows,)](
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, counts,
+        buf_l, buf_i, vocab, BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
+        num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
 
 
 def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""Top-p's chain of Gumbel winners in chunked rounds (see sampling.py's kernel section).
+
+A winner w of the draw over a set that holds the kept set S is kept iff less than p * Z of the mass
+lies strictly above l_w; else S lies above l_w, and the next winner is drawn there. The row program
+(one per row) follows this chain serially, one full read of the row per link, at one program's
+~9 GB/s: with top-p sets of thousands of tokens most rows need such links (212 of 256 in the broad
+mode, 621 µs at B = 256 on an H100, 2026-11-25). For rows with top-p and no top-k, the row program
+now stops where the chain starts and leaves its first candidate; then each round reads every
+pending row split over CHAIN_SPLITS programs (_chain_round_kernel: count, mass and Gumbel winner above
+the candidate, per chunk) and a program per row (_chain_step_kernel) keeps the candidate or moves to
+the next one. A round keeps a pending candidate with probability >= p (the mass of S over that of the
+set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row is left; those finish serially
+(_chain_finish_kernel, the row program's own chain). Top-k rows keep the serial chain: their links
+are kept with probability mass(top-k set) / mass(set), which can be small, and the buffer ends them.
+The launches are fixed in number and shape (CUDA graphs); rows without a candidate return at once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from services.worker.kernels.sampling_scan import _NONE, _better, _finish, _row_key, _scan
+
+CHAIN_ROUNDS = 4
+CHAIN_SPLITS = 16  # programs per row in a round (at most): a lone pending row is read 16 ways
+
+
+def chain_splits(vocab: int, block: int) -> tuple[int, int]:
+    """(chunk, splits) of a round: whole tiles per program, by the vocabulary alone (no batch-size
+    variants to compile)."""
+    blocks = triton.cdiv(vocab, block)
+    per = triton.cdiv(blocks, min(blocks, CHAIN_SPLITS))
+    return per * block, triton.cdiv(blocks, per)
+
+
+@triton.jit
+def _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m, z, cand, accepted, in_buf, n,
+           n_keep, drawn, best_s, best, floor, k_sel, z_from_buf, reads, BLOCK_V: tl.constexpr, SMALL: tl.constexpr):
+    """The chain from the state a scan left (candidate, accepted, buffer), serially: each scan reads
+    the row above the rejected winner, until a winner is kept or the set above it fits the buffer,
+    which finishes the row. Returns (token, reads)."""
+    while (accepted == 0) & (in_buf == 0) & (best < _NONE):
+        cand = best
+        l_c = tl.load(base + cand).to(tl.float32) * inv_t
+        n, mass, n_keep, cut, drawn, best_s, best = _scan(
+            base, buf_l, buf_i, vocab, inv_t, m, key, l_c, tl.full([], 1, tl.int32), float("inf"), 0.0, min_p,
+            BLOCK_V)
+        reads += 1
+        in_buf = cut == float("inf")
+        accepted = (((k_sel == 0) | (n < top_k)) & ((use_p == 0) | (mass < top_p * z))).to(tl.int32)
+    token = tl.zeros([], tl.int32)  # nothing kept (min_p > 1): index 0, as argmax over -inf
+    if accepted != 0:
+        token = tl.where(cand < _NONE, cand, 0)
+    elif in_buf & (n_keep <= SMALL):
+        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
+                        key, best_s, best, SMALL)
+    elif in_buf:
+        token = _finish(buf_l, buf_i, n_keep, floor, k_sel, top_k, use_p, top_p, z, z_from_buf, drawn, m, min_p,
+                        key, best_s, best, BLOCK_V)
+    return token, reads
+
+
+@triton.jit
+def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr, m_ptr,
+                        part_n_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr, vocab, chunk, splits,
+                        BLOCK: tl.constexpr):
+    """One chunk of a pending row: tokens strictly above the candidate's l, their count and mass, and
+    the Gumbel winner among those at or above min-p (as the serial scan finds them)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    cand = tl.load(cand_ptr + row)
+    if cand >= 0:
+        temp = tl.load(temp_ptr + row).to(tl.float32)
+        inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
+        min_p = tl.load(min_p_ptr + row).to(tl.float32)
+        m = tl.load(m_ptr + row)
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        base = logits_ptr + row * logits_stride
+        l_c = tl.load(base + cand).to(tl.float32) * inv_t
+        cols = tl.arange(0, BLOCK)
+        n = tl.zeros([], tl.int32)
+        mass = tl.zeros([], tl.float32)
+        best_s = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], _NONE, tl.int32)
+        start = split * chunk
+        end = tl.minimum(start + chunk, vocab)
+        for v0 in range(start, end, BLOCK):
+            idx = v0 + cols
+            l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+            above = (idx < end) & (l > l_c)
+            cnt = tl.sum(above.to(tl.int32), axis=0)
+            if cnt > 0:  # most tiles hold none above a late candidate: no exp, no noise
+                e = tl.exp(l - m)
+                n += cnt
+                mass += tl.sum(tl.where(above, e, 0.0), axis=0)
+                best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
+        at = row * splits + split
+        tl.store(part_n_ptr + at, n)
+        tl.store(part_mass_ptr + at, mass)
+        tl.store(part_score_ptr + at, best_s)
+        tl.store(part_idx_ptr + at, best_i)
+
+
+@triton.jit
+def _chain_step_kernel(top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_n_ptr, part_mass_ptr, part_score_ptr,
+                       part_idx_ptr, splits, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
+    """A pending row after a round: its candidate is kept (the draw), or the winner above it is the
+    next candidate; with none there, nothing is kept (index 0, as the serial chain)."""
+    row = tl.program_id(0).to(tl.int64)
+    cand = tl.load(cand_ptr + row)
+    if cand >= 0:
+        s = tl.arange(0, BLOCK_S)
+        ok = s < splits
+        at = row * splits + s
+        mass = tl.sum(tl.load(part_mass_ptr + at, mask=ok, other=0.0), axis=0)
+        score = tl.load(part_score_ptr + at, mask=ok, other=float("-inf"))
+        idx = tl.load(part_idx_ptr + at, mask=ok, other=_NONE)
+        best_s = tl.max(score, axis=0)
+        best = tl.min(tl.where(score == best_s, idx, _NONE), axis=0)
+        kept = mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row)
+        if kept:
+            tl.store(out_ptr + row, cand.to(tl.int64))
+            tl.store(cand_ptr + row, -1)
+        elif best == _NONE:
+            tl.store(out_ptr + row, tl.zeros([], tl.int64))
+            tl.store(cand_ptr + row, -1)
+        else:
+            tl.store(cand_ptr + row, best)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, tl.load(reads_ptr + row) + 1)
+
+
+@triton.jit
+def _chain_finish_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
+                         cand_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, buf_l_ptr, buf_i_ptr, vocab,
+                         BLOCK_V: tl.constexpr, SMALL: tl.constexpr, COUNT_READS: tl.constexpr):
+    """Rows still pending after the rounds (rare): the serial chain from their candidate."""
+    row = tl.program_id(0).to(tl.int64)
+    cand = tl.load(cand_ptr + row)
+    if cand >= 0:
+        temp = tl.load(temp_ptr + row).to(tl.float32)
+        inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        reads = tl.zeros([], tl.int32)
+        if COUNT_READS:
+            reads = tl.load(reads_ptr + row)
+        zero = tl.zeros([], tl.int32)
+        no = zero != 0  # the serial chain's flags are booleans
+        neg_inf = tl.full([], float("-inf"), tl.float32)
+        token, reads = _chain(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V,
+                              vocab, inv_t, tl.load(top_k_ptr + row).to(tl.int32), tl.load(top_p_ptr + row).to(tl.float32),
+                              tl.load(min_p_ptr + row).to(tl.float32), zero == 0, key, tl.load(m_ptr + row),
+                              tl.load(z_ptr + row), cand, zero, no, zero, zero, tl.zeros([], tl.float32), neg_inf, cand,
+                              neg_inf, no, no, reads, BLOCK_V, SMALL)
+        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(cand_ptr + row, -1)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, reads)
