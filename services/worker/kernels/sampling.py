@@ -30,8 +30,8 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 # The reference (torch) lives beside the kernels; its names stay importable from here.
 from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, uniform_noise_ref  # noqa: F401
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
-from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel, _chain_round_kernel,
-                                                    _chain_step_kernel, chain_splits)
+from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
+                                                    _chain_round_kernel, _chain_step_kernel, chain_splits)
 from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float,
                                                    _row_count_select, _row_key, _scan, _tile_select, _uniform)
 
@@ -471,7 +471,7 @@ def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
-    times: torch.Tensor | None = None, chain_rounds: int = CHAIN_ROUNDS, chain_block: int | None = None,
+    times: torch.Tensor | None = None, chain_rounds: int = 0, chain_block: int | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -481,8 +481,10 @@ def sample(
     block_v and num_splits override the launch shape (tests use them). reads, an int32 [B] tensor,
     if given receives how many times each row was read in full (benchmarks and tests use it). times, an
     int64 [B, 3] tensor on a GPU, receives each row's start and end (globaltimer ns) and SM in the
-    second launch (probes). chain_rounds: top-p's chunked chain rounds (0: the row program follows the
-    chain alone, as before); chain_block: their tile (tests use small ones)."""
+    second launch (probes). chain_rounds: top-p's chain in that many chunked rounds (sampling_chain.py;
+    CHAIN_ROUNDS is the intended count) instead of in the row program; 0, the default until it is
+    timed on a GPU against the serial chain (`bench/sampling_variants.py --chain-rounds N`).
+    chain_block: the rounds' tile (tests use small ones)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
