@@ -339,6 +339,8 @@ def parse_args(argv):
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     ap.add_argument("--api-keys-file", type=Path, default=None,
                     help="tenants, their limits and keys (JSON or YAML; see the README), for the gateway")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the gateway's streamed tokens per server-sent event (default 1; see inferno gateway)")
     ap.add_argument("--max-queue-seconds", type=float, default=None,
                     help="the scheduler's load shedding: 429 when the estimated wait for a first token "
                          "passes this (default: off)")
@@ -376,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_queue_seconds is not None:
         scheduler_args += ["--max-queue-seconds", str(args.max_queue_seconds)]
     gateway_args = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
+    if args.stream_interval != 1:
+        gateway_args += ["--stream-interval", str(args.stream_interval)]
     cfg = StackConfig(
         model_dir=model_dir.resolve(),
         model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),

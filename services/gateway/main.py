@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat-ttl", type=float, default=3.0,
                    help="seconds without a worker's heartbeat after which its requests move to another worker "
                         "(no token yet) or fail; as the scheduler's --heartbeat-ttl")
+    p.add_argument("--stream-interval", type=int, default=env_default("INFERNO_STREAM_INTERVAL", 1, int),
+                   help="streamed tokens per server-sent event (default 1, as SGLang's --stream-interval): "
+                        "N > 1 writes each stream once per N tokens, for less gateway CPU per token; the first "
+                        "token and the end still go out at once")
     p.add_argument("--gateway-id", default=None, help="this gateway's id on NATS (default: random)")
     p.add_argument("--log-format", choices=("console", "json"), default=env_default("INFERNO_LOG_FORMAT", None),
                    help="default: console on a terminal, else json")
@@ -82,7 +86,7 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         api_keys=tuple(dict.fromkeys(keys)), max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
                         share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
-                        heartbeat_ttl=args.heartbeat_ttl, **extra)
+                        heartbeat_ttl=args.heartbeat_ttl, stream_interval=args.stream_interval, **extra)
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
 
 

@@ -57,7 +57,7 @@ class Pump:
     request's chunks go to its sink (the socket) at once and a collected one's into its choices; the handler
     task sleeps on `done` and wakes once, at the end (or when the client has gone)."""
 
-    __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail", "plain", "inbox")
+    __slots__ = ("gw", "gen", "fmt", "writer", "done", "failure", "tail", "plain", "inbox", "interval", "held")
 
     def __init__(self, gw: Gateway, gen: Generation, fmt: ResponseFormat, writer: ChunkSink | None = None):
         self.gw = gw
@@ -73,6 +73,12 @@ class Pump:
         self.plain = (choices[0] if writer is not None and len(choices) == 1 and choices[0].matcher is None
                       and not choices[0].want_logprobs else None)
         self.inbox: DeltaInbox | None = None
+        # --stream-interval: plain tokens go out in one event per `interval` tokens (SGLang's
+        # stream_interval): a socket write and a JSON chunk per token are most of the gateway's
+        # CPU per token. `held` is the text of the tokens not written yet; the next feed() (the
+        # end, a failure) writes it first.
+        self.interval = gw.cfg.stream_interval
+        self.held = ""
 
     async def run(self, inbox: DeltaInbox) -> None:
         """Consume until every choice has ended, the request failed or the client went away."""
@@ -101,12 +107,24 @@ class Pump:
             text_chunk = self.fmt.text_chunk
             index = choice.index
             data = b""
-            for token in ids:
-                note_arrival(metrics, gen, choice, now)
-                choice.num_tokens += 1
-                text = detok.push(token)
-                if text:
-                    data += text_chunk(index, text)
+            interval = self.interval
+            if interval == 1:
+                for token in ids:
+                    note_arrival(metrics, gen, choice, now)
+                    choice.num_tokens += 1
+                    text = detok.push(token)
+                    if text:
+                        data += text_chunk(index, text)
+            else:
+                held = self.held
+                for token in ids:
+                    note_arrival(metrics, gen, choice, now)
+                    choice.num_tokens += 1
+                    held += detok.push(token)
+                    if held and choice.num_tokens % interval == 0:
+                        data += text_chunk(index, held)
+                        held = ""
+                self.held = held
             if data and not self.writer.send(data):
                 done.set_result(None)  # the client went away: writer.closed tells the handler
         except Exception as e:  # a bug in one request must not stop the inbox of the others
@@ -125,6 +143,9 @@ class Pump:
             fmt = self.fmt
             writer = self.writer
             data = b""
+            if self.held:  # plain tokens held back by --stream-interval go out before what follows them
+                data = fmt.text_chunk(self.plain.index, self.held)
+                self.held = ""
             if writer is None:
                 for choice, update in updates:
                     fmt.collect(choice, update)

@@ -217,3 +217,60 @@ async def test_pump_writes_the_choices_of_one_burst_in_one_chunk(model_dir):
     finally:
         await runner.cleanup()
         await gw.close()
+
+
+async def test_stream_interval_writes_plain_tokens_in_groups_and_the_rest_at_the_end(model_dir):
+    """--stream-interval 3: the first token goes out at once, then one event per three tokens (one
+    write), and tokens still held when the request ends go out before its last event."""
+    tok = Tokenizer.from_dir(model_dir)
+    mc = ModelConfig.from_dir(model_dir)
+    gw = Gateway(GatewayConfig(model_name="tiny", model_dir=str(model_dir), stream_interval=3), tok,
+                 max_model_len=mc.max_model_len, vocab_size=mc.vocab_size)
+    spec = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "stream": True}, gw.limits)
+    gen = Generation(gw, "chatcmpl-y", spec, [5, 6, 7], None, 0.0)
+    gen.stream = gw.router.open(gen.request_ids)
+    fmt = ChatFormat(gw.texts, False)
+    (rid,) = gen.request_ids
+
+    async def handler(request):
+        w = SseWriter(request)
+        await w.open()
+        assert w.send(fmt.begin(ChunkFrame(gen.response_id, "chat.completion.chunk", 123, "tiny"), gen.choices))
+        pump = Pump(gw, gen, fmt, w)
+        await pump.run(gen.stream.inbox)
+        await w.finish(pump.tail)
+        return w.response
+
+    ids = [t for t in range(100, 400) if tok.decode([t]).isascii() and tok.decode([t]).strip()][:6]
+    words = [tok.decode([t]) for t in ids]
+    assert len(ids) == 6 and tok.decode(ids) == "".join(words)
+
+    def emit(i: int, finish: str | None = None) -> None:
+        gw.router.on_batch(TokenBatch.of("w-1", [TokenDelta(
+            request_id=rid, token_ids=pack_ids([ids[i - 1]]), finish_reason=finish, prompt_tokens=3,
+            completion_tokens=i)]))
+
+    def texts(chunk: bytes) -> list[str]:
+        return [json.loads(e)["choices"][0]["delta"].get("content") for e in chunk[6:-2].split(b"\n\ndata: ")]
+
+    runner, port = await serve(handler)
+    try:
+        r = await RawResponse.get(port, "/s")
+        await r.chunk()  # the opening event
+        emit(1)
+        assert texts(await r.chunk()) == [words[0]]  # the first token at once
+        for i in (2, 3, 4):
+            emit(i)
+            await asyncio.sleep(0.02)  # each its own hand-over
+        assert texts(await r.chunk()) == [words[1] + words[2]]  # tokens 2-3, at the stream's third token
+        emit(5)
+        await asyncio.sleep(0.02)
+        emit(6, "length")  # tokens 4-5 were held: they go out first, then the last event
+        last = await r.chunk()
+        assert last.endswith(b"\n\n" + DONE)
+        assert texts(last[:-len(DONE)]) == [words[3] + words[4], words[5]]
+        r.close()
+    finally:
+        await runner.cleanup()
+        await gw.close()
