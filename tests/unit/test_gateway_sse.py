@@ -163,6 +163,19 @@ def model_dir(tmp_path_factory) -> Path:
     return mm.write_model(tmp_path_factory.mktemp("sse") / "tiny", preset="tiny")
 
 
+def pump_handler(gw, gen, fmt):
+    """What serving._stream does, without the routing: open the stream, pump it, end it."""
+    async def handler(request):
+        w = SseWriter(request)
+        await w.open()
+        assert w.send(fmt.begin(ChunkFrame(gen.response_id, "chat.completion.chunk", 123, "tiny"), gen.choices))
+        pump = Pump(gw, gen, fmt, w)
+        await pump.run(gen.stream.inbox)
+        await w.finish(pump.tail)
+        return w.response
+    return handler
+
+
 async def test_pump_writes_the_choices_of_one_burst_in_one_chunk(model_dir):
     tok = Tokenizer.from_dir(model_dir)
     mc = ModelConfig.from_dir(model_dir)
@@ -174,14 +187,7 @@ async def test_pump_writes_the_choices_of_one_burst_in_one_chunk(model_dir):
     gen.stream = gw.router.open(gen.request_ids)
     fmt = ChatFormat(gw.texts, False)
 
-    async def handler(request):  # what serving._stream does, without the routing
-        w = SseWriter(request)
-        await w.open()
-        assert w.send(fmt.begin(ChunkFrame(gen.response_id, "chat.completion.chunk", 123, "tiny"), gen.choices))
-        pump = Pump(gw, gen, fmt, w)
-        await pump.run(gen.stream.inbox)
-        await w.finish(pump.tail)
-        return w.response
+    handler = pump_handler(gw, gen, fmt)
 
     def emit(i: int, text: str, finish: str | None = None) -> None:
         ids = tok.encode(text, add_special_tokens=False)
@@ -233,14 +239,7 @@ async def test_stream_interval_writes_plain_tokens_in_groups_and_the_rest_at_the
     fmt = ChatFormat(gw.texts, False)
     (rid,) = gen.request_ids
 
-    async def handler(request):
-        w = SseWriter(request)
-        await w.open()
-        assert w.send(fmt.begin(ChunkFrame(gen.response_id, "chat.completion.chunk", 123, "tiny"), gen.choices))
-        pump = Pump(gw, gen, fmt, w)
-        await pump.run(gen.stream.inbox)
-        await w.finish(pump.tail)
-        return w.response
+    handler = pump_handler(gw, gen, fmt)
 
     ids = [t for t in range(100, 400) if tok.decode([t]).isascii() and tok.decode([t]).strip()][:6]
     words = [tok.decode([t]) for t in ids]
