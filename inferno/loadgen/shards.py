@@ -19,7 +19,7 @@ from inferno.loadgen.stats import RequestRecord
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class Shard:
-    """What one client process sends: every n-th request, from request `first` on."""
+    """What one client process sends: every n-th request of the run (shards.split), on the run's clock."""
 
     url: str
     headers: dict[str, str]

@@ -108,23 +108,15 @@ class Pump:
             index = choice.index
             data = b""
             interval = self.interval
-            if interval == 1:
-                for token in ids:
-                    note_arrival(metrics, gen, choice, now)
-                    choice.num_tokens += 1
-                    text = detok.push(token)
-                    if text:
-                        data += text_chunk(index, text)
-            else:
-                held = self.held
-                for token in ids:
-                    note_arrival(metrics, gen, choice, now)
-                    choice.num_tokens += 1
-                    held += detok.push(token)
-                    if held and choice.num_tokens % interval == 0:
-                        data += text_chunk(index, held)
-                        held = ""
-                self.held = held
+            held = self.held
+            for token in ids:
+                note_arrival(metrics, gen, choice, now)
+                choice.num_tokens += 1
+                held += detok.push(token)
+                if held and choice.num_tokens % interval == 0:
+                    data += text_chunk(index, held)
+                    held = ""
+            self.held = held
             if data and not self.writer.send(data):
                 done.set_result(None)  # the client went away: writer.closed tells the handler
         except Exception as e:  # a bug in one request must not stop the inbox of the others

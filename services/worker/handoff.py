@@ -448,6 +448,7 @@ class HandoffReceiver:
         """The pages are in the reservation's buffer: the step loop writes them into its blocks."""
         self.stats["imports"] += 1
         self.stats["ipc"] += pushed  # (_copy_in counted the pulls)
+        self.stats["pushed"] += pushed
         self.stats["bytes"] += nbytes_of(reservation.buffer)
         req = offer.request
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
@@ -466,7 +467,8 @@ class HandoffReceiver:
         pages = reservation.skip_blocks + reservation.buffer.shape[0]
         if offer.request.request_id != rid or offer.num_pages != pages or self._check(offer):
             return {"error": self._check(offer) or "the pages do not fit the reserved blocks"}
-        if "pushed" in header and (not reservation.hold_until or header["pushed"] != nbytes_of(reservation.buffer)):
+        pushed = "pushed" in header
+        if pushed and (not reservation.hold_until or header["pushed"] != nbytes_of(reservation.buffer)):
             return {"error": "pages pushed into a slot this reservation never announced"}
         refused = await self._copy_in(header, reservation)
         if refused:
@@ -476,8 +478,7 @@ class HandoffReceiver:
         _, expiry = self.prepared.pop(rid)
         expiry.cancel()
         self.stats["direct"] += 1
-        self.stats["pushed"] += "pushed" in header
-        self._import(offer, reservation, "pushed" in header)
+        self._import(offer, reservation, pushed)
         return {"ok": True}
 
     def abort(self, request_ids: list[str]) -> None:

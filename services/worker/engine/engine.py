@@ -282,8 +282,7 @@ class LLMEngine:
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
         # The pages came, so no write into the slot is still on its way (a prefill worker's push
         # ends before its frame is sent): only the scatter must read it before it is reused.
-        res.hold_until = 0.0
-        self._free_receive_slot(res)
+        self._free_receive_slot(res, hold_until=0.0)
         return self.batcher.start_imported(request_id)
 
     def cancel_import(self, request_id: str) -> bool:
@@ -291,17 +290,17 @@ class LLMEngine:
         if res is None:
             return False
         self.batcher.cancel_reserved(request_id)
-        self._free_receive_slot(res)
+        self._free_receive_slot(res, res.hold_until)
         return True
 
-    def _free_receive_slot(self, res: ImportReservation) -> None:
+    def _free_receive_slot(self, res: ImportReservation, hold_until: float) -> None:
         if res.release is None:
             return
         event = None
         if res.buffer.is_cuda:  # behind the scatter just queued (or whatever last read the slot)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(res.buffer.device))
-        self.exporter.retire(res.release, event, res.hold_until)
+        self.exporter.retire(res.release, event, hold_until)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished() or bool(self._inflight)

@@ -552,16 +552,16 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     n_rows, vocab = logits.shape
     chunk, splits = chain_splits(vocab, chain_block)
     f32, i32 = dict(dtype=torch.float32, device=logits.device), dict(dtype=torch.int32, device=logits.device)
-    part_n, part_idx = torch.empty((n_rows, splits), **i32), torch.empty((n_rows, splits), **i32)
+    part_idx = torch.empty((n_rows, splits), **i32)
     part_mass, part_score = torch.empty((n_rows, splits), **f32), torch.empty((n_rows, splits), **f32)
     counts = reads if reads is not None else out
     for _ in range(rounds):
         _chain_round_kernel[(n_rows, splits)](
-            logits, logits.stride(0), temperature, min_p, seeds, offsets, cand, row_m, part_n, part_mass, part_score,
+            logits, logits.stride(0), temperature, min_p, seeds, offsets, cand, row_m, part_mass, part_score,
             part_idx, vocab, chunk, splits, BLOCK=chain_block, num_warps=8 if chain_block >= 2048 else 4,
             enable_fp_fusion=False)
         _chain_step_kernel[(n_rows,)](
-            top_p, cand, row_z, out, counts, part_n, part_mass, part_score, part_idx, splits,
+            top_p, cand, row_z, out, counts, part_mass, part_score, part_idx, splits,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None, num_warps=1)
     _chain_finish_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, counts,

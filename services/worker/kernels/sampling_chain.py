@@ -67,10 +67,10 @@ def _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m,
 
 @triton.jit
 def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr, m_ptr,
-                        part_n_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr, vocab, chunk, splits,
-                        BLOCK: tl.constexpr):
-    """One chunk of a pending row: tokens strictly above the candidate's l, their count and mass, and
-    the Gumbel winner among those at or above min-p (as the serial scan finds them)."""
+                        part_mass_ptr, part_score_ptr, part_idx_ptr, vocab, chunk, splits, BLOCK: tl.constexpr):
+    """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
+    Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
+    row has no top-k."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     cand = tl.load(cand_ptr + row)
@@ -83,7 +83,6 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_pt
         base = logits_ptr + row * logits_stride
         l_c = tl.load(base + cand).to(tl.float32) * inv_t
         cols = tl.arange(0, BLOCK)
-        n = tl.zeros([], tl.int32)
         mass = tl.zeros([], tl.float32)
         best_s = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], _NONE, tl.int32)
@@ -93,21 +92,18 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_pt
             idx = v0 + cols
             l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
             above = (idx < end) & (l > l_c)
-            cnt = tl.sum(above.to(tl.int32), axis=0)
-            if cnt > 0:  # most tiles hold none above a late candidate: no exp, no noise
+            if tl.max(above.to(tl.int32), axis=0) > 0:  # most tiles hold none above a late candidate: no exp, no noise
                 e = tl.exp(l - m)
-                n += cnt
                 mass += tl.sum(tl.where(above, e, 0.0), axis=0)
                 best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
         at = row * splits + split
-        tl.store(part_n_ptr + at, n)
         tl.store(part_mass_ptr + at, mass)
         tl.store(part_score_ptr + at, best_s)
         tl.store(part_idx_ptr + at, best_i)
 
 
 @triton.jit
-def _chain_step_kernel(top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_n_ptr, part_mass_ptr, part_score_ptr,
+def _chain_step_kernel(top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
                        part_idx_ptr, splits, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
     """A pending row after a round: its candidate is kept (the draw), or the winner above it is the
     next candidate; with none there, nothing is kept (index 0, as the serial chain)."""
