@@ -1,6 +1,6 @@
 """Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
 
-    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [LABEL]
+    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [LABEL]
 
 For A/B runs of kernel variants in one device call: run it from each variant's tree.
 """
@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
 from services.worker.kernels import sampling as K  # noqa: E402
+from services.worker.kernels import sampling_chain  # noqa: E402
 
 MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.05", "mixed")
 
@@ -23,17 +24,21 @@ MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.
 def main() -> None:
     args = sys.argv[1:]
     kw = {}
-    while args[:1] in (["--block-v"], ["--chain-rounds"]):
+    while args[:1] in (["--block-v"], ["--chain-rounds"], ["--chain-splits"]):
         kw[args[0][2:].replace("-", "_")] = int(args[1])
         args = args[2:]
+    if "chain_splits" in kw:  # chain_splits() reads the module's constant at each launch
+        sampling_chain.CHAIN_SPLITS = kw.pop("chain_splits")
     label = args[0] if args else "?"
     dev = torch.device("cuda")
     torch.manual_seed(0)
     row = []
     for mode in MODES:
         a = sampling_inputs(256, mode, dev)
-        ok = bool(torch.equal(K.sample(*a, **kw), K.sample_ref(*a)))
-        row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'}")
+        reads = torch.zeros(256, dtype=torch.int32, device=dev)
+        ok = bool(torch.equal(K.sample(*a, reads=reads, **kw), K.sample_ref(*a)))
+        spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...
+        row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'} [{spread}]")
     regs = []
     for kern in (K._stats_kernel, K._sample_kernel, K._chain_round_kernel, K._chain_finish_kernel):
         for cache in kern.device_caches.values():

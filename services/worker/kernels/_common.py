@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
+
 import torch
 import triton
 import triton.language as tl
+
+try:  # Hopper's grid dependency control (Triton 3.4+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: kernels launch as before
+    gdc_launch_dependents = gdc_wait = None
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -108,6 +115,44 @@ def _interpreting() -> bool:
 
 # Fixed when the kernels are defined, as triton.jit itself decides interpreted vs compiled then.
 INTERPRET = tl.constexpr(_interpreting())
+
+
+# Programmatic dependent launch (Hopper): INFERNO_PDL=1 on, =0 off (A/B runs); unset, what the
+# process chose with use_pdl. W1 on two H100s (2026-11-27, bench/w1_ab.sh): 8B TP=2 +2.5 %
+# (3.626 -> 3.537 ms/step), one GPU -0.4 % (5.715 -> 5.741), so tensor-parallel ranks turn it on.
+_PDL_ENV = os.environ.get("INFERNO_PDL")
+_pdl_chosen = False
+
+
+def use_pdl(on: bool) -> None:
+    """Whether this process's decode kernels launch with programmatic dependent launch (set before
+    the first launch: compiled variants and CUDA graphs keep what they were made with)."""
+    global _pdl_chosen
+    _pdl_chosen = on
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:
+    return (not INTERPRET.value and gdc_wait is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def pdl_args(device: torch.device) -> dict:
+    """A decode step's kernel launch arguments: with programmatic dependent launch, the next
+    kernel's blocks are scheduled while this one runs, and wait in pdl_enter for its end (its
+    memory flushed), so the step's ~300 launches overlap their launch latency."""
+    wanted = _pdl_chosen if _PDL_ENV is None else _PDL_ENV != "0"
+    return {"PDL": True, "launch_pdl": True} if wanted and _pdl_capable(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First thing in a kernel launched with pdl_args: wait until the kernel before it in the stream
+    has finished and its writes are visible (as a plain launch would have), then let the next one
+    be scheduled. Both are no-ops in a kernel not launched so."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from services.worker.kernels._common import (
     cast_rtne, check, check_paged_attention_args, check_shape, check_tensor, dot_precision, mma,
-    next_power_of_2)
+    next_power_of_2, pdl_args, pdl_enter)
 
 # A split should stream enough KV to hide its fixed cost; the grid should cover the GPU about
 # twice. (Tuned on an H100 at Llama-3.1-8B shapes: B=1 ctx 384 -> 6 splits, B=64 ctx 512 -> 1.)
@@ -62,7 +62,9 @@ def _decode_split_kernel(
     po_stride_b, po_stride_h, po_stride_s, pl_stride_b, pl_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,7 +130,9 @@ def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     po_stride_b, po_stride_h, po_stride_s, pl_stride_b, pl_stride_h, out_stride_b, out_stride_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -211,13 +215,13 @@ def paged_decode_attention(
         *po_strides, *pl_strides,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, DIRECT=direct, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(device),
     )
     if not direct:
         _decode_reduce_kernel[(n_seqs, n_q)](
             part_o, part_lse, out, num_splits,
             *po_strides, *pl_strides, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
-            num_warps=1 if block_d <= 64 else 2,
+            num_warps=1 if block_d <= 64 else 2, **pdl_args(device),
         )
     return out

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.kernels._common import FLOAT_DTYPES, FP8_KV, cast_rtne, check, check_shape, check_tensor
+from services.worker.kernels._common import (FLOAT_DTYPES, FP8_KV, cast_rtne, check, check_shape, check_tensor, pdl_args,
+                                             pdl_enter)
 from services.worker.kernels.silu_mul import silu_mul_ref
 
 # The most rows the kernel takes (an fp32 accumulator per row of x in every thread).
@@ -131,7 +132,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -202,7 +205,7 @@ def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, VEC=vec,
-        NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, weight.dtype),
+        NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, weight.dtype), **pdl_args(x.device),
     )
     return out
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from services.worker.kernels._common import (
-    FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, next_power_of_2)
+    FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, next_power_of_2, pdl_args, pdl_enter)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,7 +37,9 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -92,7 +94,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         n_rows, n_cols,
         x.stride(0), x.stride(0), out.stride(0), out.stride(0),
         float(eps),
-        HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RESIDUAL=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps, **pdl_args(x.device),
     )
     return out
 
@@ -116,6 +118,6 @@ def fused_add_rmsnorm(
         n_rows, n_cols,
         x.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         float(eps),
-        HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RESIDUAL=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps, **pdl_args(x.device),
     )
     return out, new_residual

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from services.worker.kernels._common import (
     FLOAT_DTYPES, FP8_KV, INDEX_DTYPES, cast_rtne, check, check_shape, check_tensor, copy_rows_, next_power_of_2,
-    to_kv, to_kv_ref)
+    pdl_args, pdl_enter, to_kv, to_kv_ref)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -111,7 +111,9 @@ def _rope_kv_write_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -190,6 +192,6 @@ def rope_kv_write(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1),
         NUM_Q_HEADS=n_q, NUM_KV_HEADS=n_kv, HALF=half, BLOCK_HALF=block_half,
-        BLOCK_HQ=block_hq, BLOCK_HKV=next_power_of_2(n_kv), PAGE=page, num_warps=num_warps,
+        BLOCK_HQ=block_hq, BLOCK_HKV=next_power_of_2(n_kv), PAGE=page, num_warps=num_warps, **pdl_args(device),
     )
     return q_rot, k_rot

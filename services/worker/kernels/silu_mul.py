@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.kernels._common import FLOAT_DTYPES, cast_rtne, check, check_tensor
+from services.worker.kernels._common import FLOAT_DTYPES, cast_rtne, check, check_tensor, pdl_args, pdl_enter
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,8 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -38,5 +39,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024 if inter >= 1024 else triton.next_power_of_2(inter)
     grid = (n_rows, triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_args(x.device))
     return out

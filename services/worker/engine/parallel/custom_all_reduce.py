@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.cuda_ipc import open_shared, share
-from services.worker.kernels._common import cast_rtne, next_power_of_2
+from services.worker.kernels._common import cast_rtne, next_power_of_2, pdl_args, pdl_enter
 
 MAX_RANKS = 8
 MAX_BLOCKS = 128  # a signal buffer has one slot per (rank, block)
@@ -134,8 +134,9 @@ def _one_shot_all_reduce_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7,  # every rank's signal buffer (int64 [MAX_RANKS, SLOTS])
     state_ptr,  # this rank's int64 [calls, done]
     WORLD: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     flag, half, own = _begin_call(state_ptr, b0, b1, b2, b3, b4, b5, b6, b7, RANK, HALF)
@@ -163,12 +164,13 @@ def _one_shot_add_rmsnorm_kernel(
     s0, s1, s2, s3, s4, s5, s6, s7,
     state_ptr,
     WORLD: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The one-shot all-reduce of x [n_rows, n_cols], then the decoder's residual add and RMSNorm
     on the sum (kernels/rmsnorm.py's order and roundings): two kernels of a tensor-parallel layer
     in one. A block owns whole rows (rows pid, pid + grid, ...), so the flags stay per block as in
     the plain kernel, whose protocol (halves, flags, the counter) this follows line for line."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     flag, half, own = _begin_call(state_ptr, b0, b1, b2, b3, b4, b5, b6, b7, RANK, HALF)
@@ -232,7 +234,7 @@ class CustomAllReduce:
             bufs = tuple(b.view(dt) for b in buffers) + (buffers[rank].view(dt),) * pad
             self._launch[dt] = (TILE_BYTES // size, bufs + sigs + (state,),
                                 dict(WORLD=world, RANK=rank, HALF=max_bytes // size, SLOTS=MAX_BLOCKS,
-                                     BLOCK=TILE_BYTES // size, num_warps=NUM_WARPS))
+                                     BLOCK=TILE_BYTES // size, num_warps=NUM_WARPS, **pdl_args(self.device)))
         self._mappings = (buffers, signals)  # the peers' mappings live as long as this object
 
     def serves(self, x: torch.Tensor) -> bool:
