@@ -51,7 +51,16 @@ def decode_kernels_with_pdl() -> None:
         _compile(silu_mul._silu_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32",
                                              "x_stride": "i32", "out_stride": "i32"}, {"BLOCK": 1024, "PDL": True}),
     ]
-    for ptx in ptxs:
+    from services.worker.kernels import sampling_chain
+
+    # The chain's rounds: atomics and .cg reads, no PDL (it slowed them on an H100).
+    ptxs.append(_compile(sampling_chain._chain_round_kernel, {
+        "logits_ptr": "*fp32", "logits_stride": "i32", "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
+        "seeds_ptr": "*i64", "offsets_ptr": "*i64", "cand_ptr": "*i32", "arrived_ptr": "*i32", "m_ptr": "*fp32",
+        "z_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32", "part_score_ptr": "*fp32",
+        "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32", "n_rows": "i32"},
+        {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False}))
+    for ptx in ptxs[:-1]:
         # The wait comes before any global load: nothing is read before the kernel before it ended.
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
         assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

@@ -31,7 +31,7 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, uniform_noise_ref  # noqa: F401
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
 from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
-                                                    _chain_round_kernel, _chain_step_kernel, chain_splits)
+                                                    _chain_round_kernel, chain_splits)
 from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float,
                                                    _row_count_select, _row_key, _scan, _tile_select, _uniform)
 
@@ -393,6 +393,7 @@ def _sample_kernel(
     tl.store(out_ptr + row, token.to(tl.int64))
     if DEFER:
         tl.store(cand_ptr + row, pending)
+        tl.store(cand_ptr + tl.num_programs(0) + row, 0)  # the chunks a round has seen finish (none)
     if COUNT_READS:
         tl.store(reads_ptr + row, reads)
     if TIMES:
@@ -471,7 +472,7 @@ def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
-    times: torch.Tensor | None = None, chain_rounds: int = 0, chain_block: int | None = None,
+    times: torch.Tensor | None = None, chain_rounds: int = CHAIN_ROUNDS, chain_block: int | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -521,7 +522,8 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
-    cand, row_m, row_z = (torch.empty((n_rows,), **i32), torch.empty((n_rows,), **f32),
+    # cand: [pending candidate | chunks arrived this round] per row
+    cand, row_m, row_z = (torch.empty((2, n_rows), **i32), torch.empty((n_rows,), **f32),
                           torch.empty((n_rows,), **f32)) if defer else (out, out, out)
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
@@ -555,17 +557,16 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     part_idx = torch.empty((n_rows, splits), **i32)
     part_mass, part_score = torch.empty((n_rows, splits), **f32), torch.empty((n_rows, splits), **f32)
     counts = reads if reads is not None else out
+    programs = min(n_rows * splits, 4 * _num_sms(logits.device))
     for _ in range(rounds):
-        _chain_round_kernel[(n_rows, splits)](
-            logits, logits.stride(0), temperature, min_p, seeds, offsets, cand, row_m, part_mass, part_score,
-            part_idx, vocab, chunk, splits, BLOCK=chain_block, num_warps=8 if chain_block >= 2048 else 4,
-            enable_fp_fusion=False)
-        _chain_step_kernel[(n_rows,)](
-            top_p, cand, row_z, out, counts, part_mass, part_score, part_idx, splits,
-            BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None, num_warps=1)
+        _chain_round_kernel[(programs,)](
+            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, out,
+            counts, part_mass, part_score, part_idx, vocab, chunk, splits, n_rows, BLOCK=chain_block,
+            BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
+            num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)
     _chain_finish_kernel[(n_rows,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, counts,
-        buf_l, buf_i, vocab, BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand[0], row_m, row_z, out,
+        counts, buf_l, buf_i, vocab, BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
 
 

@@ -6,17 +6,16 @@ lies strictly above l_w; else S lies above l_w, and the next winner is drawn the
 ~9 GB/s: with top-p sets of thousands of tokens most rows need such links (212 of 256 in the broad
 mode, 621 µs at B = 256 on an H100, 2026-11-25). For rows with top-p and no top-k, the row program
 now stops where the chain starts and leaves its first candidate; then each round reads every
-pending row split over CHAIN_SPLITS programs (_chain_round_kernel: count, mass and Gumbel winner above
-the candidate, per chunk) and a program per row (_chain_step_kernel) keeps the candidate or moves to
-the next one. A round keeps a pending candidate with probability >= p (the mass of S over that of the
+pending row split over CHAIN_SPLITS programs (_chain_round_kernel: mass and Gumbel winner above
+the candidate, per chunk), and the row's last chunk to finish keeps the candidate or moves to the
+next one (_chain_step). A round keeps a pending candidate with probability >= p (the mass of S over that of the
 set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row is left; those finish serially
 (_chain_finish_kernel, the row program's own chain). Top-k rows keep the serial chain: their links
 are kept with probability mass(top-k set) / mass(set), which can be small, and the buffer ends them.
 The launches are fixed in number and shape (CUDA graphs); rows without a candidate return at once.
 
-Not yet timed on a GPU, so sample() keeps the serial chain unless asked (chain_rounds). What to
-weigh: 2 * CHAIN_ROUNDS + 1 launches more in every sampled step (a few µs each, even when no row is
-pending) against the serial links' ~150 µs each in the broad mode.
+Timed on an H100 (B = 256, 2026-11-27, bench/sampling_variants.py): the broad mode's 668 µs become
+467 at 3 rounds; every other mode pays 12-14 µs for the rounds' launches when no row is pending.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from services.worker.kernels.sampling_scan import _NONE, _better, _finish, _row_key, _scan
 
-CHAIN_ROUNDS = 4
+CHAIN_ROUNDS = 3  # H100, B = 256, broad mode: 668 / 560 / 467 / 471 µs at 0 / 2 / 3 / 4 rounds
 CHAIN_SPLITS = 16  # programs per row in a round (at most): a lone pending row is read 16 ways
 
 
@@ -66,14 +65,58 @@ def _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m,
 
 
 @triton.jit
-def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr, m_ptr,
-                        part_mass_ptr, part_score_ptr, part_idx_ptr, vocab, chunk, splits, BLOCK: tl.constexpr):
-    """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
+def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
+                splits, cand, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
+    """A pending row after its round: its candidate is kept (the draw), or the winner above it is
+    the next candidate; with none there, nothing is kept (index 0, as the serial chain). The
+    chunks' results are read through L2 (.cg): other programs wrote them this round, and an L1 line
+    of an earlier round's read may still be here."""
+    s = tl.arange(0, BLOCK_S)
+    ok = s < splits
+    at = row * splits + s
+    mass = tl.sum(tl.load(part_mass_ptr + at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    score = tl.load(part_score_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(part_idx_ptr + at, mask=ok, other=_NONE, cache_modifier=".cg")
+    best_s = tl.max(score, axis=0)
+    best = tl.min(tl.where(score == best_s, idx, _NONE), axis=0)
+    kept = mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row)
+    if kept:
+        tl.store(out_ptr + row, cand.to(tl.int64))
+        tl.store(cand_ptr + row, -1)
+    elif best == _NONE:
+        tl.store(out_ptr + row, tl.zeros([], tl.int64))
+        tl.store(cand_ptr + row, -1)
+    else:
+        tl.store(cand_ptr + row, best)
+    if COUNT_READS:
+        tl.store(reads_ptr + row, tl.load(reads_ptr + row) + 1)
+
+
+@triton.jit
+def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
+                        arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
+                        vocab, chunk, splits, n_rows, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                        COUNT_READS: tl.constexpr):
+    """Chunks of pending rows, each: the mass of the tokens strictly above the candidate's l, and the
     Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
-    row has no top-k."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    cand = tl.load(cand_ptr + row)
+    row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
+    it to 0) takes the row's step, so a round is one launch. A few programs per SM walk the (row,
+    chunk) pairs: most rows are not pending, and a program per pair cost ~3 µs a round in launches
+    alone (H100, B = 256)."""
+    for item in range(tl.program_id(0), n_rows * splits, tl.num_programs(0)):
+        row = (item // splits).to(tl.int64)
+        split = item % splits
+        _chain_chunk(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
+                     arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
+                     vocab, chunk, splits, row, split, BLOCK, BLOCK_S, COUNT_READS)
+
+
+@triton.jit
+def _chain_chunk(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
+                 arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
+                 vocab, chunk, splits, row, split, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                 COUNT_READS: tl.constexpr):
+    cand = tl.load(cand_ptr + row, cache_modifier=".cg")  # a step of this round may have moved another row's
     if cand >= 0:
         temp = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
@@ -100,35 +143,11 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, min_p_ptr, seeds_pt
         tl.store(part_mass_ptr + at, mass)
         tl.store(part_score_ptr + at, best_s)
         tl.store(part_idx_ptr + at, best_i)
-
-
-@triton.jit
-def _chain_step_kernel(top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
-                       part_idx_ptr, splits, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
-    """A pending row after a round: its candidate is kept (the draw), or the winner above it is the
-    next candidate; with none there, nothing is kept (index 0, as the serial chain)."""
-    row = tl.program_id(0).to(tl.int64)
-    cand = tl.load(cand_ptr + row)
-    if cand >= 0:
-        s = tl.arange(0, BLOCK_S)
-        ok = s < splits
-        at = row * splits + s
-        mass = tl.sum(tl.load(part_mass_ptr + at, mask=ok, other=0.0), axis=0)
-        score = tl.load(part_score_ptr + at, mask=ok, other=float("-inf"))
-        idx = tl.load(part_idx_ptr + at, mask=ok, other=_NONE)
-        best_s = tl.max(score, axis=0)
-        best = tl.min(tl.where(score == best_s, idx, _NONE), axis=0)
-        kept = mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row)
-        if kept:
-            tl.store(out_ptr + row, cand.to(tl.int64))
-            tl.store(cand_ptr + row, -1)
-        elif best == _NONE:
-            tl.store(out_ptr + row, tl.zeros([], tl.int64))
-            tl.store(cand_ptr + row, -1)
-        else:
-            tl.store(cand_ptr + row, best)
-        if COUNT_READS:
-            tl.store(reads_ptr + row, tl.load(reads_ptr + row) + 1)
+        # Release: this chunk's results before its arrival; acquire: the others' before the step.
+        if tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.store(arrived_ptr + row, 0)
+            _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
+                        part_idx_ptr, splits, cand, BLOCK_S, COUNT_READS)
 
 
 @triton.jit
