@@ -557,11 +557,10 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     part_idx = torch.empty((n_rows, splits), **i32)
     part_mass, part_score = torch.empty((n_rows, splits), **f32), torch.empty((n_rows, splits), **f32)
     counts = reads if reads is not None else out
-    programs = min(n_rows * splits, 4 * _num_sms(logits.device))
     for _ in range(rounds):
-        _chain_round_kernel[(programs,)](
+        _chain_round_kernel[(n_rows, splits)](
             logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, out,
-            counts, part_mass, part_score, part_idx, vocab, chunk, splits, n_rows, BLOCK=chain_block,
+            counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
             num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)
     _chain_finish_kernel[(n_rows,)](

@@ -92,31 +92,20 @@ def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_p
         tl.store(reads_ptr + row, tl.load(reads_ptr + row) + 1)
 
 
-@triton.jit
+# Per-row parameters are slices of one upload and arrived_ptr lies n_rows past cand_ptr: their
+# alignment follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
+@triton.jit(do_not_specialize=["temp_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "arrived_ptr"])
 def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
                         arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
-                        vocab, chunk, splits, n_rows, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                        COUNT_READS: tl.constexpr):
-    """Chunks of pending rows, each: the mass of the tokens strictly above the candidate's l, and the
+                        vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
+    """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
     Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
     row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
-    it to 0) takes the row's step, so a round is one launch. A few programs per SM walk the (row,
-    chunk) pairs: most rows are not pending, and a program per pair cost ~3 µs a round in launches
-    alone (H100, B = 256)."""
-    for item in range(tl.program_id(0), n_rows * splits, tl.num_programs(0)):
-        row = (item // splits).to(tl.int64)
-        split = item % splits
-        _chain_chunk(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
-                     arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
-                     vocab, chunk, splits, row, split, BLOCK, BLOCK_S, COUNT_READS)
-
-
-@triton.jit
-def _chain_chunk(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
-                 arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
-                 vocab, chunk, splits, row, split, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                 COUNT_READS: tl.constexpr):
-    cand = tl.load(cand_ptr + row, cache_modifier=".cg")  # a step of this round may have moved another row's
+    it to 0) takes the row's step, so a round is one launch. (A few programs per SM walking the
+    pairs instead cost twice as much a round: each waits for its rows' candidates one by one.)"""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    cand = tl.load(cand_ptr + row)
     if cand >= 0:
         temp = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
@@ -150,7 +139,7 @@ def _chain_chunk(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seed
                         part_idx_ptr, splits, cand, BLOCK_S, COUNT_READS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr"])
 def _chain_finish_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
                          cand_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, buf_l_ptr, buf_i_ptr, vocab,
                          BLOCK_V: tl.constexpr, SMALL: tl.constexpr, COUNT_READS: tl.constexpr):
