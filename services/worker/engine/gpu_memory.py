@@ -7,7 +7,6 @@ import math
 import structlog
 import torch
 
-from services.worker.engine import activation_peaks
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
 from services.worker.engine.kv_export import handoff_buffer_blocks
@@ -19,11 +18,10 @@ GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, measured
 
 
 @torch.inference_mode()
-def dry_run_peak_bytes(engine, tokens: int | None = None) -> int:
-    """Activation bytes of the largest step: max_num_batched_tokens tokens (or `tokens`), max_num_seqs
-    logits rows."""
+def dry_run_peak_bytes(engine) -> int:
+    """Activation bytes of the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows."""
     cfg, mc, device = engine.config, engine.model_config, engine.device
-    tokens = tokens or cfg.max_num_batched_tokens
+    tokens = cfg.max_num_batched_tokens
     n_blocks = math.ceil(tokens / cfg.block_size) + 1
     scratch = KVCache(engine.rank_config, n_blocks, cfg.block_size, engine.kv_dtype, device)
     torch.cuda.synchronize()
@@ -68,24 +66,9 @@ def mixed_graph_bytes(engine) -> int:
     return tokens * per_token * engine.dtype.itemsize
 
 
-def activation_peak_bytes(engine) -> tuple[int, bool]:
-    """The largest step's activation bytes, and whether they came from an earlier start's dry run
-    (activation_peaks.py). Then a step of a few tokens still runs first: what a first step sets up
-    (cuBLAS's workspace, the kernels' code) is in use before the free memory is read, as after the
-    full dry run."""
-    key = activation_peaks.key(engine)
-    peak = activation_peaks.lookup(key)
-    if peak is not None:
-        dry_run_peak_bytes(engine, tokens=min(16, engine.config.max_num_batched_tokens))
-        return peak, True
-    peak = dry_run_peak_bytes(engine)
-    activation_peaks.remember(key, peak)
-    return peak, False
-
-
 def profile_kv_blocks(engine) -> int:
     device = engine.device
-    activation_peak, remembered = activation_peak_bytes(engine)
+    activation_peak = dry_run_peak_bytes(engine)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
     budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
@@ -97,7 +80,6 @@ def profile_kv_blocks(engine) -> int:
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,
         "handoff_buffer_gib": handoff / 2**30,
         "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
-        "activation_peak_remembered": remembered,
     }
     log.info("kv pool sized from memory", **{k: round(v, 2) for k, v in engine.memory_report.items()})
     if blocks < 1:
