@@ -71,6 +71,10 @@ class StackConfig:
     run_dir: Path = Path(".inferno")
     emit_only: bool = False
     worker_args: tuple[str, ...] = ()
+    # ... and to workers of one role only, after worker_args (so they win): e.g. a smaller step
+    # budget for decode workers, whose own prefills would otherwise stretch their steps.
+    prefill_worker_args: tuple[str, ...] = ()
+    decode_worker_args: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # each worker is a group of tp × pp processes, one GPU each
     pipeline_parallel_size: int = 1
     gateway_args: tuple[str, ...] = ()
@@ -160,7 +164,8 @@ class Stack:
         name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
                 "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
-                "--device", self._next_device(), *self.cfg.worker_args]
+                "--device", self._next_device(), *self.cfg.worker_args,
+                *{"prefill": self.cfg.prefill_worker_args, "decode": self.cfg.decode_worker_args}.get(role, ())]
         if self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
                      "--pipeline-parallel-size", str(self.cfg.pipeline_parallel_size)]
@@ -348,7 +353,17 @@ def parse_args(argv):
     ap.add_argument("--log-format", choices=["console", "json"], default="console")
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter (overhead benchmark only)")
     ap.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to each worker")
+    ap.add_argument("--prefill-worker-arg", action="append", default=[],
+                    help="extra flag passed to prefill workers only (after --worker-arg)")
+    ap.add_argument("--decode-worker-arg", action="append", default=[],
+                    help="extra flag passed to decode workers only (after --worker-arg), e.g. "
+                         "--decode-worker-arg='--max-num-batched-tokens 512'")
     return ap.parse_args(argv)
+
+
+def _split(extras: list[str]) -> tuple[str, ...]:
+    """Repeated --worker-arg values, each split on spaces: one flag with its value may come as one."""
+    return tuple(a for extra in extras for a in extra.split())
 
 
 def mixed_workers(args) -> int:
@@ -389,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),
         gateway_args=tuple(gateway_args),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
-        worker_args=tuple(a for extra in args.worker_arg for a in extra.split()), log_format=args.log_format,
+        worker_args=_split(args.worker_arg), prefill_worker_args=_split(args.prefill_worker_arg),
+        decode_worker_args=_split(args.decode_worker_arg), log_format=args.log_format,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     stack = Stack(cfg)
     stopping = False
