@@ -205,10 +205,17 @@ def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
     """GPU memory kept out of a prefill or decode worker's KV pool for the pages of hand-offs in
     flight: two full steps' worth of prompts (a step can end many prompts at once, and their pages
     wait for their sends). Without it the pool took all but 5 MiB of an H100 and 41 of 100 long
-    prompts failed to export (2026-11-27)."""
+    prompts failed to export (2026-11-27). A decode worker's slots take what prefill workers send,
+    whatever its own step budget: at least the default's 16,384 tokens (with --max-num-batched-tokens
+    512 on the decode worker its slots held 1,024 tokens, so no long prompt was pushed: 0 of 18 of
+    2,800+ tokens, 49 of 176 in all; four H100s, 2026-11-27)."""
     if cfg.role == "mixed" or not cfg.device.startswith("cuda"):
         return 0
-    return 2 * cfg.max_num_batched_tokens
+    tokens = 2 * cfg.max_num_batched_tokens
+    return max(tokens, DECODE_HANDOFF_TOKENS) if cfg.role == "decode" else tokens
+
+
+DECODE_HANDOFF_TOKENS = 16384
 
 
 def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:

@@ -29,3 +29,16 @@ def test_role_flags_reach_their_role_only_and_come_last(tmp_path):
     assert tail["worker-0"] == ["--max-num-batched-tokens", "8192"]
     assert tail["prefill-1"] == ["--max-num-batched-tokens", "8192", "--gil-switch-interval-ms", "0.5"]
     assert tail["decode-2"] == ["--max-num-batched-tokens", "8192", "--max-num-batched-tokens", "512"]
+
+
+def test_a_decode_worker_keeps_room_for_hand_offs_whatever_its_own_step_budget():
+    from services.worker.model_build import DECODE_HANDOFF_TOKENS, handoff_buffer_tokens
+    from shared.config import WorkerServiceConfig
+
+    def tokens(role, budget, device="cuda"):
+        return handoff_buffer_tokens(WorkerServiceConfig(role=role, device=device, max_num_batched_tokens=budget))
+
+    assert tokens("decode", 512) == DECODE_HANDOFF_TOKENS  # its own small steps do not shrink the slots
+    assert tokens("decode", 16384) == 32768
+    assert tokens("prefill", 512) == 1024  # a prefill worker exports its own steps' prompts
+    assert tokens("mixed", 8192) == 0 and tokens("decode", 8192, device="cpu") == 0
