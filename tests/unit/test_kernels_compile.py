@@ -1,6 +1,7 @@
 """Kernels through Triton's compiler for Hopper (sm_90), ptxas included (Triton's wheel ships it),
 on a machine without a GPU: the interpreter runs what the compiler refuses (a module global read
-inside a kernel, say), and the PTX shows what a launch will do (grid dependency control). Each case compiles in a process of its own, where TRITON_INTERPRET is unset."""
+inside a kernel, say), and the PTX shows what a launch will do (grid dependency control). Each
+case compiles in a process of its own, where TRITON_INTERPRET is unset."""
 
 from __future__ import annotations
 

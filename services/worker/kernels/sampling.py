@@ -478,13 +478,14 @@ def sample(
 
     Two launches: pass 1 by num_splits programs per row (a vocabulary chunk each), which draws rows
     without filters (greedy, or plain temperature); then one program per row, which reduces the
-    chunks' results and finishes rows with top-k / top-p / min-p (see the kernel section's comment).
+    chunks' results and finishes rows with top-k / top-p / min-p (see the kernel section's comment);
+    then, with chain_rounds, one launch per round and one to finish (sampling_chain.py).
     block_v and num_splits override the launch shape (tests use them). reads, an int32 [B] tensor,
     if given receives how many times each row was read in full (benchmarks and tests use it). times, an
     int64 [B, 3] tensor on a GPU, receives each row's start and end (globaltimer ns) and SM in the
     second launch (probes). chain_rounds: top-p's chain in that many chunked rounds (sampling_chain.py;
-    CHAIN_ROUNDS is the intended count) instead of in the row program; 0, the default until it is
-    timed on a GPU against the serial chain (`bench/sampling_variants.py --chain-rounds N`).
+    CHAIN_ROUNDS by default) instead of in the row program; 0 keeps it there (a caller that knows no
+    row has top-p without top-k saves the rounds' launches so: engine/sampler.py).
     chain_block: the rounds' tile (tests use small ones)."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device

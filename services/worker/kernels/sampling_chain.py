@@ -8,8 +8,8 @@ mode, 621 µs at B = 256 on an H100, 2026-11-25). For rows with top-p and no top
 now stops where the chain starts and leaves its first candidate; then each round reads every
 pending row split over CHAIN_SPLITS programs (_chain_round_kernel: mass and Gumbel winner above
 the candidate, per chunk), and the row's last chunk to finish keeps the candidate or moves to the
-next one (_chain_step). A round keeps a pending candidate with probability >= p (the mass of S over that of the
-set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row is left; those finish serially
+next one (_chain_step). A round keeps a pending candidate with probability >= p (the mass of S over
+that of the set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row is left; those finish serially
 (_chain_finish_kernel, the row program's own chain). Top-k rows keep the serial chain: their links
 are kept with probability mass(top-k set) / mass(set), which can be small, and the buffer ends them.
 The launches are fixed in number and shape (CUDA graphs); rows without a candidate return at once.
