@@ -5,15 +5,8 @@
 # four. First tokens compared with the plain run's; the one-shot kernel's exactness check first.
 # Usage: bash bench/fused_norm_ab.sh  (after bench/multi_gpu.sh's setup, or as its POST)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}/fused; mkdir -p "$OUT"
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-MODEL=${MODEL:-/tmp/llama-3.1-8b} M70=${M70:-/tmp/llama-3.1-70b}
-[ -f "$MODEL/config.json" ] || python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 \
-  --device cuda --seed 0 --quiet
-[ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 \
-  --config-only --quiet
+source bench/gpu_env.sh
 SECONDS=0
 timeout 120 python3 bench/custom_allreduce_check.py --ranks 2 --mode procs 2>&1 | grep '^{' > "$OUT/custom_allreduce.jsonl"
 tail -2 "$OUT/custom_allreduce.jsonl"

@@ -4,12 +4,8 @@
 # every all-reduce (--no-custom-all-reduce). An A/B of custom_all_reduce.default_max_bytes.
 # Usage: COMMIT=<sha> bash bench/tp_allreduce_ab.sh   (needs .whl/ as multi_gpu.sh does)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
-M70=/tmp/llama-3.1-70b
-[ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
+MODELS=70b source bench/gpu_env.sh
 lane() {  # tag, GPUs, port, worker flags
   CUDA_VISIBLE_DEVICES=$2 python3 -m services.cli up --model "$M70" --model-name m --device cuda --port $3 \
     --run-dir /tmp/inferno-run-$1 --log-format json --tensor-parallel-size 2 --worker-arg "--load-format dummy $4" \

@@ -8,17 +8,10 @@
 # first 32 greedy tokens equal the first run of the same model and split.
 # Usage: RUNS="$(cat runs.txt)" bash bench/w1_ab.sh  (needs .whl/ from ../shared/tools/gpu-wheels.sh)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}/w1ab; mkdir -p "$OUT"
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-M8=${MODEL:-/tmp/llama-3.1-8b} M70=${M70:-/tmp/llama-3.1-70b}
 SECONDS=0
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-[ -f "$M8/config.json" ] || python3 -m services.cli make-model "$M8" --preset llama-3.1-8b --dtype bfloat16 \
-  --device cuda --seed 0 --quiet
-[ -f "$M70/config.json" ] || python3 -m services.cli make-model "$M70" --preset llama-3.1-70b --dtype bfloat16 \
-  --config-only --quiet
+source bench/gpu_env.sh
 echo "models at ${SECONDS} s"
 if [ -n "${KERNELS:-}" ]; then
   for k in $KERNELS; do
@@ -49,7 +42,7 @@ while read -r tag gpus model rest; do
   [ -z "${tag:-}" ] && continue
   envs=(); flags=()
   for w in $rest; do case $w in *=*) envs+=("$w") ;; *) flags+=("$w") ;; esac; done
-  path=$M8; dummy=; [ "$model" = 70b ] && { path=$M70; dummy="--load-format dummy"; }
+  path=$MODEL; dummy=; [ "$model" = 70b ] && { path=$M70; dummy="--load-format dummy"; }
   env CUDA_VISIBLE_DEVICES=$gpus "${envs[@]}" timeout ${W1_TIMEOUT:-200} python3 -m services.cli bench-engine \
     --model "$path" $dummy --batch-size 1 --prompt-len 128 --decode-tokens 256 --json --overlap "${flags[@]}" \
     > "$OUT/$tag.log" 2>&1

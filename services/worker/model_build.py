@@ -201,6 +201,9 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
 
 
+DECODE_HANDOFF_TOKENS = 16384  # a decode worker's hand-off room at least: the default step budget's two steps
+
+
 def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
     """GPU memory kept out of a prefill or decode worker's KV pool for the pages of hand-offs in
     flight: two full steps' worth of prompts (a step can end many prompts at once, and their pages
@@ -213,9 +216,6 @@ def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
         return 0
     tokens = 2 * cfg.max_num_batched_tokens
     return max(tokens, DECODE_HANDOFF_TOKENS) if cfg.role == "decode" else tokens
-
-
-DECODE_HANDOFF_TOKENS = 16384
 
 
 def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:

@@ -118,8 +118,8 @@ INTERPRET = tl.constexpr(_interpreting())
 
 
 # Programmatic dependent launch (Hopper): INFERNO_PDL=1 on, =0 off (A/B runs); unset, what the
-# process chose with use_pdl. W1 on two H100s (2026-11-27, bench/w1_ab.sh): 8B TP=2 +2.5 %
-# (3.626 -> 3.537 ms/step), one GPU -0.4 % (5.715 -> 5.741), so tensor-parallel ranks turn it on.
+# process chose with use_pdl. W1 on two H100s (2026-11-27, bench/w1_ab.sh): 8B TP=2 +2.7 %
+# (3.622 -> 3.526 ms/step), one GPU -0.4 % (5.715 -> 5.741), so tensor-parallel ranks turn it on.
 _PDL_ENV = os.environ.get("INFERNO_PDL")
 _pdl_chosen = False
 

@@ -87,7 +87,7 @@ def join_group(layout: ParallelLayout, init_method: str, device: torch.device,
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
-        if layout.tp > 1:  # a tensor-parallel step's launches overlap (kernels/_common.py: W1 +2.5 % at TP=2)
+        if layout.tp > 1:  # a tensor-parallel step's launches overlap (kernels/_common.py says what it gains)
             from services.worker.kernels._common import use_pdl
             use_pdl(True)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
