@@ -325,8 +325,9 @@ def case_extend(device) -> Result:
     return res
 
 
-def sampling_inputs(batch: int, mode: str, device) -> tuple:
-    """sample()'s arguments for a named mode: fp32 logits of a model-like shape, per-row filters."""
+def sampling_inputs(batch: int, mode: str, device, dtype=torch.float32) -> tuple:
+    """sample()'s arguments for a named mode: logits of a model-like shape (fp32, or bf16 as the
+    engine's LM head gives them: the same values rounded), per-row filters."""
     logits = torch.randn(batch, VOCAB, device=device) * 2.0
     if mode == "topp0.9-wide":  # no dominant tokens: top-p keeps hundreds to thousands
         logits *= 1.5
@@ -353,15 +354,16 @@ def sampling_inputs(batch: int, mode: str, device) -> tuple:
         min_p[3::4] = 0.1
     seeds = torch.randint(-(2**62), 2**62, (batch,), device=device)
     offsets = torch.randint(0, 4096, (batch,), device=device)
-    return logits, temperature, top_k, top_p, min_p, seeds, offsets
+    return logits.to(dtype), temperature, top_k, top_p, min_p, seeds, offsets
 
 
-def case_sampling(batch: int, mode: str, device) -> Result:
+def case_sampling(batch: int, mode: str, device, dtype=torch.float32) -> Result:
     from services.worker.kernels import sampling as K
 
-    args = sampling_inputs(batch, mode, device)
+    args = sampling_inputs(batch, mode, device, dtype)
     logits, temperature = args[:2]
-    res = Result("sampling", f"B={batch} V={VOCAB} {mode}", ok=False)
+    tag = "" if dtype == torch.float32 else " bf16"
+    res = Result("sampling", f"B={batch} V={VOCAB} {mode}{tag}", ok=False)
     with poisoned_empty():
         got = K.sample(*args)
     want = K.sample_ref(*args)
@@ -380,7 +382,7 @@ def case_sampling(batch: int, mode: str, device) -> Result:
     hist = {int(n): int(c) for n, c in zip(*torch.unique(reads, return_counts=True))}
     res.extra["reads_per_row"] = hist
     res.note = f"{mismatches} of {batch} rows differ; rows by reads {hist}"
-    nbytes = logits.numel() * 4 + batch * 8 * 5
+    nbytes = logits.numel() * logits.element_size() + batch * 8 * 5
     return finish(res, lambda: K.sample(*args), nbytes, greedy_ok and same and mismatches <= allowed
                   and bool(((got >= 0) & (got < VOCAB)).all()))
 
@@ -409,6 +411,8 @@ def all_cases(device):
         for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "topp0.9-wide", "topp0.9-broad",
                      "mixed"):
             yield "sampling", lambda b=b, mode=mode: case_sampling(b, mode, device)
+    for mode in ("topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "topp0.9-broad", "mixed"):  # the engine's logits
+        yield "sampling", lambda mode=mode: case_sampling(256, mode, device, torch.bfloat16)
 
 
 def fmt(x, spec):

@@ -1,6 +1,8 @@
 """Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
 
-    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [LABEL]
+    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [--bf16] [LABEL]
+
+--bf16: the logits in bf16, as the engine's LM head gives them (the same values rounded).
 
 For A/B runs of kernel variants in one device call: run it from each variant's tree.
 """
@@ -23,6 +25,8 @@ MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.
 
 def main() -> None:
     args = sys.argv[1:]
+    dtype = torch.bfloat16 if "--bf16" in args else torch.float32
+    args = [a for a in args if a != "--bf16"]
     kw = {}
     while args[:1] in (["--block-v"], ["--chain-rounds"], ["--chain-splits"]):
         kw[args[0][2:].replace("-", "_")] = int(args[1])
@@ -34,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     row = []
     for mode in MODES:
-        a = sampling_inputs(256, mode, dev)
+        a = sampling_inputs(256, mode, dev, dtype)
         reads = torch.zeros(256, dtype=torch.int32, device=dev)
         ok = bool(torch.equal(K.sample(*a, reads=reads, **kw), K.sample_ref(*a)))
         spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...

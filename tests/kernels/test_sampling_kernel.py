@@ -88,6 +88,26 @@ def test_triton_matches_reference_row_for_row(block_v, num_splits, device):
         assert torch.equal(got, want), (step, got, want)
 
 
+@pytest.mark.parametrize("block_v,num_splits", [(None, None), (64, 3)])
+def test_bf16_logits_match_the_reference(block_v, num_splits, device):
+    """The engine's logits are bf16 (the LM head's dtype): 8 bits of mantissa, so ties at nearly
+    every threshold. The kernels widen each value as the reference does, so the draws are the same."""
+    logits, t, k, p, mp = _mixed_batch(device)
+    logits = logits.to(torch.bfloat16)
+    seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
+    want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
+    assert torch.equal(want, K.sample_ref(logits.float(), t, k, p, mp, seeds, offsets))
+    assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits), want)
+
+
+def test_bf16_top_p_chain_in_rounds(device):
+    """A flat bf16 row under top-p keeps far more than the buffer: the chunked rounds' chain on
+    widened bf16 values."""
+    got, want, reads = _draws(_flat(1024).to(torch.bfloat16), 12, device, block_v=32, num_splits=2, top_p=0.9)
+    assert torch.equal(got, want)
+    assert min(reads) >= 3
+
+
 @pytest.mark.parametrize("block_v", [None, 16])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25),
                                                  (9, 0.9, 0.1)])

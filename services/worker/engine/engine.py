@@ -159,7 +159,7 @@ class LLMEngine:
         # Penalties, logprobs and overlap are the driver's business; its pending draws are those of
         # the steps in flight (one more than the pipeline's depth).
         self._depth = self.layout.pp - 1 if self.layout.pp > 1 else int(config.overlap)
-        self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs)
+        self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
         if self.group is not None:
             num_blocks = self.group.min_over_ranks(num_blocks)  # one block table for every rank

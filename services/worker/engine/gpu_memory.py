@@ -45,7 +45,7 @@ def dry_run_peak_bytes(engine) -> int:
         engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
                           torch.zeros(rows, dtype=torch.int64, device=device),
                           torch.zeros(rows, dtype=torch.int64, device=device))
-        torch.log_softmax(logits, dim=-1)  # the logprobs path
+        torch.log_softmax(logits.float(), dim=-1)  # the logprobs path (it widens first)
         del logits
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - base

@@ -158,4 +158,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, head).float()
+        # In the model's dtype: the GEMM rounds to it anyway, so an fp32 copy would hold the same
+        # values at twice the bytes for every reader (the draw reads a row two or three times).
+        # The sampler's kernels and argmax read bf16; penalties and logprobs widen first.
+        return self.ops.linear(hidden, head)

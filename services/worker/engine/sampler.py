@@ -46,8 +46,10 @@ class Sampler:
     Logprobs are those of the raw model distribution.
     """
 
-    def __init__(self, ops: TorchOps, vocab_size: int, device: torch.device, max_rows: int = 256):
+    def __init__(self, ops: TorchOps, vocab_size: int, device: torch.device, max_rows: int = 256,
+                 logits_dtype: torch.dtype = torch.float32):
         self.ops = ops
+        self.logits_dtype = logits_dtype  # the model's: what compute_logits returns
         self.vocab_size = vocab_size
         self.device = device
         self._cuda = device.type == "cuda"
@@ -63,7 +65,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
-            logits = self._process(logits.clone(), requests)
+            logits = self._process(logits.to(torch.float32, copy=True), requests)  # penalties in fp32, as vLLM
         if all(p.temperature == 0.0 for p in params):
             token_ids = logits.argmax(dim=-1)  # greedy batch: no sampling kernel, no parameter upload
         else:
@@ -85,13 +87,18 @@ class Sampler:
         rows = self.ops.sample_warm_rows(self.vocab_size, max_rows, self.device)
         if not rows:
             return 0
-        logits = torch.zeros(max(rows), self.vocab_size, dtype=torch.float32, device=self.device)
-        for n in rows:
-            self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
-        # A batch without top-p-only rows skips the chain: the row program's other variant.
-        n = rows[0]
-        self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
-        return len(rows) + 1
+        draws = 0
+        # The model's logits, and fp32 ones (a batch with penalties widens them): a kernel
+        # variant per element type.
+        for dtype in dict.fromkeys((self.logits_dtype, torch.float32)):
+            logits = torch.zeros(max(rows), self.vocab_size, dtype=dtype, device=self.device)
+            for n in rows:
+                self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
+            # A batch without top-p-only rows skips the chain: the row program's other variant.
+            n = rows[0]
+            self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
+            draws += len(rows) + 1
+        return draws
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

@@ -1,0 +1,69 @@
+"""The sampler takes the model's bf16 logits as they are and widens only where it changes them."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.ops import TorchOps
+from services.worker.engine.request import Request
+from services.worker.engine.sampler import Sampler
+from shared.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+class _Recording(TorchOps):
+    """The torch reference, noting the logits each draw got."""
+
+    def __init__(self):
+        self.seen: list[torch.Tensor] = []
+
+    def sample(self, logits, *args, chain: bool = True):
+        self.seen.append(logits)
+        return super().sample(logits, *args)
+
+    def sample_warm_rows(self, vocab, max_rows, device):
+        return [1, 3]
+
+
+def test_warm_up_draws_each_logits_dtype():
+    ops = _Recording()
+    sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    assert sampler.warm_up(8) == 6  # (two sizes + the chain-free batch) for bf16 and for fp32
+    assert [(x.dtype, x.shape[0]) for x in ops.seen] == [
+        (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 1),
+        (torch.float32, 1), (torch.float32, 3), (torch.float32, 1)]
+    assert Sampler(_Recording(), VOCAB, torch.device("cpu")).warm_up(8) == 3  # fp32 model: one dtype
+
+
+def _request(rid: str, params: SamplingParams) -> Request:
+    return Request(rid, [1, 2, 3], params, seed=7, num_pending_tokens=1)  # as scheduled for its first token
+
+
+def test_bf16_logits_reach_the_kernel_unwidened():
+    ops = _Recording()
+    sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    logits = torch.randn(2, VOCAB).to(torch.bfloat16)
+    sampler(logits, [_request("a", SamplingParams(temperature=0.8, top_p=0.9)),
+                     _request("b", SamplingParams(temperature=0.7))]).result()
+    assert ops.seen[-1] is logits
+
+
+def test_penalties_apply_in_fp32_on_a_copy():
+    ops = _Recording()
+    sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    logits = torch.full((1, VOCAB), 8.0, dtype=torch.bfloat16)
+    before = logits.clone()
+    # +0.01 on 8.0 is lost in bf16 (its step there is 1/16); fp32 keeps it, and the draw must too.
+    sampler(logits, [_request("a", SamplingParams(temperature=1.0, logit_bias={5: 0.01}))]).result()
+    got = ops.seen[-1]
+    assert got.dtype == torch.float32
+    assert got[0, 5].item() == torch.tensor(8.0 + 0.01, dtype=torch.float32).item()
+    assert torch.equal(logits, before)  # the step's own logits (logprobs read them) untouched
+
+
+def test_greedy_bf16_batch_is_argmax_of_the_raw_values():
+    sampler = Sampler(_Recording(), VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    logits = torch.randn(3, VOCAB).to(torch.bfloat16)
+    got = sampler(logits, [_request(str(i), SamplingParams(temperature=0.0)) for i in range(3)]).result()
+    assert got.token_ids == logits.float().argmax(-1).tolist()
