@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one sampler call at B rows, per mode (torch.profiler; H100 probe).
 
-    python3 bench/sampling_kernels_probe.py [B] [LABEL]
+    python3 bench/sampling_kernels_probe.py [B] [LABEL] [bf16]
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench.gpu_kernels import sampling_inputs  # noqa: E402
 from services.worker.kernels import sampling as K  # noqa: E402
 
-MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.95-minp0.05", "mixed")
+MODES = ("topk1", "topk50-topp0.9", "topp0.9", "topp0.9-broad", "topp0.95-minp0.05", "mixed")
 
 
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     label = sys.argv[2] if len(sys.argv) > 2 else "?"
+    dtype = torch.bfloat16 if sys.argv[3:4] == ["bf16"] else torch.float32
     dev = torch.device("cuda")
     torch.manual_seed(0)
     for mode in MODES:
-        a = sampling_inputs(rows, mode, dev)
+        a = sampling_inputs(rows, mode, dev, dtype)
         for _ in range(3):
             K.sample(*a)
         torch.cuda.synchronize()

@@ -233,14 +233,15 @@ def test_bound_from_pass_one_fits_the_buffer(filters, num_splits, device):
 
 
 @pytest.mark.parametrize("chain_rounds", [0, K.CHAIN_ROUNDS, 1])
-@pytest.mark.parametrize("filters,longest", [(dict(top_p=0.9), 4), (dict(top_p=0.3), 5), (dict(top_k=150), 5),
-                                             (dict(min_p=0.1, top_p=0.3), 5)])
+@pytest.mark.parametrize("filters,longest", [(dict(top_p=0.9), 4), (dict(top_p=0.3), 3), (dict(top_k=150), 3),
+                                             (dict(min_p=0.1, top_p=0.3), 3)])
 def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, chain_rounds, device):
     """Flat rows keep far more than the buffer: the bound's set yields its Gumbel winner, accepted
     (3 reads) or rejected, and the next read checks the winner above it (tiles both dense and sparse
     in the set, so noise is drawn in place and through the buffer, with refills). Top-p's links run in
     the row program (chain_rounds 0), in chunked rounds, or in one round and then serially for the
-    rows it left pending: the same draws, the same reads."""
+    rows it left pending: the same draws, the same reads. (Pass 1's four samples a lane bound these
+    sets closely enough that most chains end at their first link; top-p 0.9 still needs two.)"""
     got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, chain_rounds=chain_rounds, **filters)
     assert torch.equal(got, want)
     assert min(reads) == 3 and max(reads) >= longest

@@ -39,7 +39,7 @@ from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, 
 #
 # Pass 1 reads each row once, cut into vocabulary chunks (one program each): rows without filters
 # draw there; filtered rows gather m, Z and the maxima of interleaved lane groups (u), and rows whose
-# kept set can outgrow u (_needs_grid) a histogram of each lane's two largest values on a fixed grid
+# kept set can outgrow u (_needs_grid) a histogram of each lane's four largest values on a fixed grid
 # of l (bins 1/8 wide): a sample of the row's top that holds its kept set unless the set is several
 # times larger than the lanes are many. Every filter keeps an upper set {l >= T} and the draw is a
 # Gumbel argmax, so T is never needed over the whole row:
@@ -129,10 +129,11 @@ def _needs_grid(top_k, use_k, use_p, n_u):
 
 
 @triton.jit
-def _chunk_grid(lane_max, lane_2nd, group_max, m, grid_ptr, NL: tl.constexpr, BLOCK_V: tl.constexpr):
+def _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, grid_ptr, NL: tl.constexpr,
+                BLOCK_V: tl.constexpr):
     """The chunk's sample on the grid whose bin 0 holds m (the chunk's max): per bin, how many of the
-    lanes' two largest values fall in it, apart from the group maxima u, and how many of u do (in
-    the high and low 16 bits: at most 2 * BLOCK_V each). The row's program weighs u exactly, the
+    lanes' four largest values fall in it, apart from the group maxima u, and how many of u do (in
+    the high and low 16 bits: at most 4 * BLOCK_V each). The row's program weighs u exactly, the
     others at their bin's middle."""
     top = tl.floor(m * _GRID)
     bins = tl.arange(0, _GRID_BINS)
@@ -140,10 +141,54 @@ def _chunk_grid(lane_max, lane_2nd, group_max, m, grid_ptr, NL: tl.constexpr, BL
     others = tl.reshape(tl.where(lanes == group_max[None, :], float("-inf"), lanes), [BLOCK_V])
     b1 = _grid_bin(others, top)
     b2 = _grid_bin(lane_2nd, top)
+    b3 = _grid_bin(lane_3rd, top)
+    b4 = _grid_bin(lane_4th, top)
     bu = _grid_bin(group_max, top)
     n_others = (tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS)
-                + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS))
+                + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS)
+                + tl.histogram(b3, _GRID_BINS, mask=b3 < _GRID_BINS)
+                + tl.histogram(b4, _GRID_BINS, mask=b4 < _GRID_BINS))
     tl.store(grid_ptr + bins, (n_others << 16) | tl.histogram(bu, _GRID_BINS, mask=bu < _GRID_BINS))
+
+
+@triton.jit
+def _lane_update(l, lane_max, lane_2nd, lane_3rd, lane_4th, lane_z, SAMPLES: tl.constexpr):
+    """One tile into the lanes: their largest values (four with SAMPLES, else only the max) and
+    their sum of exp(l - max), one exp a token: the smaller of (l, lane max) relative to the larger
+    (ref 0 keeps -inf - -inf out of a lane all -inf so far, which sums nothing)."""
+    new_max = tl.maximum(lane_max, l)
+    if SAMPLES:
+        t = tl.minimum(lane_max, l)
+        lane_4th = tl.maximum(lane_4th, tl.minimum(lane_3rd, t))
+        lane_3rd = tl.maximum(lane_3rd, tl.minimum(lane_2nd, t))
+        lane_2nd = tl.maximum(lane_2nd, t)
+    ref = tl.where(new_max > float("-inf"), new_max, 0.0)
+    d = tl.exp(tl.minimum(lane_max, l) - ref)
+    lane_z = tl.where(l > lane_max, lane_z * d + 1.0, lane_z + d)
+    return new_max, lane_2nd, lane_3rd, lane_4th, lane_z
+
+
+@triton.jit
+def _lane_stats(base, start, end, inv_t, SAMPLES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A chunk [start, end) of a filtered row, lane j holding tokens start + j, start + j + BLOCK_V,
+    ...: per lane its max, 2nd, 3rd and 4th largest l (-inf without SAMPLES) and its sum of
+    exp(l - max). Two tiles a step, both read before either is used: one program's loop waits on
+    each read's latency, so what it has in flight sets its rate (a bf16 tile is half an fp32 one)."""
+    cols = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_2nd = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_3rd = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_4th = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_z = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(start, end, 2 * BLOCK_V):
+        idx = v0 + cols
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
+        x2 = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < end, other=float("-inf"))
+        lane_max, lane_2nd, lane_3rd, lane_4th, lane_z = _lane_update(
+            x.to(tl.float32) * inv_t, lane_max, lane_2nd, lane_3rd, lane_4th, lane_z, SAMPLES)
+        lane_max, lane_2nd, lane_3rd, lane_4th, lane_z = _lane_update(
+            x2.to(tl.float32) * inv_t, lane_max, lane_2nd, lane_3rd, lane_4th, lane_z, SAMPLES)
+    return lane_max, lane_2nd, lane_3rd, lane_4th, lane_z
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -155,7 +200,7 @@ def _stats_kernel(
     """Pass 1 over one vocabulary chunk of one row. Rows without filters: the chunk's best draw
     (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), NL maxima of lane
     groups, group j being lanes j, j + NL, ... (interleaved: neighbouring token ids, often alike,
-    fall in different groups), and the lanes' two largest values on the grid (_chunk_grid)."""
+    fall in different groups), and the lanes' four largest values on the grid (_chunk_grid)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy, simple, inv_t, top_k, _, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
@@ -169,35 +214,30 @@ def _stats_kernel(
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_idx = start + cols
-        for v0 in range(start, end, BLOCK_V):
+        for v0 in range(start, end, 2 * BLOCK_V):  # two tiles a step: see _lane_stats
             idx = v0 + cols
-            valid = idx < end
-            x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-            best, best_idx = _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx)
+            x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+            x2 = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < end, other=float("-inf")).to(tl.float32)
+            best, best_idx = _draw_tile(x, idx, idx < end, greedy, inv_t, key, best, best_idx)
+            best, best_idx = _draw_tile(x2, idx + BLOCK_V, idx + BLOCK_V < end, greedy, inv_t, key, best, best_idx)
         s_max = tl.max(best, axis=0)
         tl.store(part_score_ptr + part, s_max)
         tl.store(part_idx_ptr + part, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
     else:
-        # Per lane: the two largest values, and the sum of exp(l - max), rescaled when the max grows.
-        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        lane_2nd = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        lane_z = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in range(start, end, BLOCK_V):
-            idx = v0 + cols
-            l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
-            new_max = tl.maximum(lane_max, l)
-            lane_2nd = tl.maximum(lane_2nd, tl.minimum(lane_max, l))
-            ref = tl.where(new_max > float("-inf"), new_max, 0.0)  # a lane all -inf so far sums nothing
-            lane_z = lane_z * tl.exp(lane_max - ref) + tl.exp(l - ref)
-            lane_max = new_max
+        grid = _needs_grid(top_k, use_k, use_p, n_u)
+        if grid:  # the grid's samples: four values a lane
+            lane_max, lane_2nd, lane_3rd, lane_4th, lane_z = _lane_stats(base, start, end, inv_t, True, BLOCK_V)
+        else:
+            lane_max, lane_2nd, lane_3rd, lane_4th, lane_z = _lane_stats(base, start, end, inv_t, False, BLOCK_V)
         m = tl.max(lane_max, axis=0)
         lane_z = tl.where(lane_max > float("-inf"), lane_z * tl.exp(lane_max - m), 0.0)
         tl.store(part_score_ptr + part, m)
         tl.store(part_z_ptr + part, tl.sum(lane_z, axis=0))
         group_max = tl.max(tl.reshape(lane_max, [BLOCK_V // NL, NL]), axis=0)
         tl.store(part_u_ptr + part * NL + tl.arange(0, NL), group_max)
-        if _needs_grid(top_k, use_k, use_p, n_u) & (m > float("-inf")):  # the row's grid skips a chunk all at -inf
-            _chunk_grid(lane_max, lane_2nd, group_max, m, part_grid_ptr + part * _GRID_BINS, NL, BLOCK_V)
+        if grid & (m > float("-inf")):  # the row's grid skips a chunk all at -inf
+            _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, part_grid_ptr + part * _GRID_BINS, NL,
+                        BLOCK_V)
 
 
 @triton.jit

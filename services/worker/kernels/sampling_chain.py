@@ -92,6 +92,17 @@ def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_p
         tl.store(reads_ptr + row, tl.load(reads_ptr + row) + 1)
 
 
+@triton.jit
+def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i):
+    """One tile of a round: the mass above the candidate, and the Gumbel winner there."""
+    above = (idx < end) & (l > l_c)
+    if tl.max(above.to(tl.int32), axis=0) > 0:  # most tiles hold none above a late candidate: no exp, no noise
+        e = tl.exp(l - m)
+        mass += tl.sum(tl.where(above, e, 0.0), axis=0)
+        best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
+    return mass, best_s, best_i
+
+
 # Per-row parameters are slices of one upload and arrived_ptr lies n_rows past cand_ptr: their
 # alignment follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
 @triton.jit(do_not_specialize=["temp_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "arrived_ptr"])
@@ -120,14 +131,14 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_pt
         best_i = tl.full([], _NONE, tl.int32)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
-        for v0 in range(start, end, BLOCK):
+        for v0 in range(start, end, 2 * BLOCK):  # two tiles in flight (a bf16 tile is half an fp32 one)
             idx = v0 + cols
-            l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
-            above = (idx < end) & (l > l_c)
-            if tl.max(above.to(tl.int32), axis=0) > 0:  # most tiles hold none above a late candidate: no exp, no noise
-                e = tl.exp(l - m)
-                mass += tl.sum(tl.where(above, e, 0.0), axis=0)
-                best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
+            x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
+            x2 = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+            mass, best_s, best_i = _round_tile(x.to(tl.float32) * inv_t, idx, end, l_c, m, min_p, key, mass, best_s,
+                                               best_i)
+            mass, best_s, best_i = _round_tile(x2.to(tl.float32) * inv_t, idx + BLOCK, end, l_c, m, min_p, key, mass,
+                                               best_s, best_i)
         at = row * splits + split
         tl.store(part_mass_ptr + at, mass)
         tl.store(part_score_ptr + at, best_s)
