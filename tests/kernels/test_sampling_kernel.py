@@ -409,3 +409,13 @@ def test_launch_shape_follows_the_vocabulary_not_the_batch(vocab, block_v, monke
     assert {K._lane_groups(K._chunking(vocab, K._num_splits(vocab, n, split_block, torch.device("cpu")),
                                        split_block)[1], split_block) for n in rows} == classes
     assert len(rows) == len(classes) <= 8
+
+
+def test_one_launch_shape_for_every_batch_size(device):
+    """max_splits: the launch shape a caller fixes for a rare input type (fp32 logits widened for
+    penalties), so one kernel variant serves every batch size; the draws are those of any shape."""
+    logits, t, k, p, mp = _mixed_batch(device, vocab=5000)
+    seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
+    assert K.max_splits(5000) == 3  # 2,048-token blocks
+    want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
+    assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=K.max_splits(5000)), want)

@@ -14,7 +14,7 @@ class _Recording(TorchOps):
     def __init__(self):
         self.chains = []
 
-    def sample(self, *args, chain: bool = True):
+    def sample(self, *args, chain: bool = True, one_shape: bool = False):
         self.chains.append(chain)
         return super().sample(*args)
 

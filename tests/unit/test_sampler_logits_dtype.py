@@ -17,9 +17,11 @@ class _Recording(TorchOps):
 
     def __init__(self):
         self.seen: list[torch.Tensor] = []
+        self.one_shape: list[bool] = []
 
-    def sample(self, logits, *args, chain: bool = True):
+    def sample(self, logits, *args, chain: bool = True, one_shape: bool = False):
         self.seen.append(logits)
+        self.one_shape.append(one_shape)
         return super().sample(logits, *args)
 
     def sample_warm_rows(self, vocab, max_rows, device):
@@ -27,12 +29,14 @@ class _Recording(TorchOps):
 
 
 def test_warm_up_draws_each_logits_dtype():
+    """bf16 at every batch-size class; fp32 (widened by penalties) draws in one launch shape, so
+    one size compiles it."""
     ops = _Recording()
     sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
-    assert sampler.warm_up(8) == 6  # (two sizes + the chain-free batch) for bf16 and for fp32
+    assert sampler.warm_up(8) == 5  # (two sizes + the chain-free batch) for bf16, (one + it) for fp32
     assert [(x.dtype, x.shape[0]) for x in ops.seen] == [
-        (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 1),
-        (torch.float32, 1), (torch.float32, 3), (torch.float32, 1)]
+        (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 1)]
+    assert ops.one_shape == [False, False, False, True, True]
     assert Sampler(_Recording(), VOCAB, torch.device("cpu")).warm_up(8) == 3  # fp32 model: one dtype
 
 
@@ -57,7 +61,7 @@ def test_penalties_apply_in_fp32_on_a_copy():
     # +0.01 on 8.0 is lost in bf16 (its step there is 1/16); fp32 keeps it, and the draw must too.
     sampler(logits, [_request("a", SamplingParams(temperature=1.0, logit_bias={5: 0.01}))]).result()
     got = ops.seen[-1]
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.float32 and ops.one_shape[-1]
     assert got[0, 5].item() == torch.tensor(8.0 + 0.01, dtype=torch.float32).item()
     assert torch.equal(logits, before)  # the step's own logits (logprobs read them) untouched
 

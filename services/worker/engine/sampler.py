@@ -88,16 +88,17 @@ class Sampler:
         if not rows:
             return 0
         draws = 0
-        # The model's logits, and fp32 ones (a batch with penalties widens them): a kernel
-        # variant per element type.
+        # The model's logits at each batch-size class; logits widened to fp32 (a batch with
+        # penalties, rare) draw in one launch shape (_draw), so one size compiles theirs.
         for dtype in dict.fromkeys((self.logits_dtype, torch.float32)):
-            logits = torch.zeros(max(rows), self.vocab_size, dtype=dtype, device=self.device)
-            for n in rows:
+            sizes = rows if dtype == self.logits_dtype else rows[:1]
+            logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
+            for n in sizes:
                 self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
             # A batch without top-p-only rows skips the chain: the row program's other variant.
-            n = rows[0]
+            n = sizes[0]
             self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
-            draws += len(rows) + 1
+            draws += len(sizes) + 1
         return draws
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -118,8 +119,10 @@ class Sampler:
         if self.device.type == "cuda":
             floats = floats.pin_memory().to(self.device, non_blocking=True)
             ints = ints.pin_memory().to(self.device, non_blocking=True)
+        # Logits of another type than the model's (widened for penalties) compile kernel variants of
+        # their own: one launch shape for every batch size keeps them to one set (warm_up).
         return self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2],
-                               chain=chain)
+                               chain=chain, one_shape=logits.dtype != self.logits_dtype)
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         if not self._cuda:

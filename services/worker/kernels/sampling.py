@@ -488,6 +488,12 @@ def launch_constants(vocab: int, block_v: int) -> tuple[int, int, int, int]:
     return split_block, block_s, triton.next_power_of_2(max(n_u)), min(block_s, _GRID_CHUNKS)
 
 
+def max_splits(vocab: int, block_v: int | None = None) -> int:
+    """The most chunks a row can have (one block each): a launch shape that no batch size changes,
+    for callers that want one kernel variant whatever the batch (more programs for small batches)."""
+    return triton.cdiv(vocab, launch_constants(vocab, _block_v(vocab, block_v))[0])
+
+
 def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: int | None = None) -> list[int]:
     """Batch sizes, up to max_rows, whose draws compile every kernel variant any batch size launches
     (one per class of pass 1's lane groups), so that none compiles while serving."""
