@@ -419,3 +419,26 @@ def test_one_launch_shape_for_every_batch_size(device):
     assert K.max_splits(5000) == 3  # 2,048-token blocks
     want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=K.max_splits(5000)), want)
+
+
+@pytest.mark.parametrize("chain_rounds", [0, K.CHAIN_ROUNDS])
+def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(chain_rounds, device):
+    """2,000 tokens at 5.001 and 2,000 tied at 4.99 (the threshold), in neighbouring bins of pass 1's
+    grid: the grid weighs the 5.001s at their bin's middle (5.0625), so their mass seems to reach p * Z
+    and the band starts at 5.0, above T. The first scan's mass tells, and the row is read again from
+    a sure bound: serially in the row program (chain_rounds 0), or by the chunked rounds, where it
+    waits with that bound instead of a candidate. Either way the draws are the reference's."""
+    vocab, n = 128_256, 6
+    g = torch.Generator().manual_seed(0)
+    row = torch.full((vocab,), -5.0)
+    at = torch.randperm(vocab, generator=g)
+    row[at[:8]] = 10.0
+    row[at[8:2008]] = 5.001
+    row[at[2008:4008]] = 4.99
+    row[at[4008:24008]] = torch.rand(20000, generator=g) * 4.8
+    z = torch.exp(row.double() - 10).sum().item()
+    top_p = (8 + 1.002 * 2000 * torch.exp(torch.tensor(5.001 - 10, dtype=torch.float64)).item()) / z
+    got, want, reads = _draws(row, n, device, block_v=2048, num_splits=3, top_p=top_p, chain_rounds=chain_rounds)
+    assert torch.equal(got, want)
+    assert min(reads) >= 4  # pass 1, the scan, the read from the bound, a link of the chain at least
+    assert set(row[want.cpu()].tolist()) == {torch.tensor(5.001).item(), torch.tensor(4.99).item()}

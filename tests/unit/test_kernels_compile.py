@@ -58,7 +58,7 @@ def decode_kernels_with_pdl() -> None:
     ptxs.append(_compile(sampling_chain._chain_round_kernel, {
         "logits_ptr": "*fp32", "logits_stride": "i32", "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
         "seeds_ptr": "*i64", "offsets_ptr": "*i64", "cand_ptr": "*i32", "arrived_ptr": "*i32", "m_ptr": "*fp32",
-        "z_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32", "part_score_ptr": "*fp32",
+        "z_ptr": "*fp32", "bound_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32", "part_score_ptr": "*fp32",
         "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
         {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False}))
     for ptx in ptxs[:-1]:

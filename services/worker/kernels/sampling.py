@@ -129,26 +129,26 @@ def _needs_grid(top_k, use_k, use_p, n_u):
 
 
 @triton.jit
-def _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, grid_ptr, NL: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+def _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, grid_ptr):
     """The chunk's sample on the grid whose bin 0 holds m (the chunk's max): per bin, how many of the
     lanes' four largest values fall in it, apart from the group maxima u, and how many of u do (in
     the high and low 16 bits: at most 4 * BLOCK_V each). The row's program weighs u exactly, the
     others at their bin's middle."""
     top = tl.floor(m * _GRID)
     bins = tl.arange(0, _GRID_BINS)
-    lanes = tl.reshape(lane_max, [BLOCK_V // NL, NL])
-    others = tl.reshape(tl.where(lanes == group_max[None, :], float("-inf"), lanes), [BLOCK_V])
-    b1 = _grid_bin(others, top)
+    b1 = _grid_bin(lane_max, top)
     b2 = _grid_bin(lane_2nd, top)
     b3 = _grid_bin(lane_3rd, top)
     b4 = _grid_bin(lane_4th, top)
     bu = _grid_bin(group_max, top)
-    n_others = (tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS)
+    n_u = tl.histogram(bu, _GRID_BINS, mask=bu < _GRID_BINS)
+    # Each group max is one lane's max, in the same bin: the lanes' maxima less u are the others,
+    # counted once each even where lanes tie with their group's max (bf16 logits tie often).
+    n_others = (tl.histogram(b1, _GRID_BINS, mask=b1 < _GRID_BINS) - n_u
                 + tl.histogram(b2, _GRID_BINS, mask=b2 < _GRID_BINS)
                 + tl.histogram(b3, _GRID_BINS, mask=b3 < _GRID_BINS)
                 + tl.histogram(b4, _GRID_BINS, mask=b4 < _GRID_BINS))
-    tl.store(grid_ptr + bins, (n_others << 16) | tl.histogram(bu, _GRID_BINS, mask=bu < _GRID_BINS))
+    tl.store(grid_ptr + bins, (n_others << 16) | n_u)
 
 
 @triton.jit
@@ -236,8 +236,7 @@ def _stats_kernel(
         group_max = tl.max(tl.reshape(lane_max, [BLOCK_V // NL, NL]), axis=0)
         tl.store(part_u_ptr + part * NL + tl.arange(0, NL), group_max)
         if grid & (m > float("-inf")):  # the row's grid skips a chunk all at -inf
-            _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, part_grid_ptr + part * _GRID_BINS, NL,
-                        BLOCK_V)
+            _chunk_grid(lane_max, lane_2nd, lane_3rd, lane_4th, group_max, m, part_grid_ptr + part * _GRID_BINS)
 
 
 @triton.jit
@@ -306,7 +305,8 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
                    SCAN_ONLY: tl.constexpr, DEFER: tl.constexpr):
     """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
     through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
-    of the row, the chain's first candidate when DEFER left top-p's chain to the chunked rounds, else -1)."""
+    of the row, the chain's first candidate when DEFER left top-p's chain to the chunked rounds, -2 when
+    it left them the read from a sure bound, else -1; and that bound, as the float below it)."""
     m_key = _float_key(m).to(tl.int64)
     no_key = tl.full([], _NEG_INF_KEY, tl.int64)
     # The bound of C: the grid's when it has one (lo_k is a bound, lo_p an estimate checked after the
@@ -344,13 +344,22 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         return tl.where(best < _NONE, best, 0), reads, tl.full([], -1, tl.int32)
     # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
     # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).
+    # With the chunked rounds, that read is theirs: the row waits there with the bound instead of a
+    # candidate (pending -2), and a round's winner at or above the bound starts the chain (one
+    # program's serial read of the row costs ~150 us; a round split over 16, ~10).
+    bound_pending = tl.zeros([], tl.int32)
+    bound = tl.full([], float("-inf"), tl.float32)
     if use_p & (use_k == 0) & (lo_p > tail) & (mass < top_p * z) & (tl.exp(beta - m) >= min_p):
         u = _load_u(u_ptr, n_u, BLOCK_U)
         beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
-        n, mass, n_keep, cut, drawn, best_s, best = _scan(
-            base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi, min_p, min_p,
-            BLOCK_V)
-        reads += 1
+        if DEFER:
+            bound_pending = tl.full([], 1, tl.int32)
+            bound = _key_float(_float_key(beta).to(tl.int64) - 1)  # the float below: l > bound iff l >= beta
+        else:
+            n, mass, n_keep, cut, drawn, best_s, best = _scan(
+                base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi, min_p,
+                min_p, BLOCK_V)
+            reads += 1
     if z_from_buf & (cut < float("inf")):
         lo, cnt, steps = _row_count_select(base, vocab, inv_t, _float_key(beta).to(tl.int64), m_key, top_k, n,
                                            BLOCK_V)
@@ -364,8 +373,8 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         k_sel = k_sel & (exact == 0)
         z_from_buf = z_from_buf & (exact == 0)
         reads += steps + 1
-    in_buf = cut == float("inf")
-    if (cut > float("-inf")) & (cut < float("inf")):  # C split at hi (top-p alone, or with min-p)
+    in_buf = (cut == float("inf")) & (bound_pending == 0)
+    if (cut > float("-inf")) & (cut < float("inf")) & (bound_pending == 0):  # C split at hi (top-p alone, or with min-p)
         if drawn < top_p * z:  # T is below hi: every drawn token is kept, the buffer finishes the row
             in_buf = True
         else:  # the winner over all of C starts the chain
@@ -377,19 +386,21 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         cand = best
     pending = tl.full([], -1, tl.int32)
     token = tl.zeros([], tl.int32)
-    if DEFER & (use_k == 0) & (accepted == 0) & (in_buf == 0) & (best < _NONE):
+    if bound_pending != 0:
+        pending = tl.full([], -2, tl.int32)
+    elif DEFER & (use_k == 0) & (accepted == 0) & (in_buf == 0) & (best < _NONE):
         pending = best  # top-p's chain goes on in chunked rounds (_chain_round_kernel), not here
     else:
         token, reads = _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m, z, cand, accepted,
                               in_buf, n, n_keep, drawn, best_s, best, floor, k_sel, z_from_buf, reads, BLOCK_V, SMALL)
-    return token, reads, pending
+    return token, reads, pending, bound
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
     reads_ptr, times_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, buf_l_ptr, buf_i_ptr,
-    cand_ptr, m_ptr, z_ptr, vocab, num_splits, n_u,
+    cand_ptr, m_ptr, z_ptr, bound_ptr, vocab, num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
     SMALL: tl.constexpr, SCAN_ONLY: tl.constexpr, COUNT_READS: tl.constexpr, TIMES: tl.constexpr,
     DEFER: tl.constexpr,
@@ -423,13 +434,14 @@ def _sample_kernel(
             u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
             lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
                                             BLOCK_V * 5 // 8)
-        token, reads, pending = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
+        token, reads, pending, bound = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
                                                buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k,
                                                use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p,
                                                BLOCK_U, BLOCK_V, SMALL, SCAN_ONLY, DEFER)
         if DEFER:
             tl.store(m_ptr + row, m)
             tl.store(z_ptr + row, z)
+            tl.store(bound_ptr + row, bound)
     tl.store(out_ptr + row, token.to(tl.int64))
     if DEFER:
         tl.store(cand_ptr + row, pending)
@@ -569,9 +581,9 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
-    # cand: [pending candidate | chunks arrived this round] per row
-    cand, row_m, row_z = (torch.empty((2, n_rows), **i32), torch.empty((n_rows,), **f32),
-                          torch.empty((n_rows,), **f32)) if defer else (out, out, out)
+    # cand: [pending candidate | chunks arrived this round] per row; m, Z and the sure bound per row
+    cand, row_m, row_z, row_b = (torch.empty((2, n_rows), **i32), torch.empty((n_rows,), **f32),
+                                 torch.empty((n_rows,), **f32), torch.empty((n_rows,), **f32)) if defer else (out,) * 4
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
         part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
@@ -581,7 +593,7 @@ def sample(
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
         out if reads is None else reads, out if times is None else times, part_score, part_idx, part_z, part_u,
-        part_grid, buf_l, buf_i, cand, row_m, row_z, vocab, num_splits, num_splits * n_groups,
+        part_grid, buf_l, buf_i, cand, row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups,
         BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s,
         BLOCK_V=block_v, SMALL=min(block_v, 256), SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None,
         TIMES=times is not None, DEFER=defer,
@@ -589,13 +601,13 @@ def sample(
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
     )
     if defer:
-        _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, reads, buf_l,
-                      buf_i, block_v, chain_rounds, chain_block)
+        _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
+                      buf_l, buf_i, block_v, chain_rounds, chain_block)
     return out
 
 
-def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, out, reads, buf_l,
-                  buf_i, block_v, rounds, chain_block):
+def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
+                  buf_l, buf_i, block_v, rounds, chain_block):
     """Top-p's chain for the rows the row program left pending: `rounds` chunked rounds, then the
     serial chain for any row still pending (sampling_chain.py)."""
     n_rows, vocab = logits.shape
@@ -606,7 +618,7 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     counts = reads if reads is not None else out
     for _ in range(rounds):
         _chain_round_kernel[(n_rows, splits)](
-            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, out,
+            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, row_b, out,
             counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
             num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)

@@ -79,7 +79,8 @@ def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_p
     idx = tl.load(part_idx_ptr + at, mask=ok, other=_NONE, cache_modifier=".cg")
     best_s = tl.max(score, axis=0)
     best = tl.min(tl.where(score == best_s, idx, _NONE), axis=0)
-    kept = mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row)
+    # A row waiting at a sure bound (cand -2) has no candidate to keep: the winner above it is its first.
+    kept = (cand >= 0) & (mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row))
     if kept:
         tl.store(out_ptr + row, cand.to(tl.int64))
         tl.store(cand_ptr + row, -1)
@@ -107,7 +108,7 @@ def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i):
 # alignment follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
 @triton.jit(do_not_specialize=["temp_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "arrived_ptr"])
 def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
-                        arrived_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
+                        arrived_ptr, m_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
                         vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
     """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
     Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
@@ -117,14 +118,17 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_pt
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     cand = tl.load(cand_ptr + row)
-    if cand >= 0:
+    if cand != -1:  # a candidate, or (-2) a sure bound to read above
         temp = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
         min_p = tl.load(min_p_ptr + row).to(tl.float32)
         m = tl.load(m_ptr + row)
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
         base = logits_ptr + row * logits_stride
-        l_c = tl.load(base + cand).to(tl.float32) * inv_t
+        if cand >= 0:
+            l_c = tl.load(base + cand).to(tl.float32) * inv_t
+        else:
+            l_c = tl.load(bound_ptr + row)
         cols = tl.arange(0, BLOCK)
         mass = tl.zeros([], tl.float32)
         best_s = tl.full([], float("-inf"), tl.float32)
