@@ -13,8 +13,11 @@ that of the set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row 
 (_chain_finish_kernel, the row program's own chain). Top-k rows keep the serial chain: their links
 are kept with probability mass(top-k set) / mass(set), which can be small, and the buffer ends them.
 The launches are fixed in number and shape (CUDA graphs); rows without a candidate return at once.
+A row whose first scan showed pass 1's estimate above the threshold waits with a sure bound instead
+of a candidate (-2): its first round draws the winner above that bound, which a row program would
+have read alone, serially.
 
-Timed on an H100 (B = 256, 2026-11-27, bench/sampling_variants.py): the broad mode's 668 µs become
+Timed on an H100 (B = 256, 2026-11-27, bench/sampling_variants.py): the broad mode's 668 µs became
 467 at 3 rounds; every other mode pays 12-14 µs for the rounds' launches when no row is pending.
 """
 
