@@ -58,8 +58,8 @@ def decode_kernels_with_pdl() -> None:
     ptxs.append(_compile(sampling_chain._chain_round_kernel, {
         "logits_ptr": "*fp32", "logits_stride": "i32", "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
         "seeds_ptr": "*i64", "offsets_ptr": "*i64", "cand_ptr": "*i32", "arrived_ptr": "*i32", "m_ptr": "*fp32",
-        "z_ptr": "*fp32", "bound_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32", "part_score_ptr": "*fp32",
-        "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
+        "z_ptr": "*fp32", "bound_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32",
+        "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
         {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False}))
     for ptx in ptxs[:-1]:
         # The wait comes before any global load: nothing is read before the kernel before it ended.
@@ -67,7 +67,28 @@ def decode_kernels_with_pdl() -> None:
         assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
-@pytest.mark.parametrize("case", ["one_shot_all_reduce_with_pdl", "decode_kernels_with_pdl"])
+def sampler_kernels_for_bf16_logits() -> None:
+    """The sampler's two first launches for the engine's bf16 logits, the probes' scan-only build of the
+    row program included (its early return must match the others' four values)."""
+    from services.worker.kernels import sampling as K
+
+    rows = {p: "*fp32" for p in ("temp_ptr", "top_p_ptr", "min_p_ptr")}
+    rows.update({"top_k_ptr": "*i32", "seeds_ptr": "*i64", "offsets_ptr": "*i64"})
+    _compile(K._stats_kernel, {
+        "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "part_score_ptr": "*fp32", "part_idx_ptr": "*i32",
+        "part_z_ptr": "*fp32", "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "vocab": "i32", "chunk": "i32",
+        "num_splits": "i32", "n_u": "i32"}, {"NL": 256, "BLOCK_V": 2048})
+    _compile(K._sample_kernel, {
+        "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "out_ptr": "*i64", "reads_ptr": "*i32",
+        "times_ptr": "*i64", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "part_z_ptr": "*fp32",
+        "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "buf_l_ptr": "*fp32", "buf_i_ptr": "*i32", "cand_ptr": "*i32",
+        "m_ptr": "*fp32", "z_ptr": "*fp32", "bound_ptr": "*fp32", "vocab": "i32", "num_splits": "i32", "n_u": "i32"},
+        {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BLOCK_V": 2048, "SMALL": 256, "SCAN_ONLY": True,
+         "COUNT_READS": True, "TIMES": False, "DEFER": True})
+
+
+@pytest.mark.parametrize("case", ["one_shot_all_reduce_with_pdl", "decode_kernels_with_pdl",
+                                  "sampler_kernels_for_bf16_logits"])
 def test_compiles_for_hopper(case):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"from tests.unit.test_kernels_compile import {case}; {case}()"

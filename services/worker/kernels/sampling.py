@@ -341,7 +341,7 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
     if SCAN_ONLY:  # probes: the cost of the first scan alone (bench/sampling_probe.py); wrong draws
-        return tl.where(best < _NONE, best, 0), reads, tl.full([], -1, tl.int32)
+        return tl.where(best < _NONE, best, 0), reads, tl.full([], -1, tl.int32), tl.full([], float("-inf"), tl.float32)
     # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
     # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).
     # With the chunked rounds, that read is theirs: the row waits there with the bound instead of a
@@ -374,7 +374,8 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         z_from_buf = z_from_buf & (exact == 0)
         reads += steps + 1
     in_buf = (cut == float("inf")) & (bound_pending == 0)
-    if (cut > float("-inf")) & (cut < float("inf")) & (bound_pending == 0):  # C split at hi (top-p alone, or with min-p)
+    # C split at hi (top-p alone, or with min-p)
+    if (cut > float("-inf")) & (cut < float("inf")) & (bound_pending == 0):
         if drawn < top_p * z:  # T is below hi: every drawn token is kept, the buffer finishes the row
             in_buf = True
         else:  # the winner over all of C starts the chain
@@ -434,10 +435,10 @@ def _sample_kernel(
             u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
             lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
                                             BLOCK_V * 5 // 8)
-        token, reads, pending, bound = _filtered_draw(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V,
-                                               buf_i_ptr + row * BLOCK_V, vocab, inv_t, top_k, top_p, min_p, use_k,
-                                               use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p,
-                                               BLOCK_U, BLOCK_V, SMALL, SCAN_ONLY, DEFER)
+        token, reads, pending, bound = _filtered_draw(
+            logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V, vocab, inv_t,
+            top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
+            BLOCK_V, SMALL, SCAN_ONLY, DEFER)
         if DEFER:
             tl.store(m_ptr + row, m)
             tl.store(z_ptr + row, z)
@@ -618,8 +619,8 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     counts = reads if reads is not None else out
     for _ in range(rounds):
         _chain_round_kernel[(n_rows, splits)](
-            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, row_b, out,
-            counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
+            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, row_b,
+            out, counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
             num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)
     _chain_finish_kernel[(n_rows,)](

@@ -111,8 +111,9 @@ def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i):
 # alignment follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
 @triton.jit(do_not_specialize=["temp_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "arrived_ptr"])
 def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
-                        arrived_ptr, m_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
-                        vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
+                        arrived_ptr, m_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
+                        part_idx_ptr, vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                        COUNT_READS: tl.constexpr):
     """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
     Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
     row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
