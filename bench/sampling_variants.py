@@ -1,8 +1,10 @@
 """Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
 
-    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [--bf16] [LABEL]
+    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [--collect-splits N]
+                                      [--collect-maxnreg N] [--bf16] [LABEL]
 
 --bf16: the logits in bf16, as the engine's LM head gives them (the same values rounded).
+--collect-splits 0: the second read by the row program alone (before the chunked read).
 
 For A/B runs of kernel variants in one device call: run it from each variant's tree.
 """
@@ -28,11 +30,14 @@ def main() -> None:
     dtype = torch.bfloat16 if "--bf16" in args else torch.float32
     args = [a for a in args if a != "--bf16"]
     kw = {}
-    while args[:1] in (["--block-v"], ["--chain-rounds"], ["--chain-splits"]):
+    while args[:1] in (["--block-v"], ["--chain-rounds"], ["--chain-splits"], ["--collect-splits"],
+                       ["--collect-maxnreg"]):
         kw[args[0][2:].replace("-", "_")] = int(args[1])
         args = args[2:]
     if "chain_splits" in kw:  # chain_splits() reads the module's constant at each launch
         sampling_chain.CHAIN_SPLITS = kw.pop("chain_splits")
+    if "collect_maxnreg" in kw:
+        K.COLLECT_MAXNREG = kw.pop("collect_maxnreg")
     label = args[0] if args else "?"
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -44,7 +49,8 @@ def main() -> None:
         spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...
         row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'} [{spread}]")
     regs = []
-    for kern in (K._stats_kernel, K._sample_kernel, K._chain_round_kernel, K._chain_finish_kernel):
+    for kern in (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._sample_kernel, K._chain_round_kernel,
+                 K._chain_finish_kernel):
         for cache in kern.device_caches.values():
             for c in cache[0].values():
                 regs.append(f"{kern.__name__} regs {c.n_regs} spills {c.n_spills}")

@@ -32,8 +32,13 @@ from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, u
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
 from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
                                                     _chain_round_kernel, chain_splits)
-from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float,
-                                                   _row_count_select, _row_key, _scan, _tile_select, _uniform)
+from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float, _load_u,
+                                                   _row_count_select, _row_key, _row_params, _scan, _tile_select,
+                                                   _uniform)
+# The second read split over chunks of the row, and the row states between the launches.
+from services.worker.kernels.sampling_collect import (_COLLECT, _DONE, _SERIAL, COLLECT_SPLITS,  # noqa: F401
+                                                      _collect_kernel)
+from services.worker.kernels.sampling_collect import collect_splits as _collect_splits
 # Pass 1's grid of the lanes' largest values, and the bounds the row program takes from it.
 from services.worker.kernels.sampling_grid import (_GRID_BINS, _chunk_grid, _grid_bounds, _lane_stats, _needs_grid,
                                                    _row_grid)
@@ -78,22 +83,6 @@ def _uniform_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BL
     idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
     tl.store(out_ptr + row * out_stride + idx, _uniform(key, idx), mask=idx < vocab)
-
-
-@triton.jit
-def _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab):
-    temp = tl.load(temp_ptr + row).to(tl.float32)
-    top_k = tl.load(top_k_ptr + row).to(tl.int32)
-    top_p = tl.load(top_p_ptr + row).to(tl.float32)
-    min_p = tl.load(min_p_ptr + row).to(tl.float32)
-    greedy = temp <= 0.0
-    use_k = (top_k > 0) & (top_k < vocab)
-    use_p = top_p < 1.0
-    use_min_p = min_p > 0.0
-    # Rows with no filter need no max and no thresholds: pass 1 draws them.
-    simple = greedy | ((use_k | use_p | use_min_p) == 0)
-    inv_t = tl.div_rn(1.0, tl.where(greedy, 1.0, temp))
-    return greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p
 
 
 @triton.jit
@@ -156,24 +145,14 @@ def _stats_kernel(
 
 
 @triton.jit
-def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
-    j = tl.arange(0, BLOCK_U)
-    return tl.load(u_ptr + j, mask=j < n_u, other=float("-inf"))
-
-
-@triton.jit
-def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
-                   lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
-                   SCAN_ONLY: tl.constexpr, DEFER: tl.constexpr):
-    """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
-    through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
-    of the row, the chain's first candidate when DEFER left top-p's chain to the chunked rounds, -2 when
-    it left them the read from a sure bound, else -1; and that bound, as the float below it)."""
+def _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, u_ptr, n_u, lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr):
+    """The bound beta of C = {l >= beta} (strict where beta is -inf: tokens at -inf are never drawn),
+    the level hi above which C's tokens are drawn rather than kept once C outgrows its buffer, and
+    top-p's tail bound. The grid's bounds when it has them (lo_k is a bound, lo_p an estimate checked
+    after the scan), else a select over u (which holds values of the row, so at least k tokens, or p
+    of the mass, lie at or above it)."""
     m_key = _float_key(m).to(tl.int64)
     no_key = tl.full([], _NEG_INF_KEY, tl.int64)
-    # The bound of C: the grid's when it has one (lo_k is a bound, lo_p an estimate checked after the
-    # scan), else a select over u (which holds values of the row, so at least k tokens, or p of the
-    # mass, lie at or above it).
     beta = tl.full([], float("-inf"), tl.float32)
     hi = tl.full([], float("inf"), tl.float32)
     tail = beta
@@ -193,6 +172,20 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
             beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
     else:
         hi = float("-inf")  # min-p alone: C is the kept set, and only needs drawing
+    return beta, hi, tail
+
+
+@triton.jit
+def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
+                   lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
+                   SCAN_ONLY: tl.constexpr, DEFER: tl.constexpr):
+    """A row with filters, given pass 1's m, Z, group maxima u (at u_ptr, read only where needed: held
+    through a scan they would take registers it needs) and the grid's bounds. Returns (token, reads
+    of the row, the chain's first candidate when DEFER left top-p's chain to the chunked rounds, -2 when
+    it left them the read from a sure bound, else -1; and that bound, as the float below it)."""
+    m_key = _float_key(m).to(tl.int64)
+    no_key = tl.full([], _NEG_INF_KEY, tl.int64)
+    beta, hi, tail = _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, u_ptr, n_u, lo_k, lo_p, hi_p, BLOCK_U)
     # With top-k and top-p, Z is the top-k set's mass: the buffer must hold all of that set, so
     # min-p may not thin it. Tokens at -inf are never drawn: a bound at -inf leaves them out.
     z_from_buf = use_k & use_p
@@ -259,6 +252,64 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
     return token, reads, pending, bound
 
 
+@triton.jit
+def _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row, num_splits, n_u, top_k, top_p,
+               use_k, use_p, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr):
+    """A filtered row's pass-1 results reduced (part_score: its chunks' maxima, loaded): m, Z, and the
+    grid's bounds lo_k, lo_p and hi (-inf / -inf / +inf where it has none; see _grid_bounds)."""
+    s = tl.arange(0, BLOCK_S)
+    m = tl.max(part_score, axis=0)
+    part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
+    z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
+    lo_k = tl.full([], float("-inf"), tl.float32)
+    lo_p = tl.full([], float("-inf"), tl.float32)
+    hi_p = tl.full([], float("inf"), tl.float32)
+    # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32.
+    if _needs_grid(top_k, use_k, use_p, n_u) & (tl.abs(m) < 1048576.0):
+        top, others, of_u = _row_grid(part_grid_ptr + row * num_splits * _GRID_BINS,
+                                      part_score_ptr + row * num_splits, num_splits, m, GRID_S)
+        u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
+        lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z, BAND)
+    return m, z, lo_k, lo_p, hi_p
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE + ["arrived_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr"])
+def _bounds_kernel(
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr,
+    part_u_ptr, part_grid_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab,
+    num_splits, n_u, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr,
+    COUNT_READS: tl.constexpr,
+):
+    """One program per row, after pass 1, before the chunked second read (sampling_collect.py): rows
+    without filters take pass 1's draw; filtered rows get m, Z and C's bounds, and wait for that read."""
+    row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0)
+    _, simple, _, top_k, top_p, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    s = tl.arange(0, BLOCK_S)
+    part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+    if simple:
+        part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
+        s_max = tl.max(part_score, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0).to(tl.int64))
+        tl.store(cand_ptr + row, _DONE)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, 1)
+    else:
+        m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
+                                            num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S, BAND)
+        beta, hi, tail = _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p,
+                                  hi_p, BLOCK_U)
+        tl.store(m_ptr + row, m)
+        tl.store(z_ptr + row, z)
+        tl.store(beta_ptr + row, beta)
+        tl.store(hi_ptr + row, hi)
+        tl.store(lo_p_ptr + row, lo_p)
+        tl.store(tail_ptr + row, tail)
+        tl.store(cand_ptr + row, _COLLECT)
+    tl.store(arrived_ptr + row, 0)  # the chain's rounds count their chunks' arrivals here
+    tl.store(arrived_ptr + n_rows + row, 0)  # and the second read its chunks' here
+
+
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
@@ -266,55 +317,52 @@ def _sample_kernel(
     cand_ptr, m_ptr, z_ptr, bound_ptr, vocab, num_splits, n_u,
     BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BLOCK_V: tl.constexpr,
     SMALL: tl.constexpr, SCAN_ONLY: tl.constexpr, COUNT_READS: tl.constexpr, TIMES: tl.constexpr,
-    DEFER: tl.constexpr,
+    DEFER: tl.constexpr, GATE: tl.constexpr,
 ):
-    """One program per row, after pass 1: reduces the chunks' results; filtered rows go on."""
+    """One program per row, after pass 1: reduces the chunks' results; filtered rows go on, reading
+    the row serially. With GATE, only rows the chunked second read left it (pending _SERIAL)."""
     row = tl.program_id(0).to(tl.int64)
     if TIMES:
         t0 = globaltimer()
-    greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
-        temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
-    s = tl.arange(0, BLOCK_S)
-    part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-    reads = tl.full([], 1, tl.int32)
-    pending = tl.full([], -1, tl.int32)
-    if simple:
-        part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
-        s_max = tl.max(part_score, axis=0)
-        token = tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0)
-    else:
-        m = tl.max(part_score, axis=0)
-        part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
-        z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
-        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-        lo_k = tl.full([], float("-inf"), tl.float32)
-        lo_p = tl.full([], float("-inf"), tl.float32)
-        hi_p = tl.full([], float("inf"), tl.float32)
-        # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32.
-        if _needs_grid(top_k, use_k, use_p, n_u) & (tl.abs(m) < 1048576.0):
-            top, others, of_u = _row_grid(part_grid_ptr + row * num_splits * _GRID_BINS,
-                                          part_score_ptr + row * num_splits, num_splits, m, GRID_S)
-            u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
-            lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z,
-                                            BLOCK_V * 5 // 8)
-        token, reads, pending, bound = _filtered_draw(
-            logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V, vocab, inv_t,
-            top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
-            BLOCK_V, SMALL, SCAN_ONLY, DEFER)
+    run = True
+    if GATE:  # after the chunked second read, only the rows it left for serial work (sampling_collect.py)
+        run = tl.load(cand_ptr + row) == _SERIAL
+    if run:
+        greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
+            temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+        s = tl.arange(0, BLOCK_S)
+        part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        reads = tl.full([], 1, tl.int32)
+        pending = tl.full([], -1, tl.int32)
+        if simple:
+            part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
+            s_max = tl.max(part_score, axis=0)
+            token = tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0)
+        else:
+            m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
+                                                num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S,
+                                                BLOCK_V * 5 // 8)
+            key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+            token, reads, pending, bound = _filtered_draw(
+                logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V, vocab, inv_t,
+                top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
+                BLOCK_V, SMALL, SCAN_ONLY, DEFER)
+            if GATE:  # the chunked read before (_collect_kernel) found this row needs serial work
+                reads += 1
+            if DEFER:
+                tl.store(m_ptr + row, m)
+                tl.store(z_ptr + row, z)
+                tl.store(bound_ptr + row, bound)
+        tl.store(out_ptr + row, token.to(tl.int64))
         if DEFER:
-            tl.store(m_ptr + row, m)
-            tl.store(z_ptr + row, z)
-            tl.store(bound_ptr + row, bound)
-    tl.store(out_ptr + row, token.to(tl.int64))
-    if DEFER:
-        tl.store(cand_ptr + row, pending)
-        tl.store(cand_ptr + tl.num_programs(0) + row, 0)  # the chunks a round has seen finish (none)
-    if COUNT_READS:
-        tl.store(reads_ptr + row, reads)
-    if TIMES:
-        tl.store(times_ptr + row * 3, t0)
-        tl.store(times_ptr + row * 3 + 1, globaltimer())
-        tl.store(times_ptr + row * 3 + 2, smid().to(tl.int64))
+            tl.store(cand_ptr + row, pending)
+            tl.store(cand_ptr + tl.num_programs(0) + row, 0)  # the chunks a round has seen finish (none)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, reads)
+        if TIMES:
+            tl.store(times_ptr + row * 3, t0)
+            tl.store(times_ptr + row * 3 + 1, globaltimer())
+            tl.store(times_ptr + row * 3 + 2, smid().to(tl.int64))
 
 
 def _check_row_params(name: str, t: torch.Tensor, n_rows: int, dtypes, device) -> None:
@@ -332,6 +380,7 @@ def _num_sms(device: torch.device) -> int:
 _GROUP_MAXIMA = 1024  # pass 1's lane-group maxima per row, over all chunks: one tile of pass 2
 _GRID_CHUNKS = 16  # chunks' grids the row's program merges per step
 _SCAN_ONLY = False  # probes only: filtered rows stop after their first scan (wrong draws)
+COLLECT_MAXNREG = None  # the chunked second read's register cap (probes try others)
 
 
 def _lane_groups(num_splits: int, split_block: int) -> int:
@@ -394,6 +443,7 @@ def sample(
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
     times: torch.Tensor | None = None, chain_rounds: int = CHAIN_ROUNDS, chain_block: int | None = None,
+    collect_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -444,28 +494,50 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
-    # cand: [pending candidate | chunks arrived this round] per row; m, Z and the sure bound per row
-    cand, row_m, row_z, row_b = (torch.empty((2, n_rows), **i32), torch.empty((n_rows,), **f32),
-                                 torch.empty((n_rows,), **f32), torch.empty((n_rows,), **f32)) if defer else (out,) * 4
+    # cand: per row its state (_DONE, _COLLECT, ...; a candidate of top-p's chain), then the rounds'
+    # and the second read's arrival counts; m, Z and the sure bound per row (the rounds read them).
+    cand = torch.empty((3, n_rows), **i32)
+    row_m, row_z, row_b = (torch.empty((n_rows,), **f32) for _ in range(3))
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
         part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
         NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
         enable_fp_fusion=False,
     )
-    _sample_kernel[(n_rows,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        out if reads is None else reads, out if times is None else times, part_score, part_idx, part_z, part_u,
-        part_grid, buf_l, buf_i, cand, row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups,
-        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s,
-        BLOCK_V=block_v, SMALL=min(block_v, 256), SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None,
-        TIMES=times is not None, DEFER=defer,
+    counts = out if reads is None else reads
+    row_program = dict(
+        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BLOCK_V=block_v, SMALL=min(block_v, 256),
+        SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None, TIMES=times is not None, DEFER=defer,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
-        num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False,
-    )
-    if defer:
-        _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
-                      buf_l, buf_i, block_v, chain_rounds, chain_block)
+        num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
+    row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
+                out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
+                row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
+    if collect_splits == 0:  # the second read by the row program alone (A/B and probes)
+        _sample_kernel[(n_rows,)](*row_args, GATE=False, **row_program)
+        if defer:
+            _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
+                          reads, buf_l, buf_i, block_v, chain_rounds, chain_block)
+        return out
+    c_chunk, c_splits, region = _collect_splits(vocab, block_v, collect_splits)
+    c_rows = torch.empty((4, n_rows), **f32)  # C's bound, hi, the grid's lo_p and top-p's tail
+    _bounds_kernel[(n_rows,)](
+        temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u, part_grid, cand, cand[1],
+        row_m, row_z, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab, num_splits, num_splits * n_groups,
+        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8, COUNT_READS=reads is not None,
+        num_warps=4)
+    part_f = torch.empty((n_rows, c_splits * 3), **f32)
+    part_i = torch.empty((n_rows, c_splits * 3), **i32)
+    _collect_kernel[(n_rows, c_splits)](
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts, cand, cand[2],
+        row_m, row_z, row_b, c_rows[0], c_rows[1], c_rows[2], c_rows[3], part_f, part_i, part_u, buf_l, buf_i, vocab,
+        c_chunk, c_splits, num_splits * n_groups, chain_rounds, BLOCK=block_v, REGION=region, CAP=block_v,
+        BLOCK_S=triton.next_power_of_2(c_splits), BLOCK_U=block_u, SMALL=min(block_v, 256),
+        COUNT_READS=reads is not None, num_warps=8 if block_v >= 2048 else 4, maxnreg=COLLECT_MAXNREG,
+        enable_fp_fusion=False)
+    _sample_kernel[(n_rows,)](*row_args, GATE=True, **row_program)
+    _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
+                  buf_l, buf_i, block_v, chain_rounds, chain_block)
     return out
 
 
@@ -481,7 +553,8 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     counts = reads if reads is not None else out
     for _ in range(rounds):
         _chain_round_kernel[(n_rows, splits)](
-            logits, logits.stride(0), temperature, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z, row_b,
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z,
+            row_b,
             out, counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
             num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)

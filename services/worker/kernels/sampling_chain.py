@@ -109,8 +109,10 @@ def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i):
 
 # Per-row parameters are slices of one upload and arrived_ptr lies n_rows past cand_ptr: their
 # alignment follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
-@triton.jit(do_not_specialize=["temp_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "arrived_ptr"])
-def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, cand_ptr,
+@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr",
+                               "arrived_ptr"])
+def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
+                        cand_ptr,
                         arrived_ptr, m_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
                         part_idx_ptr, vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                         COUNT_READS: tl.constexpr):
@@ -122,7 +124,9 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_pt
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     cand = tl.load(cand_ptr + row)
-    if cand != -1:  # a candidate, or (-2) a sure bound to read above
+    top_k = tl.load(top_k_ptr + row)
+    # A candidate, or (-2) a sure bound to read above; top-k's candidates wait for the serial finish.
+    if ((cand >= 0) & ((top_k <= 0) | (top_k >= vocab))) | (cand == -2):
         temp = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = tl.div_rn(1.0, tl.where(temp <= 0.0, 1.0, temp))
         min_p = tl.load(min_p_ptr + row).to(tl.float32)
@@ -162,7 +166,8 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_p_ptr, min_p_pt
 def _chain_finish_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
                          cand_ptr, m_ptr, z_ptr, out_ptr, reads_ptr, buf_l_ptr, buf_i_ptr, vocab,
                          BLOCK_V: tl.constexpr, SMALL: tl.constexpr, COUNT_READS: tl.constexpr):
-    """Rows still pending after the rounds (rare): the serial chain from their candidate."""
+    """Rows still pending after the rounds (rare), and top-k's chains: the serial chain from their
+    candidate."""
     row = tl.program_id(0).to(tl.int64)
     cand = tl.load(cand_ptr + row)
     if cand >= 0:
@@ -175,11 +180,14 @@ def _chain_finish_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_p
         zero = tl.zeros([], tl.int32)
         no = zero != 0  # the serial chain's flags are booleans
         neg_inf = tl.full([], float("-inf"), tl.float32)
+        top_k = tl.load(top_k_ptr + row).to(tl.int32)
+        top_p = tl.load(top_p_ptr + row).to(tl.float32)
+        # No row here has both: with top-k and top-p the second read ends in its buffer, or serially.
+        use_k = (top_k > 0) & (top_k < vocab)
         token, reads = _chain(logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V,
-                              vocab, inv_t, tl.load(top_k_ptr + row).to(tl.int32), tl.load(top_p_ptr + row).to(tl.float32),
-                              tl.load(min_p_ptr + row).to(tl.float32), zero == 0, key, tl.load(m_ptr + row),
-                              tl.load(z_ptr + row), cand, zero, no, zero, zero, tl.zeros([], tl.float32), neg_inf, cand,
-                              neg_inf, no, no, reads, BLOCK_V, SMALL)
+                              vocab, inv_t, top_k, top_p, tl.load(min_p_ptr + row).to(tl.float32), top_p < 1.0, key,
+                              tl.load(m_ptr + row), tl.load(z_ptr + row), cand, zero, no, zero, zero,
+                              tl.zeros([], tl.float32), neg_inf, cand, neg_inf, use_k, no, reads, BLOCK_V, SMALL)
         tl.store(out_ptr + row, token.to(tl.int64))
         tl.store(cand_ptr + row, -1)
         if COUNT_READS:

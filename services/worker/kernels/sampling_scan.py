@@ -39,6 +39,28 @@ def _uniform(row_key, idx):
 
 
 @triton.jit
+def _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab):
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    greedy = temp <= 0.0
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1.0
+    use_min_p = min_p > 0.0
+    # Rows with no filter need no max and no thresholds: pass 1 draws them.
+    simple = greedy | ((use_k | use_p | use_min_p) == 0)
+    inv_t = tl.div_rn(1.0, tl.where(greedy, 1.0, temp))
+    return greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p
+
+
+@triton.jit
+def _load_u(u_ptr, n_u, BLOCK_U: tl.constexpr):
+    j = tl.arange(0, BLOCK_U)
+    return tl.load(u_ptr + j, mask=j < n_u, other=float("-inf"))
+
+
+@triton.jit
 def _float_key(x):
     """fp32 -> int32 whose signed order is the float order."""
     b = x.to(tl.int32, bitcast=True)
