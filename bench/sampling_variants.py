@@ -1,10 +1,11 @@
 """Times the sampler at B = 256 in a few modes and prints its kernels' registers and spills (H100 probe).
 
-    python3 bench/sampling_variants.py [--block-v N] [--chain-rounds N] [--chain-splits N] [--collect-splits N]
-                                      [--collect-maxnreg N] [--bf16] [LABEL]
+    python3 bench/sampling_variants.py [--rows B] [--block-v N] [--chain-rounds N] [--chain-splits N]
+                                      [--collect-splits N] [--collect-maxnreg N] [--bf16] [LABEL]
 
 --bf16: the logits in bf16, as the engine's LM head gives them (the same values rounded).
---collect-splits 0: the second read by the row program alone (before the chunked read).
+--rows: the batch (256 by default). --collect-splits 0: the second read by the row program alone;
+N: split over N chunks of the row; unset: as the batch size picks (sampling._collects).
 
 For A/B runs of kernel variants in one device call: run it from each variant's tree.
 """
@@ -30,7 +31,7 @@ def main() -> None:
     dtype = torch.bfloat16 if "--bf16" in args else torch.float32
     args = [a for a in args if a != "--bf16"]
     kw = {}
-    while args[:1] in (["--block-v"], ["--chain-rounds"], ["--chain-splits"], ["--collect-splits"],
+    while args[:1] in (["--rows"], ["--block-v"], ["--chain-rounds"], ["--chain-splits"], ["--collect-splits"],
                        ["--collect-maxnreg"]):
         kw[args[0][2:].replace("-", "_")] = int(args[1])
         args = args[2:]
@@ -38,13 +39,14 @@ def main() -> None:
         sampling_chain.CHAIN_SPLITS = kw.pop("chain_splits")
     if "collect_maxnreg" in kw:
         K.COLLECT_MAXNREG = kw.pop("collect_maxnreg")
+    n_rows = kw.pop("rows", 256)
     label = args[0] if args else "?"
     dev = torch.device("cuda")
     torch.manual_seed(0)
     row = []
     for mode in MODES:
-        a = sampling_inputs(256, mode, dev, dtype)
-        reads = torch.zeros(256, dtype=torch.int32, device=dev)
+        a = sampling_inputs(n_rows, mode, dev, dtype)
+        reads = torch.zeros(n_rows, dtype=torch.int32, device=dev)
         ok = bool(torch.equal(K.sample(*a, reads=reads, **kw), K.sample_ref(*a)))
         spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...
         row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'} [{spread}]")

@@ -8,6 +8,15 @@ import torch
 from services.worker.kernels import sampling as K
 
 
+@pytest.fixture(params=["rows", "chunks"], autouse=True)
+def second_read(request, monkeypatch):
+    """Every draw both ways: the row program reads the row alone (large batches), or the read is
+    split over chunks of the row (small ones, sampling_collect.py); which one follows the batch size
+    and the SM count, so both are forced here."""
+    monkeypatch.setattr(K, "_collects", lambda n_rows, device: request.param == "chunks")
+    return request.param
+
+
 def _params(n, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     f32 = dict(dtype=torch.float32, device=device)
     return (torch.full((n,), temperature, **f32), torch.full((n,), top_k, dtype=torch.int32, device=device),
@@ -340,6 +349,21 @@ def test_mixed_batch_at_full_vocabulary(device):
     got = K.sample(*args, num_splits=3, reads=reads)
     assert torch.equal(got, K.sample_ref(*args))
     assert reads.tolist() == [1, 2, 2, 2] * 4
+
+
+@pytest.mark.parametrize("collect_splits", [2, 4])
+def test_chunked_read_in_small_regions(collect_splits, device):
+    """The chunked read with regions of 32 and 16 tokens (block_v 64): chunks whose part of C outgrows
+    their region lower their own cut, draw in place what their far end cannot hold, and the merge
+    draws what regions kept above the row's cut; every path of the serial scan's draws is kept."""
+    logits, t, k, p, mp = _mixed_batch(device)
+    rows = [logits, _flat(1000).expand(12, -1).to(device), _spiked(1000, 8, 6.0).expand(12, -1).to(device)]
+    seeds, offsets = _seeds(12, device), torch.arange(12, device=device)
+    for x in rows:
+        x = x.contiguous()
+        for filters in ((t, k, p, mp), (t, torch.zeros_like(k), torch.full_like(p, 0.9), mp)):
+            got = K.sample(x, *filters, seeds, offsets, block_v=64, num_splits=2, collect_splits=collect_splits)
+            assert torch.equal(got, K.sample_ref(x, *filters, seeds, offsets))
 
 
 def test_large_buffer_finish(device):

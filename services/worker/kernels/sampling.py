@@ -37,7 +37,7 @@ from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, 
                                                    _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
 from services.worker.kernels.sampling_collect import (_COLLECT, _DONE, _SERIAL, COLLECT_SPLITS,  # noqa: F401
-                                                      _collect_kernel)
+                                                      _collect_end_kernel, _collect_kernel)
 from services.worker.kernels.sampling_collect import collect_splits as _collect_splits
 # Pass 1's grid of the lanes' largest values, and the bounds the row program takes from it.
 from services.worker.kernels.sampling_grid import (_GRID_BINS, _chunk_grid, _grid_bounds, _lane_stats, _needs_grid,
@@ -420,13 +420,23 @@ def max_splits(vocab: int, block_v: int | None = None) -> int:
 
 def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: int | None = None) -> list[int]:
     """Batch sizes, up to max_rows, whose draws compile every kernel variant any batch size launches
-    (one per class of pass 1's lane groups), so that none compiles while serving."""
+    (one per class of pass 1's lane groups, and per way of the second read: _collects), so that none
+    compiles while serving. The first and the last take the two ways of the second read."""
     split_block = launch_constants(vocab, _block_v(vocab, block_v))[0]
-    rows: dict[int, int] = {}
+    rows: dict[tuple[int, bool], int] = {}
     for n in range(1, max_rows + 1):
         chunks = _chunking(vocab, _num_splits(vocab, n, split_block, device), split_block)[1]
-        rows.setdefault(_lane_groups(chunks, split_block), n)
+        rows.setdefault((_lane_groups(chunks, split_block), _collects(n, device)), n)
     return sorted(rows.values())
+
+
+def _collects(n_rows: int, device: torch.device) -> bool:
+    """Whether the second read of a batch of n_rows is split over chunks of each row (sampling_collect.py)
+    rather than one program's per row. The split wins where the row programs leave SMs idle (H100, B =
+    1: 57 against 86 µs with top-k 50 and top-p 0.9, 88 against 147 for top-p sets of thousands), not
+    once they fill the GPU: at B = 256 on an H200 the chunks' own loops, each tile a block-wide count,
+    read no faster, and top-p sets of thousands overflow their regions (312 against 410 µs)."""
+    return n_rows <= _num_sms(device)
 
 
 def _block_v(vocab: int, block_v: int | None) -> int:
@@ -513,7 +523,9 @@ def sample(
     row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
                 out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
                 row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
-    if collect_splits == 0:  # the second read by the row program alone (A/B and probes)
+    if collect_splits is None:
+        collect_splits = None if _collects(n_rows, device) else 0
+    if collect_splits == 0:  # the second read by the row program alone
         _sample_kernel[(n_rows,)](*row_args, GATE=False, **row_program)
         if defer:
             _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
@@ -529,11 +541,14 @@ def sample(
     part_f = torch.empty((n_rows, c_splits * 3), **f32)
     part_i = torch.empty((n_rows, c_splits * 3), **i32)
     _collect_kernel[(n_rows, c_splits)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts, cand, cand[2],
-        row_m, row_z, row_b, c_rows[0], c_rows[1], c_rows[2], c_rows[3], part_f, part_i, part_u, buf_l, buf_i, vocab,
-        c_chunk, c_splits, num_splits * n_groups, chain_rounds, BLOCK=block_v, REGION=region, CAP=block_v,
-        BLOCK_S=triton.next_power_of_2(c_splits), BLOCK_U=block_u, SMALL=min(block_v, 256),
-        COUNT_READS=reads is not None, num_warps=8 if block_v >= 2048 else 4, maxnreg=COLLECT_MAXNREG,
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, c_rows[0], c_rows[1],
+        part_f, part_i, buf_l, buf_i, vocab, c_chunk, c_splits, BLOCK=block_v, REGION=region, CAP=block_v,
+        num_warps=8 if block_v >= 2048 else 4, maxnreg=COLLECT_MAXNREG, enable_fp_fusion=False)
+    _collect_end_kernel[(n_rows,)](
+        temperature, top_k, top_p, min_p, seeds, offsets, out, counts, cand, row_m, row_z, row_b, c_rows[0],
+        c_rows[2], c_rows[3], part_f, part_i, part_u, buf_l, buf_i, vocab, c_splits, num_splits * n_groups,
+        chain_rounds, REGION=region, CAP=block_v, BLOCK_S=triton.next_power_of_2(c_splits), BLOCK_U=block_u,
+        SMALL=min(block_v, 256), COUNT_READS=reads is not None, num_warps=8 if block_v >= 2048 else 4,
         enable_fp_fusion=False)
     _sample_kernel[(n_rows,)](*row_args, GATE=True, **row_program)
     _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,

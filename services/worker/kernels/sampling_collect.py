@@ -4,9 +4,8 @@ The row program reads a row serially, one program per row: on an H100 at B = 256
 alone took ~75 µs (bf16 logits, 2026-11-27), three times what HBM needs for the batch. Here the
 read is split over up to COLLECT_SPLITS programs a row. A per-row launch before (_bounds_kernel, in
 sampling.py) reduces pass 1 and fixes C's bound; each chunk then gathers its part of C into its own
-region of the row's buffer (_chunk_scan: the row program's scan, on a smaller buffer), and the row's
-last chunk to finish (an arrival count, as in the chain's rounds) merges the regions and ends the
-row as the row program would after its scan: the exact draw from the buffer, or top-p's chain left
+region of the row's buffer (_chunk_scan: the row program's scan, on a smaller buffer), and a per-row
+launch after merges the regions and ends the row as the row program would after its scan: the exact draw from the buffer, or top-p's chain left
 to the rounds (a candidate, or a sure bound to read above). What needs a serial read of its own
 (top-k's chain, t_k over the row, the sure bound's read without rounds) is left to the row program,
 which then runs for that row alone (pending _SERIAL).
@@ -59,15 +58,35 @@ def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi,
     tokens: those are drawn where they are. Returns |C| in the chunk, how many tokens the region
     keeps, the cut, and the drawn tokens' mass and Gumbel winner among those with e >= min_p."""
     cols = tl.arange(0, BLOCK)
-    n = tl.zeros([], tl.int32)
     n_keep = tl.zeros([], tl.int32)
+    v0 = start
+    x = tl.load(base + start + cols, mask=start + cols < end, other=float("-inf"))
+    # The usual case in a loop of its own, whose few registers then never spill: all of C so far
+    # fits in the region. The first tile that does not is taken again by the second loop.
+    fits = tl.full([], 1, tl.int32)
+    while (v0 < end) & (fits != 0):
+        idx = v0 + cols
+        x_next = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+        l = x.to(tl.float32) * inv_t
+        in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
+        if set_min_p > 0.0:  # exp only where min-p thins C
+            in_c = in_c & (tl.exp(l - m) >= set_min_p)
+        cnt = tl.sum(in_c.to(tl.int32), axis=0)
+        if n_keep + cnt <= REGION:
+            if cnt > 0:
+                _append(buf_l, buf_i, n_keep, l, idx, in_c)
+            n_keep += cnt
+            v0 += BLOCK
+            x = x_next
+        else:
+            fits = tl.zeros([], tl.int32)
+    n = n_keep
     pending = tl.zeros([], tl.int32)  # drawn tokens not drawn yet, at [REGION - pending, REGION)
     cut = tl.full([], float("inf"), tl.float32)
     drawn = tl.zeros([], tl.float32)
     best_s = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], _NONE, tl.int32)
-    v0 = start
-    x = tl.load(base + start + cols, mask=start + cols < end, other=float("-inf"))
+    skip_d = tl.zeros([], tl.int32)  # this tile's drawn tokens were drawn in place: only its kept ones are left
     while v0 < end:
         idx = v0 + cols
         # The next tile's read is issued before this tile's work, so two are in flight.
@@ -78,7 +97,8 @@ def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi,
             in_c = in_c & (tl.exp(l - m) >= set_min_p)
         keep = in_c & (l < cut)
         # Kept and drawn tokens counted (and below, ranked) in one step: 16 bits each.
-        both = keep.to(tl.int32) | ((in_c & (l >= cut)).to(tl.int32) << 16)
+        draw = in_c & (l >= cut) & (skip_d == 0)
+        both = keep.to(tl.int32) | (draw.to(tl.int32) << 16)
         counts = tl.sum(both, axis=0)
         n_k = counts & 0xFFFF
         n_d = counts >> 16
@@ -86,13 +106,14 @@ def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi,
             if counts > 0:  # kept tokens to the front, drawn ones to the far end
                 rank = tl.cumsum(both, axis=0)
                 pos = tl.where(keep, n_keep + (rank & 0xFFFF) - 1, REGION - pending - n_d + (rank >> 16) - 1)
-                tl.store(buf_l + pos, l, mask=in_c)
-                tl.store(buf_i + pos, idx, mask=in_c)
+                tl.store(buf_l + pos, l, mask=both != 0)
+                tl.store(buf_i + pos, idx, mask=both != 0)
             n_keep += n_k
             pending += n_d
             n += n_k + n_d
             v0 += BLOCK
             x = x_next
+            skip_d = tl.zeros([], tl.int32)
         elif pending > 0:  # room first from the waiting drawn tokens; the tile is taken again
             best_s, best_i, w = _drain(buf_l, buf_i, REGION - pending, REGION, m, min_p, key, best_s, best_i, REGION)
             drawn += w
@@ -101,17 +122,15 @@ def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi,
             cut = tl.where(cut > hi, hi, float("-inf"))
             n_keep, drawn, best_s, best_i = _compact(buf_l, buf_i, n_keep, cut, m, min_p, key, drawn, best_s,
                                                      best_i, REGION)
-        else:  # the kept ones fit, the drawn ones not even in an empty far end: drawn here, from the tile
+        else:  # the kept ones fit, the drawn ones not even in an empty far end: drawn here, from the tile,
+            # and the tile taken again for its kept ones alone. (Not stored here: Triton 3.6 mis-compiles
+            # a second ranking of the tile in this branch.)
             d = in_c & (l >= cut)
             e = tl.exp(l - m)
             drawn += tl.sum(tl.where(d, e, 0.0), axis=0)
             best_s, best_i = _better(l, idx, d & (e >= min_p), key, best_s, best_i)
-            if n_k > 0:
-                _append(buf_l, buf_i, n_keep, l, idx, keep)
-            n_keep += n_k
-            n += n_k + n_d
-            v0 += BLOCK
-            x = x_next
+            n += n_d
+            skip_d = tl.full([], 1, tl.int32)
     if pending > 0:
         best_s, best_i, w = _drain(buf_l, buf_i, REGION - pending, REGION, m, min_p, key, best_s, best_i, REGION)
         drawn += w
@@ -124,23 +143,22 @@ def _merge(buf_l, buf_i, part_f, part_i, splits, m, min_p, key, BLOCK_S: tl.cons
     """The row's chunks after their scans: |C|, the lowest cut, the drawn mass and winner; the
     regions' kept tokens at or above that cut drawn too (a chunk that kept its cut higher holds
     some), the others moved to the buffer's front. Returns what the row program's scan returns:
-    |C|, its mass, the tokens in the buffer, the cut, the drawn mass and winner. The chunks' results
-    are read through L2 (.cg): other programs wrote them."""
+    |C|, its mass, the tokens in the buffer, the cut, the drawn mass and winner."""
     s = tl.arange(0, BLOCK_S)
     ok_s = s < splits
-    n = tl.sum(tl.load(part_i + s * 3, mask=ok_s, other=0, cache_modifier=".cg"), axis=0)
-    cut = tl.min(tl.load(part_f + s * 3, mask=ok_s, other=float("inf"), cache_modifier=".cg"), axis=0)
-    drawn = tl.sum(tl.load(part_f + s * 3 + 1, mask=ok_s, other=0.0, cache_modifier=".cg"), axis=0)
-    score = tl.load(part_f + s * 3 + 2, mask=ok_s, other=float("-inf"), cache_modifier=".cg")
-    win = tl.load(part_i + s * 3 + 2, mask=ok_s, other=_NONE, cache_modifier=".cg")
+    n = tl.sum(tl.load(part_i + s * 3, mask=ok_s, other=0), axis=0)
+    cut = tl.min(tl.load(part_f + s * 3, mask=ok_s, other=float("inf")), axis=0)
+    drawn = tl.sum(tl.load(part_f + s * 3 + 1, mask=ok_s, other=0.0), axis=0)
+    score = tl.load(part_f + s * 3 + 2, mask=ok_s, other=float("-inf"))
+    win = tl.load(part_i + s * 3 + 2, mask=ok_s, other=_NONE)
     best_s = tl.max(score, axis=0)
     best = tl.min(tl.where(score == best_s, win, _NONE), axis=0)
     cols = tl.arange(0, CAP)
     region = cols // REGION
-    held = tl.load(part_i + region * 3 + 1, mask=region < splits, other=0, cache_modifier=".cg")
+    held = tl.load(part_i + region * 3 + 1, mask=region < splits, other=0)
     ok = (region < splits) & (cols % REGION < held)
-    l = tl.load(buf_l + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    idx = tl.load(buf_i + cols, mask=ok, other=0, cache_modifier=".cg")
+    l = tl.load(buf_l + cols, mask=ok, other=float("-inf"))
+    idx = tl.load(buf_i + cols, mask=ok, other=0)
     e = tl.where(ok, tl.exp(l - m), 0.0)
     if cut < float("inf"):
         d = ok & (l >= cut)
@@ -199,21 +217,17 @@ def _collect_end(buf_l, buf_i, u_ptr, n_u, vocab, top_k, top_p, min_p, use_k, us
 
 # Per-row parameters are slices of one upload, and the state rows lie n_rows apart: their alignment
 # follows the batch size, which must not pick a variant (see sampling.py's _NO_SPECIALIZE).
-@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr",
-                               "arrived_ptr", "m_ptr", "z_ptr", "bound_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr",
-                               "tail_ptr", "n_u", "rounds"])
+@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "m_ptr",
+                               "beta_ptr", "hi_ptr"])
 def _collect_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
-                    out_ptr, reads_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, bound_ptr, beta_ptr, hi_ptr, lo_p_ptr,
-                    tail_ptr, part_f_ptr, part_i_ptr, part_u_ptr, buf_l_ptr, buf_i_ptr, vocab, chunk, splits, n_u,
-                    rounds, BLOCK: tl.constexpr, REGION: tl.constexpr, CAP: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_U: tl.constexpr, SMALL: tl.constexpr, COUNT_READS: tl.constexpr):
+                    cand_ptr, m_ptr, beta_ptr, hi_ptr, part_f_ptr, part_i_ptr, buf_l_ptr, buf_i_ptr, vocab, chunk,
+                    splits, BLOCK: tl.constexpr, REGION: tl.constexpr, CAP: tl.constexpr):
     """One chunk of a row the bounds launch left to this read (_COLLECT): its part of C into its
-    region; the row's last chunk to finish ends the row (_collect_end)."""
+    region of the row's buffer, and its results (_collect_end_kernel ends the row)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(cand_ptr + row) == _COLLECT:
-        _, _, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
-                                                                      vocab)
+        _, _, inv_t, _, _, min_p, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
         m = tl.load(m_ptr + row)
         beta = tl.load(beta_ptr + row)
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
@@ -233,19 +247,36 @@ def _collect_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, m
         tl.store(part_i + split * 3, n)
         tl.store(part_i + split * 3 + 1, n_keep)
         tl.store(part_i + split * 3 + 2, best)
-        # Release: this chunk's results and region before its arrival; acquire: the others' before the end.
-        if tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            tl.store(arrived_ptr + row, 0)
-            z = tl.load(z_ptr + row)
-            n, mass, n_keep, cut, drawn, best_s, best = _merge(buf_l, buf_i, part_f, part_i, splits, m, min_p, key,
-                                                               BLOCK_S, REGION, CAP)
-            token, state, bound = _collect_end(
-                buf_l, buf_i, part_u_ptr + row * n_u, n_u, vocab, top_k, top_p, min_p, use_k, use_p, key, m, z, beta,
-                tl.load(lo_p_ptr + row), tl.load(tail_ptr + row), n, mass, n_keep, cut, drawn, best_s, best, rounds,
-                BLOCK_U, CAP, SMALL)
-            if state == _DONE:
-                tl.store(out_ptr + row, token.to(tl.int64))
-            tl.store(bound_ptr + row, bound)
-            tl.store(cand_ptr + row, state)
-            if COUNT_READS:
-                tl.store(reads_ptr + row, 2)
+
+
+@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr",
+                               "m_ptr", "z_ptr", "bound_ptr", "beta_ptr", "lo_p_ptr", "tail_ptr", "n_u", "rounds"])
+def _collect_end_kernel(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr, reads_ptr, cand_ptr,
+                        m_ptr, z_ptr, bound_ptr, beta_ptr, lo_p_ptr, tail_ptr, part_f_ptr, part_i_ptr, part_u_ptr,
+                        buf_l_ptr, buf_i_ptr, vocab, splits, n_u, rounds, REGION: tl.constexpr, CAP: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, SMALL: tl.constexpr,
+                        COUNT_READS: tl.constexpr):
+    """One program per row after the chunked read: its chunks' results and regions merged, the row
+    ended as the row program would after its scan (_collect_end). A launch of its own, so that the
+    read's programs keep few registers (and many of them fit an SM)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(cand_ptr + row) == _COLLECT:
+        _, _, _, top_k, top_p, min_p, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+        m = tl.load(m_ptr + row)
+        z = tl.load(z_ptr + row)
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        buf_l = buf_l_ptr + row * CAP
+        buf_i = buf_i_ptr + row * CAP
+        n, mass, n_keep, cut, drawn, best_s, best = _merge(buf_l, buf_i, part_f_ptr + row * splits * 3,
+                                                           part_i_ptr + row * splits * 3, splits, m, min_p, key,
+                                                           BLOCK_S, REGION, CAP)
+        token, state, bound = _collect_end(
+            buf_l, buf_i, part_u_ptr + row * n_u, n_u, vocab, top_k, top_p, min_p, use_k, use_p, key, m, z,
+            tl.load(beta_ptr + row), tl.load(lo_p_ptr + row), tl.load(tail_ptr + row), n, mass, n_keep, cut, drawn,
+            best_s, best, rounds, BLOCK_U, CAP, SMALL)
+        if state == _DONE:
+            tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(bound_ptr + row, bound)
+        tl.store(cand_ptr + row, state)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, 2)
