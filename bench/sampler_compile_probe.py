@@ -24,8 +24,8 @@ from services.worker.kernels import sampling as K  # noqa: E402
 
 
 def variants() -> dict[str, int]:
-    kernels = (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._sample_kernel, K._chain_round_kernel,
-               K._chain_finish_kernel)
+    kernels = (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._collect_end_kernel, K._sample_kernel,
+               K._chain_round_kernel, K._chain_finish_kernel)
     return {k.__name__: sum(len(c[0]) for c in k.device_caches.values()) for k in kernels}
 
 

@@ -51,8 +51,8 @@ def main() -> None:
         spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...
         row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'} [{spread}]")
     regs = []
-    for kern in (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._sample_kernel, K._chain_round_kernel,
-                 K._chain_finish_kernel):
+    for kern in (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._collect_end_kernel, K._sample_kernel,
+                 K._chain_round_kernel, K._chain_finish_kernel):
         for cache in kern.device_caches.values():
             for c in cache[0].values():
                 regs.append(f"{kern.__name__} regs {c.n_regs} spills {c.n_spills}")

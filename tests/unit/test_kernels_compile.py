@@ -56,8 +56,9 @@ def decode_kernels_with_pdl() -> None:
 
     # The chain's rounds: atomics and .cg reads, no PDL (it slowed them on an H100).
     ptxs.append(_compile(sampling_chain._chain_round_kernel, {
-        "logits_ptr": "*fp32", "logits_stride": "i32", "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
-        "seeds_ptr": "*i64", "offsets_ptr": "*i64", "cand_ptr": "*i32", "arrived_ptr": "*i32", "m_ptr": "*fp32",
+        "logits_ptr": "*fp32", "logits_stride": "i32", "temp_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
+        "min_p_ptr": "*fp32", "seeds_ptr": "*i64", "offsets_ptr": "*i64", "cand_ptr": "*i32", "arrived_ptr": "*i32",
+        "m_ptr": "*fp32",
         "z_ptr": "*fp32", "bound_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32",
         "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
         {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False}))
@@ -68,8 +69,9 @@ def decode_kernels_with_pdl() -> None:
 
 
 def sampler_kernels_for_bf16_logits() -> None:
-    """The sampler's two first launches for the engine's bf16 logits, the probes' scan-only build of the
-    row program included (its early return must match the others' four values)."""
+    """The sampler's launches before the chain for the engine's bf16 logits: pass 1, the bounds, the
+    chunked second read and its end, the row program gated (and the probes' scan-only build of it:
+    its early return must match the others' four values)."""
     from services.worker.kernels import sampling as K
 
     rows = {p: "*fp32" for p in ("temp_ptr", "top_p_ptr", "min_p_ptr")}
@@ -84,7 +86,26 @@ def sampler_kernels_for_bf16_logits() -> None:
         "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "buf_l_ptr": "*fp32", "buf_i_ptr": "*i32", "cand_ptr": "*i32",
         "m_ptr": "*fp32", "z_ptr": "*fp32", "bound_ptr": "*fp32", "vocab": "i32", "num_splits": "i32", "n_u": "i32"},
         {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BLOCK_V": 2048, "SMALL": 256, "SCAN_ONLY": True,
-         "COUNT_READS": True, "TIMES": False, "DEFER": True})
+         "COUNT_READS": True, "TIMES": False, "DEFER": True, "GATE": True})
+    state = {p: "*fp32" for p in ("m_ptr", "z_ptr", "bound_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")}
+    _compile(K._bounds_kernel, {
+        **{p: t for p, t in rows.items() if p not in ("seeds_ptr", "offsets_ptr")}, "out_ptr": "*i64",
+        "reads_ptr": "*i32", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "part_z_ptr": "*fp32",
+        "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "cand_ptr": "*i32", "arrived_ptr": "*i32",
+        **{p: "*fp32" for p in ("m_ptr", "z_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")}, "vocab": "i32",
+        "num_splits": "i32", "n_u": "i32", "large_to_rows": "i32"},
+        {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BAND": 1280, "COUNT_READS": False})
+    _compile(K._collect_kernel, {
+        "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "cand_ptr": "*i32", "m_ptr": "*fp32",
+        "beta_ptr": "*fp32", "hi_ptr": "*fp32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "buf_l_ptr": "*fp32",
+        "buf_i_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
+        {"BLOCK": 2048, "REGION": 256, "CAP": 2048})
+    _compile(K._collect_end_kernel, {
+        **rows, "out_ptr": "*i64", "reads_ptr": "*i32", "cand_ptr": "*i32",
+        **{p: t for p, t in state.items() if p != "hi_ptr"}, "part_f_ptr": "*fp32", "part_i_ptr": "*i32",
+        "part_u_ptr": "*fp32", "buf_l_ptr": "*fp32", "buf_i_ptr": "*i32", "vocab": "i32", "splits": "i32",
+        "n_u": "i32", "rounds": "i32"},
+        {"REGION": 256, "CAP": 2048, "BLOCK_S": 8, "BLOCK_U": 1024, "SMALL": 256, "COUNT_READS": True})
 
 
 @pytest.mark.parametrize("case", ["one_shot_all_reduce_with_pdl", "decode_kernels_with_pdl",

@@ -1,17 +1,20 @@
 """The sampler's second read split over chunks of the row (see sampling.py's kernel section).
 
-The row program reads a row serially, one program per row: on an H100 at B = 256 its read loop
-alone took ~75 µs (bf16 logits, 2026-11-27), three times what HBM needs for the batch. Here the
-read is split over up to COLLECT_SPLITS programs a row. A per-row launch before (_bounds_kernel, in
-sampling.py) reduces pass 1 and fixes C's bound; each chunk then gathers its part of C into its own
-region of the row's buffer (_chunk_scan: the row program's scan, on a smaller buffer), and a per-row
-launch after merges the regions and ends the row as the row program would after its scan: the exact draw from the buffer, or top-p's chain left
-to the rounds (a candidate, or a sure bound to read above). What needs a serial read of its own
-(top-k's chain, t_k over the row, the sure bound's read without rounds) is left to the row program,
-which then runs for that row alone (pending _SERIAL).
+The row program reads a row serially, one program per row: its read loop alone took ~75 µs at
+B = 256 (H100, bf16 logits), and a batch of one row leaves all but one SM idle. Here the read is
+split over up to COLLECT_SPLITS programs a row. A per-row launch before (_bounds_kernel, in
+sampling.py) reduces pass 1 and fixes C's bound; each chunk gathers its part of C into its own
+region of the row's buffer (_chunk_scan); a per-row launch after (_collect_end_kernel) merges the
+regions and ends the row as the row program would after its scan: the exact draw from the buffer,
+or top-p's chain left to the rounds (a candidate, or a sure bound to read above), or top-k's to
+the chain's serial finish. What needs a serial read of its own (t_k over the row, the sure bound's
+read without rounds) is left to the row program, which then runs for that row alone (_SERIAL);
+so are top-p sets of thousands of tokens in full batches (_ROUTED: sampling._routes_large_sets).
 
-Each chunk's region sits at a fixed place, and a chunk appends in token order, so the buffer, and
-with it every sum and draw, is the same whatever order the programs run in.
+A chunk's loop takes no block-wide step per tile while each lane holds at most two tokens of C
+(registers, moved to the region once at the end): the row program's per-tile count and rank, each
+a barrier, set its pace. Each region sits at a fixed place and is filled in a fixed order, so the
+buffer, and with it every sum and draw, is the same whatever order the programs run in.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _DONE = tl.constexpr(-1)
 _BOUND = tl.constexpr(-2)  # the rounds read above a sure bound first (sampling_chain.py)
 _SERIAL = tl.constexpr(-3)  # the row program reads it serially (sampling.py's _sample_kernel with GATE)
 _COLLECT = tl.constexpr(-4)  # the chunked second read takes it
+_ROUTED = tl.constexpr(-5)  # the row program reads it instead (top-p sets of thousands, full batches)
 
 COLLECT_SPLITS = 8  # chunks a row's second read is split into, at most
 _MIN_REGION = 256  # a chunk's part of the buffer, at least: top-p's band is ~1,300 tokens a row
@@ -49,37 +53,56 @@ def collect_splits(vocab: int, block_v: int, want: int | None = None) -> tuple[i
 
 
 @triton.jit
+def _lane_take(l, idx, end, m, beta, strict, set_min_p, cnt, l_1, i_1, l_2, i_2):
+    """One tile into the lanes' first two tokens of C, and their counts."""
+    in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
+    if set_min_p > 0.0:  # exp only where min-p thins C
+        in_c = in_c & (tl.exp(l - m) >= set_min_p)
+    second = in_c & (cnt == 1)
+    first = in_c & (cnt == 0)
+    return (cnt + in_c.to(tl.int32), tl.where(first, l, l_1), tl.where(first, idx, i_1), tl.where(second, l, l_2),
+            tl.where(second, idx, i_2))
+
+
+@triton.jit
 def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi, set_min_p, min_p,
                 BLOCK: tl.constexpr, REGION: tl.constexpr):
-    """The row program's scan (sampling_scan._scan) over the chunk [start, end), into a region of
-    REGION tokens: C's tokens below a cut kept at its front in token order, the others drawn (those
-    waiting at its far end a region at a time). The cut starts at +inf and drops when the kept tokens
-    would not fit: to hi, then to -inf. A region smaller than a tile may not hold a tile's drawn
-    tokens: those are drawn where they are. Returns |C| in the chunk, how many tokens the region
-    keeps, the cut, and the drawn tokens' mass and Gumbel winner among those with e >= min_p."""
+    """C's tokens in the chunk [start, end) into a region of REGION tokens: those below a cut kept at
+    its front, the others drawn. Returns |C| in the chunk, how many tokens the region keeps, the cut,
+    and the drawn tokens' mass and Gumbel winner among those with e >= min_p.
+
+    First one read with no block-wide step per tile, which keeps all of C if it fits that way; else
+    the row program's scan (sampling_scan._scan) on the smaller buffer: kept tokens in token order,
+    drawn ones waiting at the region's far end, the cut from +inf down to hi, then -inf, as the kept
+    tokens outgrow it; a tile's drawn tokens that not even an empty far end holds drawn in place."""
     cols = tl.arange(0, BLOCK)
-    n_keep = tl.zeros([], tl.int32)
-    v0 = start
-    x = tl.load(base + start + cols, mask=start + cols < end, other=float("-inf"))
-    # The usual case in a loop of its own, whose few registers then never spill: all of C so far
-    # fits in the region. The first tile that does not is taken again by the second loop.
-    fits = tl.full([], 1, tl.int32)
-    while (v0 < end) & (fits != 0):
+    # The usual case first, with no block-wide step per tile (each one's barrier and count would set
+    # the loop's pace, as in the row program): each lane keeps its first two tokens of C in registers
+    # and counts the others. If no lane met a third and they fit, they are the chunk's C, moved to the
+    # region once; else the chunk is read again by the loop below, which ranks each tile.
+    cnt = tl.zeros([BLOCK], tl.int32)
+    l_1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_2 = tl.full([BLOCK], float("-inf"), tl.float32)
+    i_1 = tl.zeros([BLOCK], tl.int32)
+    i_2 = tl.zeros([BLOCK], tl.int32)
+    for v0 in range(start, end, 2 * BLOCK):  # two tiles a step, both read before either is used
         idx = v0 + cols
-        x_next = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
-        l = x.to(tl.float32) * inv_t
-        in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
-        if set_min_p > 0.0:  # exp only where min-p thins C
-            in_c = in_c & (tl.exp(l - m) >= set_min_p)
-        cnt = tl.sum(in_c.to(tl.int32), axis=0)
-        if n_keep + cnt <= REGION:
-            if cnt > 0:
-                _append(buf_l, buf_i, n_keep, l, idx, in_c)
-            n_keep += cnt
-            v0 += BLOCK
-            x = x_next
-        else:
-            fits = tl.zeros([], tl.int32)
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
+        x2 = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+        cnt, l_1, i_1, l_2, i_2 = _lane_take(x.to(tl.float32) * inv_t, idx, end, m, beta, strict, set_min_p, cnt, l_1,
+                                             i_1, l_2, i_2)
+        cnt, l_1, i_1, l_2, i_2 = _lane_take(x2.to(tl.float32) * inv_t, idx + BLOCK, end, m, beta, strict, set_min_p,
+                                             cnt, l_1, i_1, l_2, i_2)
+    n_keep = tl.sum(cnt, axis=0)
+    v0 = start
+    if (tl.max(cnt, axis=0) <= 2) & (n_keep <= REGION):
+        first = cnt >= 1
+        _append(buf_l, buf_i, 0, l_1, i_1, first)
+        _append(buf_l, buf_i, tl.sum(first.to(tl.int32), axis=0), l_2, i_2, cnt >= 2)
+        v0 = end
+    else:
+        n_keep = tl.zeros([], tl.int32)
+    x = tl.load(base + v0 + cols, mask=v0 + cols < end, other=float("-inf"))
     n = n_keep
     pending = tl.zeros([], tl.int32)  # drawn tokens not drawn yet, at [REGION - pending, REGION)
     cut = tl.full([], float("inf"), tl.float32)
