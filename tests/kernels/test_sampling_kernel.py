@@ -8,13 +8,12 @@ import torch
 from services.worker.kernels import sampling as K
 
 
-@pytest.fixture(params=["chunks", "routed"], autouse=True)
+@pytest.fixture(params=["rows", "chunks"], autouse=True)
 def second_read(request, monkeypatch):
-    """Every draw both ways: the second read split over chunks of the row for every filtered row
-    (small batches, sampling_collect.py), or top-p sets larger than pass 1's band routed to the row
-    program's serial read (full batches); which one follows the batch size and the SM count, so both
-    are forced here."""
-    monkeypatch.setattr(K, "_routes_large_sets", lambda n_rows, device: request.param == "routed")
+    """Every draw both ways: the row program reads the row alone (large batches), or the read is
+    split over chunks of the row (small ones, sampling_collect.py); which one follows the batch size
+    and the SM count, so both are forced here."""
+    monkeypatch.setattr(K, "_collects", lambda n_rows, device: request.param == "chunks")
     return request.param
 
 

@@ -93,7 +93,7 @@ def sampler_kernels_for_bf16_logits() -> None:
         "reads_ptr": "*i32", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "part_z_ptr": "*fp32",
         "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "cand_ptr": "*i32", "arrived_ptr": "*i32",
         **{p: "*fp32" for p in ("m_ptr", "z_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")}, "vocab": "i32",
-        "num_splits": "i32", "n_u": "i32", "large_to_rows": "i32"},
+        "num_splits": "i32", "n_u": "i32"},
         {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BAND": 1280, "COUNT_READS": False})
     _compile(K._collect_kernel, {
         "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "cand_ptr": "*i32", "m_ptr": "*fp32",

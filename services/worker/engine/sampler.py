@@ -90,15 +90,17 @@ class Sampler:
         draws = 0
         # The model's logits at each batch-size class; logits widened to fp32 (a batch with
         # penalties, rare) draw in one launch shape (_draw), so one size compiles theirs.
+        # The first and last sizes read the row two ways (split over chunks or not: sampling._collects).
         for dtype in dict.fromkeys((self.logits_dtype, torch.float32)):
-            sizes = rows if dtype == self.logits_dtype else rows[:1]
+            sizes = rows if dtype == self.logits_dtype else list(dict.fromkeys((rows[0], rows[-1])))
             logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
             for n in sizes:
                 self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
             # A batch without top-p-only rows skips the chain: the row program's other variant.
-            n = sizes[0]
-            self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
-            draws += len(sizes) + 1
+            for n in dict.fromkeys((sizes[0], sizes[-1])):
+                self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
+                draws += 1
+            draws += len(sizes)
         return draws
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, 
                                                    _row_count_select, _row_key, _row_params, _scan, _tile_select,
                                                    _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
-from services.worker.kernels.sampling_collect import (_COLLECT, _DONE, _ROUTED, _SERIAL, COLLECT_SPLITS,  # noqa: F401
+from services.worker.kernels.sampling_collect import (_COLLECT, _DONE, _SERIAL, COLLECT_SPLITS,  # noqa: F401
                                                       _collect_end_kernel, _collect_kernel)
 from services.worker.kernels.sampling_collect import collect_splits as _collect_splits
 # Pass 1's grid of the lanes' largest values, and the bounds the row program takes from it.
@@ -273,13 +273,12 @@ def _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr
     return m, z, lo_k, lo_p, hi_p
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE + ["arrived_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr",
-                                                 "large_to_rows"])
+@triton.jit(do_not_specialize=_NO_SPECIALIZE + ["arrived_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr"])
 def _bounds_kernel(
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr,
     part_u_ptr, part_grid_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab,
-    num_splits, n_u, large_to_rows, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr,
-    BAND: tl.constexpr, COUNT_READS: tl.constexpr,
+    num_splits, n_u, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr,
+    COUNT_READS: tl.constexpr,
 ):
     """One program per row, after pass 1, before the chunked second read (sampling_collect.py): rows
     without filters take pass 1's draw; filtered rows get m, Z and C's bounds, and wait for that read
@@ -307,10 +306,7 @@ def _bounds_kernel(
         tl.store(hi_ptr + row, hi)
         tl.store(lo_p_ptr + row, lo_p)
         tl.store(tail_ptr + row, tail)
-        # A top-p set pass 1 finds larger than the band (hi < inf) goes to the row program when
-        # large_to_rows (_routes_large_sets); every other filtered row to the chunked read.
-        routed = (large_to_rows != 0) & use_p & (use_k == 0) & (hi < float("inf"))
-        tl.store(cand_ptr + row, tl.where(routed, _ROUTED, _COLLECT))
+        tl.store(cand_ptr + row, _COLLECT)
     tl.store(arrived_ptr + row, 0)  # the chain's rounds count their chunks' arrivals here
     tl.store(arrived_ptr + n_rows + row, 0)  # and the second read its chunks' here
 
@@ -331,8 +327,7 @@ def _sample_kernel(
         t0 = globaltimer()
     run = True
     if GATE:  # after the chunked second read, only the rows it left for serial work (sampling_collect.py)
-        state = tl.load(cand_ptr + row)
-        run = (state == _SERIAL) | (state == _ROUTED)
+        run = tl.load(cand_ptr + row) == _SERIAL
     if run:
         greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
             temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
@@ -354,7 +349,7 @@ def _sample_kernel(
                 top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
                 BLOCK_V, SMALL, SCAN_ONLY, DEFER)
             if GATE:  # the chunked read before (_collect_kernel) found this row needs serial work
-                reads += (state == _SERIAL).to(tl.int32)
+                reads += 1
             if DEFER:
                 tl.store(m_ptr + row, m)
                 tl.store(z_ptr + row, z)
@@ -428,22 +423,26 @@ def max_splits(vocab: int, block_v: int | None = None) -> int:
 
 def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: int | None = None) -> list[int]:
     """Batch sizes, up to max_rows, whose draws compile every kernel variant any batch size launches
-    (one per class of pass 1's lane groups), so that none compiles while serving."""
+    (one per class of pass 1's lane groups, and per way of the second read: _collects), so that none
+    compiles while serving. The first and the last take the two ways of the second read."""
     split_block = launch_constants(vocab, _block_v(vocab, block_v))[0]
-    rows: dict[int, int] = {}
+    rows: dict[tuple[int, bool], int] = {}
     for n in range(1, max_rows + 1):
         chunks = _chunking(vocab, _num_splits(vocab, n, split_block, device), split_block)[1]
-        rows.setdefault(_lane_groups(chunks, split_block), n)
+        rows.setdefault((_lane_groups(chunks, split_block), _collects(n, device)), n)
     return sorted(rows.values())
 
 
-def _routes_large_sets(n_rows: int, device: torch.device) -> bool:
-    """Whether rows whose top-p set pass 1 finds larger than its band (thousands of tokens) take the
-    row program's serial read rather than the chunked one: where the row programs fill the GPU, they
-    read such rows faster than the chunks, whose regions those sets overflow (H200, B = 256, top-p
-    sets of 4,000-11,000 tokens: 312 against 380 µs); below, the chunks win for every row (B = 64:
-    176 against 232 µs; B = 1: 72 against 164)."""
-    return n_rows > _num_sms(device)
+def _collects(n_rows: int, device: torch.device) -> bool:
+    """Whether the second read of a batch of n_rows is split over chunks of each row (sampling_collect.py)
+    rather than one program's per row. The split wins where the row programs leave SMs idle: on an
+    H100, bf16 logits, B = 1: 41 against 98 µs (top-k 50 and top-p 0.9), 75 against 167 (top-p sets
+    of thousands); B = 64: 67 against 110, 182 against 233. Once the row programs fill the GPU, top-p
+    sets of thousands overflow the chunks' regions: at B = 256 on an H200 the split read faster in
+    five modes of six (mixed 175 against 258 µs) but took 380 against 312 µs for those sets; routing
+    just those rows to the row program was slower still on an H100 (its launch then follows the
+    chunks' instead of running beside them; bench/collect_ab.sh, 2026-11-27)."""
+    return n_rows <= _num_sms(device)
 
 
 def _block_v(vocab: int, block_v: int | None) -> int:
@@ -533,7 +532,9 @@ def sample(
     row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
                 out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
                 row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
-    if collect_splits == 0:  # the second read by the row program alone (A/B runs)
+    if collect_splits is None:
+        collect_splits = None if _collects(n_rows, device) else 0
+    if collect_splits == 0:  # the second read by the row program alone
         _sample_kernel[(n_rows,)](*row_args, GATE=False, **row_program)
         if defer:
             _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
@@ -544,8 +545,7 @@ def sample(
     _bounds_kernel[(n_rows,)](
         temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u, part_grid, cand, cand[1],
         row_m, row_z, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab, num_splits, num_splits * n_groups,
-        int(_routes_large_sets(n_rows, device)), BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s,
-        BAND=block_v * 5 // 8, COUNT_READS=reads is not None,
+        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8, COUNT_READS=reads is not None,
         num_warps=4)
     part_f = torch.empty((n_rows, c_splits * 3), **f32)
     part_i = torch.empty((n_rows, c_splits * 3), **i32)

@@ -8,8 +8,9 @@ region of the row's buffer (_chunk_scan); a per-row launch after (_collect_end_k
 regions and ends the row as the row program would after its scan: the exact draw from the buffer,
 or top-p's chain left to the rounds (a candidate, or a sure bound to read above), or top-k's to
 the chain's serial finish. What needs a serial read of its own (t_k over the row, the sure bound's
-read without rounds) is left to the row program, which then runs for that row alone (_SERIAL);
-so are top-p sets of thousands of tokens in full batches (_ROUTED: sampling._routes_large_sets).
+read without rounds) is left to the row program, which then runs for that row alone (_SERIAL).
+The split serves batches up to the SM count (sampling._collects); larger ones are read by the row
+program alone.
 
 A chunk's loop takes no block-wide step per tile while each lane holds at most two tokens of C
 (registers, moved to the region once at the end): the row program's per-tile count and rank, each
@@ -32,7 +33,6 @@ _DONE = tl.constexpr(-1)
 _BOUND = tl.constexpr(-2)  # the rounds read above a sure bound first (sampling_chain.py)
 _SERIAL = tl.constexpr(-3)  # the row program reads it serially (sampling.py's _sample_kernel with GATE)
 _COLLECT = tl.constexpr(-4)  # the chunked second read takes it
-_ROUTED = tl.constexpr(-5)  # the row program reads it instead (top-p sets of thousands, full batches)
 
 COLLECT_SPLITS = 8  # chunks a row's second read is split into, at most
 _MIN_REGION = 256  # a chunk's part of the buffer, at least: top-p's band is ~1,300 tokens a row
