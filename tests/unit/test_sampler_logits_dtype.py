@@ -29,15 +29,17 @@ class _Recording(TorchOps):
 
 
 def test_warm_up_draws_each_logits_dtype():
-    """bf16 at every batch-size class; fp32 (widened by penalties) draws in one launch shape, so
-    one size compiles it."""
+    """bf16 at every batch-size class; fp32 (widened by penalties) draws in one launch shape, so only
+    the two ways of the second read (the first and last sizes: chunked and per row) compile it; each
+    dtype's chain-free batch at both too."""
     ops = _Recording()
     sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
-    assert sampler.warm_up(8) == 5  # (two sizes + the chain-free batch) for bf16, (one + it) for fp32
+    assert sampler.warm_up(8) == 8  # (two sizes + the chain-free batch at both) per dtype
     assert [(x.dtype, x.shape[0]) for x in ops.seen] == [
-        (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 1)]
-    assert ops.one_shape == [False, False, False, True, True]
-    assert Sampler(_Recording(), VOCAB, torch.device("cpu")).warm_up(8) == 3  # fp32 model: one dtype
+        (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 1), (torch.bfloat16, 3),
+        (torch.float32, 1), (torch.float32, 3), (torch.float32, 1), (torch.float32, 3)]
+    assert ops.one_shape == [False] * 4 + [True] * 4
+    assert Sampler(_Recording(), VOCAB, torch.device("cpu")).warm_up(8) == 4  # fp32 model: one dtype
 
 
 def _request(rid: str, params: SamplingParams) -> Request:
