@@ -36,12 +36,12 @@ from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, 
                                                    _row_count_select, _row_key, _row_params, _scan, _tile_select,
                                                    _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
-from services.worker.kernels.sampling_collect import (_COLLECT, _DONE, _SERIAL, COLLECT_SPLITS,  # noqa: F401
+from services.worker.kernels.sampling_collect import (_SERIAL, COLLECT_SPLITS, _bounds_kernel,  # noqa: F401
                                                       _collect_end_kernel, _collect_kernel)
 from services.worker.kernels.sampling_collect import collect_splits as _collect_splits
-# Pass 1's grid of the lanes' largest values, and the bounds the row program takes from it.
-from services.worker.kernels.sampling_grid import (_GRID_BINS, _chunk_grid, _grid_bounds, _lane_stats, _needs_grid,
-                                                   _row_grid)
+# Pass 1's grid of the lanes' largest values, and a row's pass-1 results reduced to its bounds.
+from services.worker.kernels.sampling_grid import (_GRID_BINS, _c_bound, _chunk_grid, _lane_stats, _needs_grid,
+                                                   _plain_token, _row_start)
 
 # --- the kernel ----------------------------------------------------------------------------
 #
@@ -145,37 +145,6 @@ def _stats_kernel(
 
 
 @triton.jit
-def _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, u_ptr, n_u, lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr):
-    """The bound beta of C = {l >= beta} (strict where beta is -inf: tokens at -inf are never drawn),
-    the level hi above which C's tokens are drawn rather than kept once C outgrows its buffer, and
-    top-p's tail bound. The grid's bounds when it has them (lo_k is a bound, lo_p an estimate checked
-    after the scan), else a select over u (which holds values of the row, so at least k tokens, or p
-    of the mass, lie at or above it)."""
-    m_key = _float_key(m).to(tl.int64)
-    no_key = tl.full([], _NEG_INF_KEY, tl.int64)
-    beta = tl.full([], float("-inf"), tl.float32)
-    hi = tl.full([], float("inf"), tl.float32)
-    tail = beta
-    if use_k:
-        beta = lo_k
-        if beta == float("-inf"):
-            u = _load_u(u_ptr, n_u, BLOCK_U)
-            beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key,
-                                           m_key))
-    elif use_p:
-        # Below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
-        tail = m + tl.log((1.0 - top_p) * z / vocab)
-        beta = tl.maximum(lo_p, tail)
-        hi = hi_p
-        if lo_p == float("-inf"):
-            u = _load_u(u_ptr, n_u, BLOCK_U)
-            beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
-    else:
-        hi = float("-inf")  # min-p alone: C is the kept set, and only needs drawing
-    return beta, hi, tail
-
-
-@triton.jit
 def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k, use_p, key, m, z, u_ptr, n_u,
                    lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr, BLOCK_V: tl.constexpr, SMALL: tl.constexpr,
                    SCAN_ONLY: tl.constexpr, DEFER: tl.constexpr):
@@ -252,65 +221,6 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
     return token, reads, pending, bound
 
 
-@triton.jit
-def _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row, num_splits, n_u, top_k, top_p,
-               use_k, use_p, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr):
-    """A filtered row's pass-1 results reduced (part_score: its chunks' maxima, loaded): m, Z, and the
-    grid's bounds lo_k, lo_p and hi (-inf / -inf / +inf where it has none; see _grid_bounds)."""
-    s = tl.arange(0, BLOCK_S)
-    m = tl.max(part_score, axis=0)
-    part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
-    z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
-    lo_k = tl.full([], float("-inf"), tl.float32)
-    lo_p = tl.full([], float("-inf"), tl.float32)
-    hi_p = tl.full([], float("inf"), tl.float32)
-    # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32.
-    if _needs_grid(top_k, use_k, use_p, n_u) & (tl.abs(m) < 1048576.0):
-        top, others, of_u = _row_grid(part_grid_ptr + row * num_splits * _GRID_BINS,
-                                      part_score_ptr + row * num_splits, num_splits, m, GRID_S)
-        u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
-        lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z, BAND)
-    return m, z, lo_k, lo_p, hi_p
-
-
-@triton.jit(do_not_specialize=_NO_SPECIALIZE + ["arrived_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr"])
-def _bounds_kernel(
-    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr,
-    part_u_ptr, part_grid_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab,
-    num_splits, n_u, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr,
-    COUNT_READS: tl.constexpr,
-):
-    """One program per row, after pass 1, before the chunked second read (sampling_collect.py): rows
-    without filters take pass 1's draw; filtered rows get m, Z and C's bounds, and wait for that read
-    (or the row program's)."""
-    row = tl.program_id(0).to(tl.int64)
-    n_rows = tl.num_programs(0)
-    _, simple, _, top_k, top_p, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
-    s = tl.arange(0, BLOCK_S)
-    part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-    if simple:
-        part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
-        s_max = tl.max(part_score, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0).to(tl.int64))
-        tl.store(cand_ptr + row, _DONE)
-        if COUNT_READS:
-            tl.store(reads_ptr + row, 1)
-    else:
-        m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
-                                            num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S, BAND)
-        beta, hi, tail = _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p,
-                                  hi_p, BLOCK_U)
-        tl.store(m_ptr + row, m)
-        tl.store(z_ptr + row, z)
-        tl.store(beta_ptr + row, beta)
-        tl.store(hi_ptr + row, hi)
-        tl.store(lo_p_ptr + row, lo_p)
-        tl.store(tail_ptr + row, tail)
-        tl.store(cand_ptr + row, _COLLECT)
-    tl.store(arrived_ptr + row, 0)  # the chain's rounds count their chunks' arrivals here
-    tl.store(arrived_ptr + n_rows + row, 0)  # and the second read its chunks' here
-
-
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _sample_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr, out_ptr,
@@ -336,9 +246,7 @@ def _sample_kernel(
         reads = tl.full([], 1, tl.int32)
         pending = tl.full([], -1, tl.int32)
         if simple:
-            part_idx = tl.load(part_idx_ptr + row * num_splits + s, mask=s < num_splits, other=vocab)
-            s_max = tl.max(part_score, axis=0)
-            token = tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0)
+            token = _plain_token(part_score, part_idx_ptr + row * num_splits, num_splits, vocab, BLOCK_S)
         else:
             m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
                                                 num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S,
@@ -513,10 +421,16 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
+    if collect_splits is None:
+        collect_splits = None if _collects(n_rows, device) else 0
     # cand: per row its state (_DONE, _COLLECT, ...; a candidate of top-p's chain), then the rounds'
     # and the second read's arrival counts; m, Z and the sure bound per row (the rounds read them).
-    cand = torch.empty((3, n_rows), **i32)
-    row_m, row_z, row_b = (torch.empty((n_rows,), **f32) for _ in range(3))
+    # The row program alone without rounds needs none of them (placeholders: no allocations a step).
+    if defer or collect_splits != 0:
+        cand = torch.empty((3, n_rows), **i32)
+        row_m, row_z, row_b = (torch.empty((n_rows,), **f32) for _ in range(3))
+    else:
+        cand, row_m, row_z, row_b = (out,) * 4
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
         part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
@@ -532,8 +446,6 @@ def sample(
     row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
                 out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
                 row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
-    if collect_splits is None:
-        collect_splits = None if _collects(n_rows, device) else 0
     if collect_splits == 0:  # the second read by the row program alone
         _sample_kernel[(n_rows,)](*row_args, GATE=False, **row_program)
         if defer:

@@ -2,9 +2,9 @@
 
 The row program reads a row serially, one program per row: its read loop alone took ~75 µs at
 B = 256 (H100, bf16 logits), and a batch of one row leaves all but one SM idle. Here the read is
-split over up to COLLECT_SPLITS programs a row. A per-row launch before (_bounds_kernel, in
-sampling.py) reduces pass 1 and fixes C's bound; each chunk gathers its part of C into its own
-region of the row's buffer (_chunk_scan); a per-row launch after (_collect_end_kernel) merges the
+split over up to COLLECT_SPLITS programs a row. A per-row launch before (_bounds_kernel) reduces
+pass 1 and fixes C's bound; each chunk gathers its part of C into its own region of the row's
+buffer (_chunk_scan); a per-row launch after (_collect_end_kernel) merges the
 regions and ends the row as the row program would after its scan: the exact draw from the buffer,
 or top-p's chain left to the rounds (a candidate, or a sure bound to read above), or top-k's to
 the chain's serial finish. What needs a serial read of its own (t_k over the row, the sure bound's
@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.sampling_grid import _c_bound, _plain_token, _row_start
 from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _append, _better, _compact, _drain, _finish,
                                                    _float_key, _key_float, _load_u, _row_key, _row_params,
                                                    _tile_select)
@@ -52,12 +53,58 @@ def collect_splits(vocab: int, block_v: int, want: int | None = None) -> tuple[i
     return per * block_v, triton.cdiv(tiles, per), block_v // want
 
 
+@triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "num_splits", "n_u", "arrived_ptr",
+                               "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr"])
+def _bounds_kernel(
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr,
+    part_u_ptr, part_grid_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab,
+    num_splits, n_u, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr,
+    COUNT_READS: tl.constexpr,
+):
+    """One program per row, after pass 1, before the chunked second read (below): rows
+    without filters take pass 1's draw; filtered rows get m, Z and C's bounds, and wait for that read
+    (or the row program's)."""
+    row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0)
+    _, simple, _, top_k, top_p, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    s = tl.arange(0, BLOCK_S)
+    part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+    if simple:
+        token = _plain_token(part_score, part_idx_ptr + row * num_splits, num_splits, vocab, BLOCK_S)
+        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(cand_ptr + row, _DONE)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, 1)
+    else:
+        m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
+                                            num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S, BAND)
+        beta, hi, tail = _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p,
+                                  hi_p, BLOCK_U)
+        tl.store(m_ptr + row, m)
+        tl.store(z_ptr + row, z)
+        tl.store(beta_ptr + row, beta)
+        tl.store(hi_ptr + row, hi)
+        tl.store(lo_p_ptr + row, lo_p)
+        tl.store(tail_ptr + row, tail)
+        tl.store(cand_ptr + row, _COLLECT)
+    tl.store(arrived_ptr + row, 0)  # the chain's rounds count their chunks' arrivals here
+    tl.store(arrived_ptr + n_rows + row, 0)  # and the second read its chunks' here
+
+
+@triton.jit
+def _in_c(l, idx, end, m, beta, strict, set_min_p):
+    """A tile's tokens in C: above beta (at or above unless strict), before end, and at or above
+    set_min_p where min-p thins C (exp only then)."""
+    in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
+    if set_min_p > 0.0:
+        in_c = in_c & (tl.exp(l - m) >= set_min_p)
+    return in_c
+
+
 @triton.jit
 def _lane_take(l, idx, end, m, beta, strict, set_min_p, cnt, l_1, i_1, l_2, i_2):
     """One tile into the lanes' first two tokens of C, and their counts."""
-    in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
-    if set_min_p > 0.0:  # exp only where min-p thins C
-        in_c = in_c & (tl.exp(l - m) >= set_min_p)
+    in_c = _in_c(l, idx, end, m, beta, strict, set_min_p)
     second = in_c & (cnt == 1)
     first = in_c & (cnt == 0)
     return (cnt + in_c.to(tl.int32), tl.where(first, l, l_1), tl.where(first, idx, i_1), tl.where(second, l, l_2),
@@ -115,9 +162,7 @@ def _chunk_scan(base, buf_l, buf_i, start, end, inv_t, m, key, beta, strict, hi,
         # The next tile's read is issued before this tile's work, so two are in flight.
         x_next = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
         l = x.to(tl.float32) * inv_t
-        in_c = (idx < end) & tl.where(strict != 0, l > beta, l >= beta)
-        if set_min_p > 0.0:  # exp only where min-p thins C
-            in_c = in_c & (tl.exp(l - m) >= set_min_p)
+        in_c = _in_c(l, idx, end, m, beta, strict, set_min_p)
         keep = in_c & (l < cut)
         # Kept and drawn tokens counted (and below, ranked) in one step: 16 bits each.
         draw = in_c & (l >= cut) & (skip_d == 0)

@@ -1,12 +1,16 @@
 """Pass 1's sample of a row's top, and what the row program reads from it (see sampling.py's kernel
 section): each lane of a chunk keeps its four largest values, which are counted on a fixed grid of l
 per chunk; the row program merges the chunks' grids and takes from them a lower bound of top-k's
-threshold and a band around top-p's."""
+threshold and a band around top-p's. Also a row's pass-1 results reduced: its plain draw, or its m,
+Z and the bounds of its candidate set C (_row_start, _c_bound), for the row program and for the
+bounds launch before the chunked second read."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from services.worker.kernels.sampling_scan import _NEG_INF_KEY, _float_key, _key_float, _load_u, _tile_select
 
 # Pass 1's grid: bins per unit of l, a power of two so that bin edges are exact; and how many bins
 # below a chunk's max it counts: top-p's T lies within log(V / (1 - p)) of m (14.1 at V = 128k and
@@ -150,3 +154,64 @@ def _grid_bounds(others, of_u, top, m, u, e_u, top_k, top_p, z, band):
     lo_p = tl.where(j_lo < _GRID_BINS, (top - j_p) / _GRID, float("-inf"))
     hi = tl.where((j_lo < _GRID_BINS) & (c_p > band), (top - j_band) / _GRID, float("inf"))
     return lo_k, lo_p, hi
+
+
+@triton.jit
+def _plain_token(part_score, part_idx_ptr, num_splits, vocab, BLOCK_S: tl.constexpr):
+    """A row without filters: the best of its chunks' draws (part_score, loaded), ties to the lowest index."""
+    s = tl.arange(0, BLOCK_S)
+    part_idx = tl.load(part_idx_ptr + s, mask=s < num_splits, other=vocab)
+    s_max = tl.max(part_score, axis=0)
+    return tl.min(tl.where(part_score == s_max, part_idx, vocab), axis=0)
+
+
+@triton.jit
+def _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row, num_splits, n_u, top_k, top_p,
+               use_k, use_p, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr):
+    """A filtered row's pass-1 results reduced (part_score: its chunks' maxima, loaded): m, Z, and the
+    grid's bounds lo_k, lo_p and hi (-inf / -inf / +inf where it has none; see _grid_bounds)."""
+    s = tl.arange(0, BLOCK_S)
+    m = tl.max(part_score, axis=0)
+    part_z = tl.load(part_z_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
+    z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
+    lo_k = tl.full([], float("-inf"), tl.float32)
+    lo_p = tl.full([], float("-inf"), tl.float32)
+    hi_p = tl.full([], float("inf"), tl.float32)
+    # |m * _GRID| < 2^23: the grid's bin numbers are exact in fp32.
+    if _needs_grid(top_k, use_k, use_p, n_u) & (tl.abs(m) < 1048576.0):
+        top, others, of_u = _row_grid(part_grid_ptr + row * num_splits * _GRID_BINS,
+                                      part_score_ptr + row * num_splits, num_splits, m, GRID_S)
+        u = _load_u(part_u_ptr + row * n_u, n_u, BLOCK_U)
+        lo_k, lo_p, hi_p = _grid_bounds(others, of_u, top, m, u, tl.exp(u - m), top_k, top_p, z, BAND)
+    return m, z, lo_k, lo_p, hi_p
+
+
+@triton.jit
+def _c_bound(vocab, top_k, top_p, use_k, use_p, m, z, u_ptr, n_u, lo_k, lo_p, hi_p, BLOCK_U: tl.constexpr):
+    """The bound beta of C = {l >= beta} (strict where beta is -inf: tokens at -inf are never drawn),
+    the level hi above which C's tokens are drawn rather than kept once C outgrows its buffer, and
+    top-p's tail bound. The grid's bounds when it has them (lo_k is a bound, lo_p an estimate checked
+    after the scan), else a select over u (which holds values of the row, so at least k tokens, or p
+    of the mass, lie at or above it)."""
+    m_key = _float_key(m).to(tl.int64)
+    no_key = tl.full([], _NEG_INF_KEY, tl.int64)
+    beta = tl.full([], float("-inf"), tl.float32)
+    hi = tl.full([], float("inf"), tl.float32)
+    tail = beta
+    if use_k:
+        beta = lo_k
+        if beta == float("-inf"):
+            u = _load_u(u_ptr, n_u, BLOCK_U)
+            beta = _key_float(_tile_select(u, (u > float("-inf")).to(tl.float32), top_k.to(tl.float32), no_key,
+                                           m_key))
+    elif use_p:
+        # Below m + log((1 - p) * Z / V) lie at most V tokens, each of e < (1 - p) * Z / V.
+        tail = m + tl.log((1.0 - top_p) * z / vocab)
+        beta = tl.maximum(lo_p, tail)
+        hi = hi_p
+        if lo_p == float("-inf"):
+            u = _load_u(u_ptr, n_u, BLOCK_U)
+            beta = tl.maximum(_key_float(_tile_select(u, tl.exp(u - m), top_p * z, no_key, m_key)), tail)
+    else:
+        hi = float("-inf")  # min-p alone: C is the kept set, and only needs drawing
+    return beta, hi, tail
