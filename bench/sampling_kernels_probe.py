@@ -1,6 +1,8 @@
 """Per-kernel GPU time of one sampler call at B rows, per mode (torch.profiler; H100 probe).
 
-    python3 bench/sampling_kernels_probe.py [B] [LABEL] [bf16]
+    python3 bench/sampling_kernels_probe.py [B] [LABEL] [bf16] [rows|chunks]
+
+rows / chunks: force the second read's way (sampling._collects) whatever B; unset, B picks it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     label = sys.argv[2] if len(sys.argv) > 2 else "?"
     dtype = torch.bfloat16 if sys.argv[3:4] == ["bf16"] else torch.float32
+    if sys.argv[4:5] in (["rows"], ["chunks"]):
+        chunks = sys.argv[4] == "chunks"
+        K._collects = lambda n_rows, device: chunks
     dev = torch.device("cuda")
     torch.manual_seed(0)
     for mode in MODES:

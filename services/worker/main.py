@@ -99,17 +99,17 @@ def parse_args(argv):
 
 
 async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool, overlap: bool = False,
-                started: float | None = None, prefetch=None) -> int:
+                started: float | None = None, prefetch=None, early=None) -> int:
     """Connect, answer heartbeats and the admin subjects, load --model-dir if given, serve until
     SIGTERM, drain. `started`: the process's start (wall clock), where a start-up load's breakdown
-    counts from."""
+    counts from. `early`: the device context and staging made while torch imported (cuda_early.py)."""
     from services.worker.model_build import ModelSpec, warm_device
     from services.worker.model_manager import ModelManager
     from services.worker.service import WorkerService
 
     log = structlog.get_logger("worker")
     # torch, the device and the kernels warm up in a thread while NATS connects.
-    warm = asyncio.ensure_future(asyncio.to_thread(warm_device, cfg))
+    warm = asyncio.ensure_future(asyncio.to_thread(warm_device, cfg, early))
     conn = await connect_nats(nats_cfg, name=cfg.worker_id)
     service = WorkerService(cfg, conn, nats_cfg.subject_prefix)
     manager = ModelManager(service, cfg, cuda_graphs, overlap, warm)
@@ -142,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir and args.load_format == "auto" and not args.emit_only:
         from services.worker.prefetch import start_prefetch
         prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
+    early = None
+    if args.tensor_parallel_size * args.pipeline_parallel_size == 1 and not args.emit_only:
+        from services.worker.cuda_early import STAGING_BYTES, start_early_device
+        from services.worker.model_build import staging_count
+        # The driver makes the context and the loader's pinned buffers while torch is imported.
+        early = start_early_device(args.device, staging_count(), STAGING_BYTES)
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
     if args.gil_switch_interval_ms is not None:
         if not args.gil_switch_interval_ms > 0:
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     code = asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
                              overlap=overlap_default(args.overlap, cfg.device), started=process_started_at(),
-                             prefetch=prefetch))
+                             prefetch=prefetch, early=early))
     if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1 and cfg.device.startswith("cuda"):
         # The group has stopped; NCCL communicators that graphs captured can hang the interpreter's
         # teardown, so the process ends here, as its other ranks do.

@@ -121,32 +121,41 @@ class BuiltModel:
     timings: dict = field(default_factory=dict)
 
 
-def warm_device(cfg: WorkerServiceConfig) -> dict:
+def warm_device(cfg: WorkerServiceConfig, early=None) -> dict:
     """Before any model: import torch and the engine (its kernels), create the CUDA context and a
-    cuBLAS handle, and leave the loader's pinned staging buffers in torch's pinned-memory cache, so
-    a load pays none of it. Returns wall-clock times (time.time()) of when imports and the device
-    were done."""
+    cuBLAS handle, and fill the loader's pool of pinned staging buffers, so a load pays none of it.
+    `early` (cuda_early.EarlyDevice): the context and buffers the driver made while torch imported.
+    Returns wall-clock times (time.time()) of when imports and the device were done, and early's
+    report."""
     import torch
 
     from services.worker.engine import engine  # noqa: F401  (the model, kernels and Triton with it)
-    from services.worker.engine.engine_config import EngineConfig
-    from services.worker.engine.loader import STAGING_BYTES
+    from services.worker.engine.loader import STAGING
 
     marks = {"imported_at": time.time()}
     if cfg.device.startswith("cuda") and not cfg.emit_only:
         device = torch.device(cfg.device)
+        if early is not None:
+            STAGING.adopt(early.buffers())
+            marks.update(early.report())
         bind_thread(device)
         torch.empty(1, device=device)
         marks["context_at"] = time.time()
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         (a @ a).sum().item()
         marks["cublas_at"] = time.time()
-        copiers = EngineConfig(model_dir="").load_threads  # each reads through two buffers
-        staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2 * copiers)]
-        del staging  # freed into the cache the loader's copiers allocate from
+        STAGING.fill(staging_count())
         torch.cuda.synchronize(device)
     marks["device_at"] = time.time()
     return marks
+
+
+def staging_count() -> int:
+    """The loader's pinned staging buffers: two per loading thread (a disk read into one overlaps
+    the DMA out of the other)."""
+    from services.worker.engine.engine_config import EngineConfig
+
+    return 2 * EngineConfig(model_dir="").load_threads
 
 
 def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,

@@ -155,6 +155,7 @@ class ModelManager:
             fields.update(context_s=round(marks["context_at"] - marks["imported_at"], 3),
                           cublas_s=round(marks["cublas_at"] - marks["context_at"], 3),
                           staging_s=round(marks["device_at"] - marks["cublas_at"], 3))
+            fields.update({k: v for k, v in marks.items() if k.startswith("early_")})  # cuda_early.py's share
 
         def first_token() -> None:
             log.info("model load breakdown", model=spec.model_name, since="process start" if at_start

@@ -13,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.worker.cuda_early import STAGING_BYTES
 from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
 from shared.gguf_file import GGUFError, is_gguf, open_gguf
-
-STAGING_BYTES = 64 << 20
 
 
 class WeightLoadError(ValueError):
@@ -114,6 +113,45 @@ def plan_load(model_dir: Path, cfg: ModelConfig, shards: dict[str, ShardedTensor
     return plan
 
 
+class StagingPool:
+    """The GPU loads' pinned staging buffers, kept from one load to the next (a running worker loads
+    again on a model switch). Page-locking them is slow (~0.4 s for a worker's 16 at start), so the
+    worker makes them before any load: some through the driver while torch was still importing
+    (cuda_early.py), adopted here, the rest with torch."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def adopt(self, buffers) -> None:
+        """Writable pinned host buffers of STAGING_BYTES each (memoryviews or uint8 tensors)."""
+        tensors = [b if isinstance(b, torch.Tensor) else torch.frombuffer(b, dtype=torch.uint8) for b in buffers]
+        with self._lock:
+            self._free += tensors
+
+    def fill(self, count: int) -> None:
+        """Pinned buffers made with torch until the pool holds count."""
+        with self._lock:
+            missing = count - len(self._free)
+        self.adopt(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(missing))
+
+    def take(self, count: int) -> list[torch.Tensor]:
+        with self._lock:
+            taken, self._free = self._free[:count], self._free[count:]
+        return taken + [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(count - len(taken))]
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free += buffers
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
+STAGING = StagingPool()
+
+
 class _Copier:
     """One loading thread: reads byte ranges into its own staging buffer and copies them out."""
 
@@ -137,7 +175,8 @@ class _Copier:
                     raise WeightLoadError(f"{entry.path}: tensor {entry.name!r} is truncated")
             return
         if not self.buffers:
-            self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+            self.buffers = STAGING.take(2) if self.cuda else [torch.empty(STAGING_BYTES, dtype=torch.uint8)
+                                                               for _ in range(2)]
         elem = entry.dtype.itemsize
         step = (STAGING_BYTES // elem) * elem
         done = 0
@@ -173,8 +212,12 @@ class _Copier:
         del mapped
 
     def finish(self) -> None:
+        """Waits for the copies, and gives the pinned buffers back to the pool."""
         if self.stream is not None:
             self.stream.synchronize()
+        if self.cuda:
+            STAGING.give(self.buffers)
+        self.buffers = []
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -279,12 +322,14 @@ def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int)
 
     def run_lane(lane):
         local.copier = _Copier(device)
-        for entry, place, part in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
-            if part is None:
-                local.copier.copy(entry, flat_target(place))
-            else:
-                local.copier.copy_columns(entry, flat_target(place), part)
-        local.copier.finish()
+        try:
+            for entry, place, part in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
+                if part is None:
+                    local.copier.copy(entry, flat_target(place))
+                else:
+                    local.copier.copy_columns(entry, flat_target(place), part)
+        finally:
+            local.copier.finish()
 
     with ThreadPoolExecutor(len(lanes)) as pool:
         for future in [pool.submit(run_lane, lane) for lane in lanes if lane]:
