@@ -1,7 +1,8 @@
 # W5b A/B of several trees in one call: process start → first token, interleaved, after one first
 # start that fills the Triton cache; then (AFTER) gpu_bench.sh stages of this tree, e.g. "w1x w2".
 # Needs .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-#   TREES="base:<sha> early:." RUNS=3 AFTER="" bash bench/w5b_ab.sh
+#   TREES="base:<sha> early:. variant:.:edit.sh" RUNS=3 AFTER="" bash bench/w5b_ab.sh
+# (a tree is a commit, or "." this working tree; a script named after it edits a copy of it)
 set -u
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -20,10 +21,13 @@ print(r['tree'], round(r['start_to_first_token_s'], 2), *(f'{k} {b.get(k)}' for 
 }
 dirs=()
 for t in ${TREES:-"early:."}; do
-  label=${t%%:*}; sha=${t#*:}
-  if [ "$sha" = . ]; then dirs+=("$label:$PWD"); else
-    git worktree add -f "/tmp/tree-$label" "$sha" >/dev/null 2>&1 || { echo "no tree $sha"; exit 1; }
-    dirs+=("$label:/tmp/tree-$label"); fi
+  IFS=: read -r label sha patch <<< "$t"
+  rm -rf "/tmp/tree-$label"; git worktree prune
+  if [ "$sha" = . ] && [ -z "$patch" ]; then dirs+=("$label:$PWD"); continue; fi
+  if [ "$sha" = . ]; then cp -a "$PWD" "/tmp/tree-$label"; else
+    git worktree add -f "/tmp/tree-$label" "$sha" >/dev/null 2>&1 || { echo "no tree $sha"; exit 1; }; fi
+  [ -z "$patch" ] || (cd "/tmp/tree-$label" && bash "$OLDPWD/$patch") || { echo "edit $patch failed"; exit 1; }
+  dirs+=("$label:/tmp/tree-$label")
 done
 start "$PWD" first-start
 for i in $(seq 1 "${RUNS:-3}"); do for d in "${dirs[@]}"; do start "${d#*:}" "${d%%:*}"; done; done

@@ -1,13 +1,16 @@
 """The GPU's context and the loader's pinned staging, made through the CUDA driver on a thread that
 starts before torch is imported (W5b: process start to first token).
 
-At process start `import torch` takes 4-5.5 s on the H100 VM. After it the worker paid, in line,
-~0.34 s to create the CUDA context and ~0.38 s to page-lock the loader's staging buffers (H100,
-`bfb45c8`): driver work that needs no torch. Here a daemon thread does both through libcuda
-(ctypes calls drop the GIL) while the interpreter imports. torch's runtime later finds the device's
-primary context made (the driver keeps one per device, shared by the runtime and by this code), and
-the loader takes these buffers as its staging (they are page-locked for every context: portable).
-Standard library only; best effort: on any failure the worker does as before.
+At process start `import torch` takes 4-7 s on the H100 VM. After it the worker paid, in line,
+~0.37 s to create the CUDA context and ~0.5 s to page-lock the loader's staging buffers: driver
+work that needs no torch. Here a daemon thread does both through libcuda (ctypes calls drop the
+GIL) while the interpreter imports. torch's runtime later finds the device's primary context made
+(the driver keeps one per device, shared by the runtime and by this code), and the loader takes
+these buffers as its staging (page-locked for every context: portable). On an H100 (three starts
+each, bench/w5b_ab.sh, 2026-11-27) the worker's device part went from 1.02 to 0.16 s, and what
+follows the imports from 3.26 to 2.38 s; the imports themselves vary by a second from start to
+start, with or without this thread. Standard library only; best effort: on any failure the worker
+does as before.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import ctypes
 import threading
 import time
 
-STAGING_BYTES = 64 << 20  # one staging buffer of the loader (engine/loader.py), the bytes of one disk read
+STAGING_BYTES = 16 << 20  # one staging buffer of the loader (engine/loader.py): the bytes of one disk read and one copy
 _PORTABLE = 0x01  # CU_MEMHOSTALLOC_PORTABLE: pinned for every context, the runtime's included
 
 

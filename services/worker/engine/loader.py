@@ -115,7 +115,7 @@ def plan_load(model_dir: Path, cfg: ModelConfig, shards: dict[str, ShardedTensor
 
 class StagingPool:
     """The GPU loads' pinned staging buffers, kept from one load to the next (a running worker loads
-    again on a model switch). Page-locking them is slow (~0.4 s for a worker's 16 at start), so the
+    again on a model switch). Page-locking takes time (~0.5 s a GiB on the H100 VM), so the
     worker makes them before any load: some through the driver while torch was still importing
     (cuda_early.py), adopted here, the rest with torch."""
 
