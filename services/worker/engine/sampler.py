@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.request import Request
 
@@ -36,6 +38,9 @@ class PendingSample:
             return SampleResult(ids, None, None, None)
         chosen, top_ids, top_lp = self.logprobs
         return SampleResult(ids, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+
+
+_WARM_THREADS = 8  # warm-up draws compiling at once (a GPU host has 16 cores or more)
 
 
 class Sampler:
@@ -87,21 +92,34 @@ class Sampler:
         rows = self.ops.sample_warm_rows(self.vocab_size, max_rows, self.device)
         if not rows:
             return 0
-        draws = 0
+        jobs = []  # (logits, float rows, int rows) of each draw
         # The model's logits at each batch-size class; logits widened to fp32 (a batch with
         # penalties, rare) draw in one launch shape (_draw), so one size compiles theirs.
         # The first and last sizes read the row two ways (split over chunks or not: sampling._collects).
         for dtype in dict.fromkeys((self.logits_dtype, torch.float32)):
             sizes = rows if dtype == self.logits_dtype else list(dict.fromkeys((rows[0], rows[-1])))
             logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
-            for n in sizes:
-                self._draw(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n])
+            jobs += [(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n]) for n in sizes]
             # A batch without top-p-only rows skips the chain: the row program's other variant.
-            for n in dict.fromkeys((sizes[0], sizes[-1])):
-                self._draw(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
-                draws += 1
-            draws += len(sizes)
-        return draws
+            jobs += [(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
+                     for n in dict.fromkeys((sizes[0], sizes[-1]))]
+        self._warm_draws(jobs)
+        return len(jobs)
+
+    def _warm_draws(self, jobs: list) -> None:
+        """The warm-up's draws: on a GPU the first alone (it compiles the launches every size
+        shares), then the others on threads, so that their kernels compile side by side (Triton's
+        compiler and ptxas run outside the GIL for much of a compile); elsewhere in order."""
+        if not self._cuda or len(jobs) < 3:
+            for job in jobs:
+                self._draw(*job)
+            return
+        self._draw(*jobs[0])
+        with ThreadPoolExecutor(min(_WARM_THREADS, len(jobs) - 1), initializer=bind_thread,
+                                initargs=(self.device,)) as pool:
+            for future in [pool.submit(self._draw, *job) for job in jobs[1:]]:
+                future.result()
+        torch.cuda.synchronize(self.device)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
