@@ -243,6 +243,31 @@ def case_gemv_fp8(n: int, k: int, silu: bool, device) -> Result:
     return res
 
 
+def case_gemv_norm(n: int, k: int, device) -> Result:
+    """Batch 1: the residual add and RMS norm fused into the GEMV after them (add_rmsnorm_linear),
+    against the reference; extra: the unfused pair (norm kernel, then the GEMV) on the same shape."""
+    from services.worker.kernels import gemv as K
+    from services.worker.kernels.rmsnorm import fused_add_rmsnorm
+
+    res = Result("gemv_norm", f"M=1 N={n} K={k}", ok=False)
+    x, r = (torch.randn(1, k, device=device, dtype=DTYPE) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, device=device)).to(DTYPE)
+    w = torch.randn(n, k, device=device, dtype=DTYPE) * 0.02
+    with poisoned_empty():
+        out, new_r = K.add_rmsnorm_linear(x, r, nw, 1e-5, w)
+    ref, ref_r = K.add_rmsnorm_linear_ref(x, r, nw, 1e-5, w)
+    res.rel_err = max(rel_err(out, ref), rel_err(new_r, ref_r))
+    res = finish(res, lambda: K.add_rmsnorm_linear(x, r, nw, 1e-5, w), n * k * 2 + 6 * k,
+                 res.rel_err <= BF16_TOL and torch.equal(new_r, ref_r))
+
+    def unfused():
+        h, _ = fused_add_rmsnorm(x, r, nw, 1e-5)
+        return K.linear(h, w)
+    res.extra["unfused_us"] = graph_us(unfused)
+    res.note = f"norm + GEMV {res.extra['unfused_us']:.1f} us"
+    return res
+
+
 def case_rope(t: int, device) -> Result:
     from services.worker.kernels import rope as K
 
@@ -407,6 +432,8 @@ def all_cases(device):
     yield "gemv_fp8", lambda: case_gemv_fp8(2 * INTER, HIDDEN, False, device)
     yield "gemv_fp8", lambda: case_gemv_fp8(HIDDEN, INTER, True, device)
     yield "gemv_fp8", lambda: case_gemv_fp8(N_Q * HEAD_DIM + 2 * N_KV * HEAD_DIM, HIDDEN, False, device)
+    yield "gemv_norm", lambda: case_gemv_norm(N_Q * HEAD_DIM + 2 * N_KV * HEAD_DIM, HIDDEN, device)
+    yield "gemv_norm", lambda: case_gemv_norm(2 * INTER, HIDDEN, device)
     for b in (1, 64, 256):
         for mode in ("plain", "topk50-topp0.9", "topp0.95-minp0.05", "topp0.9", "topp0.9-wide", "topp0.9-broad",
                      "mixed"):

@@ -8,6 +8,7 @@ from kernel_checks import TOL, rel_err
 
 from services.worker.engine.ops import TorchOps, TritonOps
 from services.worker.kernels import gemv as K
+from services.worker.kernels.rmsnorm import rmsnorm_ref
 from services.worker.kernels.silu_mul import silu_mul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -142,3 +143,66 @@ def test_fp8_weights_with_per_row_scales(m, silu_mul, device):
     out = fn(x, wq, bias, scale=scale)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref(x, wq, bias, scale)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_add_rmsnorm_linear_matches_the_unfused_path(dtype, m, device):
+    """The residual add and RMS norm made inside the GEMV: the new residual is the norm kernel's
+    bit for bit; the product agrees with norm-then-GEMV to the dtype's tolerance (the normed input
+    is not rounded before the product there)."""
+    n, k = 37, 300  # a partial last program and a partial last K step
+    x = _nan_padded(m, k, dtype, device, scale=2.0)
+    residual = _nan_padded(m, k, dtype, device, scale=2.0)
+    norm_w = (1.0 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    w = _nan_padded(n, k, dtype, device, scale=0.05)
+    bias = torch.randn(n, device=device).to(dtype) if m == 2 else None
+    out, new_residual = K.add_rmsnorm_linear(x, residual, norm_w, 1e-5, w, bias)
+    want, want_residual = K.add_rmsnorm_linear_ref(x, residual, norm_w, 1e-5, w, bias)
+    assert out.shape == (m, n) and out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.equal(new_residual, want_residual)
+    assert rel_err(out, want) <= TOL[dtype]
+    normed = rmsnorm_ref(want_residual, norm_w, 1e-5)
+    assert rel_err(out, _exact(normed, w, bias)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [
+    K.GemvConfig(block_n=1, block_k=256, num_stages=1),
+    K.GemvConfig(block_n=8, block_k=512, num_stages=3),
+])
+def test_add_rmsnorm_linear_block_sizes(config, device):
+    """K a multiple of the step or not; every program but the first leaves the residual alone."""
+    for n, k in [(16, 1024), (19, 600)]:
+        x = _nan_padded(2, k, torch.bfloat16, device)
+        residual = _nan_padded(2, k, torch.bfloat16, device)
+        norm_w = torch.ones(k, device=device, dtype=torch.bfloat16)
+        w = _nan_padded(n, k, torch.bfloat16, device, scale=0.05)
+        out, new_residual = K.add_rmsnorm_linear(x, residual, norm_w, 1e-6, w, config=config)
+        want, want_residual = K.add_rmsnorm_linear_ref(x, residual, norm_w, 1e-6, w)
+        assert torch.equal(new_residual, want_residual)
+        assert rel_err(out, want) <= TOL[torch.bfloat16]
+
+
+def test_add_rmsnorm_linear_with_no_output_rows_still_adds(device):
+    x = torch.randn(1, 64, device=device)
+    residual = torch.randn(1, 64, device=device)
+    out, new_residual = K.add_rmsnorm_linear(x, residual, torch.ones(64, device=device), 1e-6,
+                                             torch.empty(0, 64, device=device))
+    assert out.shape == (1, 0) and torch.equal(new_residual, residual + x)
+
+
+def test_ops_fuse_the_norm_only_where_the_gemv_serves(device):
+    """TritonOps fuse a norm into the projection after it at decode sizes; larger batches, and
+    the reference ops, norm first. Both give the reference's residual."""
+    from services.worker.engine.model import Linear
+
+    torch.manual_seed(0)
+    proj = Linear(96, 40, TritonOps()).to(device)
+    proj.weight.data = torch.randn(40, 96, device=device) * 0.05
+    norm_w = torch.ones(96, device=device)
+    for m in (1, K.FUSED_NORM_MAX_ROWS + 1):
+        x, residual = torch.randn(m, 96, device=device), torch.randn(m, 96, device=device)
+        got, got_residual = TritonOps().add_rmsnorm_linear(x, residual, norm_w, 1e-6, proj)
+        want, want_residual = TorchOps().add_rmsnorm_linear(x, residual, norm_w, 1e-6, proj)
+        assert torch.equal(got_residual, want_residual)
+        assert rel_err(got, want) <= TOL[torch.float32]

@@ -42,8 +42,10 @@ def decode_kernels_with_pdl() -> None:
     ptxs = [
         _compile(gemv._gemv_kernel, {
             "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32", "w_stride": "i32", "out_stride": "i32"},
-            {"HAS_BIAS": False, "HAS_SCALE": False, "SILU_MUL": False, "EVEN_K": True, "BLOCK_M": 1,
+            "r_ptr": "*bf16", "nw_ptr": "*bf16", "r_out_ptr": "*bf16",
+            "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32", "w_stride": "i32", "out_stride": "i32",
+            "r_stride": "i32", "r_out_stride": "i32", "eps": "fp32"},
+            {"HAS_BIAS": False, "HAS_SCALE": False, "SILU_MUL": False, "NORM": True, "EVEN_K": True, "BLOCK_M": 1,
              "BLOCK_N": 4, "BLOCK_K": 512, "VEC": 8, "NUM_STAGES": 3, "PDL": True}),
         _compile(rmsnorm._rmsnorm_kernel, {
             **{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}, "n_rows": "i32",

@@ -74,9 +74,9 @@ class Attention(nn.Module):
         self.q_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
 
-    def forward(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata, ops: TorchOps):
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
+    def forward(self, qkv, positions, cos_sin, kv_cache, meta: AttentionMetadata, ops: TorchOps):
+        """qkv: qkv_proj of the layer's normed input (DecoderLayer makes it: the norm may be fused into it)."""
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)
@@ -91,14 +91,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_up_proj's [gate | up] of the normed input (DecoderLayer makes it), then down_proj."""
+
     def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
         # gate and up in one GEMM: rows [gate | up].
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, ops)
         self.down_proj = SiluMulLinear(cfg.intermediate_size, cfg.hidden_size, ops)
-
-    def forward(self, x):
-        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -111,14 +110,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta, ops: TorchOps):
+        # Each norm with the projection that reads it: one kernel where the ops fuse them (decode).
+        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         if residual is None:
             residual = x
-            h = ops.rmsnorm(x, self.input_layernorm, self.eps)
+            qkv = qkv_proj(ops.rmsnorm(x, self.input_layernorm, self.eps))
         else:
-            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, cos_sin, kv_cache, meta, ops)
-        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+            qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj)
+        h = self.self_attn(qkv, positions, cos_sin, kv_cache, meta, ops)
+        gate_up, residual = ops.add_rmsnorm_linear(h, residual, self.post_attention_layernorm, self.eps, gate_up_proj)
+        return self.mlp.down_proj(gate_up), residual
 
 
 class DecoderLM(nn.Module):

@@ -29,6 +29,12 @@ class TorchOps:
     def add_rmsnorm(self, x, residual, weight, eps):
         return rmsnorm.fused_add_rmsnorm_ref(x, residual, weight, eps)
 
+    def add_rmsnorm_linear(self, x, residual, weight, eps, proj):
+        """(proj(rmsnorm(x + residual)), x + residual): a decoder layer's norm and the projection
+        that reads it (`proj`, a model Linear), which the Triton ops fuse at decode sizes."""
+        h, residual = self.add_rmsnorm(x, residual, weight, eps)
+        return proj(h), residual
+
     def silu_mul(self, x):
         return silu_mul.silu_mul_ref(x)
 
@@ -78,6 +84,13 @@ class TritonOps(TorchOps):
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return rmsnorm.fused_add_rmsnorm(x, residual, weight, eps)
+
+    def add_rmsnorm_linear(self, x, residual, weight, eps, proj):
+        # One GEMV that norms its input on the way in, for the few rows of a decode step and 16-bit
+        # weights; else the norm kernel, then the projection.
+        if x.shape[0] <= gemv.FUSED_NORM_MAX_ROWS and proj.weight_scale is None:
+            return gemv.add_rmsnorm_linear(x, residual, weight, eps, proj.weight, proj.bias)
+        return super().add_rmsnorm_linear(x, residual, weight, eps, proj)
 
     def silu_mul(self, x):
         return silu_mul.silu_mul(x)

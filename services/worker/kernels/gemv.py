@@ -11,6 +11,7 @@ larger M (see `MAX_ROWS`); `bench/gemv_probe.py` times both and the block sizes 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from services.worker.kernels._common import (FLOAT_DTYPES, FP8_KV, cast_rtne, check, check_shape, check_tensor, pdl_args,
                                              pdl_enter)
+from services.worker.kernels.rmsnorm import fused_add_rmsnorm_ref
 from services.worker.kernels.silu_mul import silu_mul_ref
 
 # The most rows the kernel takes (an fp32 accumulator per row of x in every thread).
@@ -32,6 +34,9 @@ DISPATCH_MAX_ROWS = 4
 # Every program recomputes the activation of the columns it reads: at more rows of x that costs
 # more ALU time than the separate silu_mul launch it saves.
 FUSED_SILU_MAX_ROWS = 2
+# The same holds for the residual add and RMS norm made on the way in (add_rmsnorm_linear).
+# INFERNO_FUSED_NORM=0 keeps them apart (A/B runs).
+FUSED_NORM_MAX_ROWS = 2 if os.environ.get("INFERNO_FUSED_NORM", "1") != "0" else 0
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -121,11 +126,14 @@ def _fma_runs(acc, x, w, RUN: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, out_ptr,
+    r_ptr, nw_ptr, r_out_ptr,
     M, N, K,
     x_stride, w_stride, out_stride,
+    r_stride, r_out_stride, eps,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -147,6 +155,11 @@ def _gemv_kernel(
     w_ptrs = w_ptr + w_rows[None, :, None] * w_stride + cols[None, None, :]
     x_ptrs = x_ptr + x_rows[:, None, None] * x_stride + cols[None, None, :]
     act_ty = x_ptr.dtype.element_ty
+    if NORM:  # the residual, and where program 0 writes x + residual (its other rows: masked)
+        r_ptrs = r_ptr + x_rows[:, None, None] * r_stride + cols[None, None, :]
+        r_out_ptrs = r_out_ptr + x_rows[:, None, None] * r_out_stride + cols[None, None, :]
+        r_out_rows = (m < tl.where(pid == 0, M, 0))[:, None, None]
+        squares = tl.zeros([BLOCK_M, 1, BLOCK_K // VEC], dtype=tl.float32)
 
     # A thread's products of each VEC-column vector are chained into one accumulator: with the
     # step one vector a thread (BLOCK_K = 32 * VEC * warps), BLOCK_M * BLOCK_N registers.
@@ -166,9 +179,23 @@ def _gemv_kernel(
             gate = xk.to(tl.float32)
             act = cast_rtne(gate / (1.0 + tl.exp(-gate)), act_ty).to(tl.float32)
             xk = cast_rtne(act * up.to(tl.float32), act_ty)
+        if NORM:
+            # x + residual, rounded as rmsnorm.py rounds it, is this row's new residual; its
+            # squares are summed on the way (every program streams all of K), and its RMS scale
+            # is applied to the sum after the loop: rmsnorm(x + r) · W = rstd · ((x + r) ⊙ nw) · W.
+            res = tl.load(r_ptrs + k, mask=in_k, other=zero)
+            h = cast_rtne(xk.to(tl.float32) + res.to(tl.float32), act_ty)
+            tl.store(r_out_ptrs + k, h, mask=r_out_rows if EVEN_K else r_out_rows & in_k)
+            hf = h.to(tl.float32)
+            squares = _fma_runs(squares, hf, hf, VEC)
+            nw = tl.load(nw_ptr + k + cols[None, None, :], mask=in_k, other=zero)
+            xk = hf * nw.to(tl.float32)
         acc = _fma_runs(acc, xk.to(tl.float32), w.to(tl.float32), VEC)
 
     y = tl.sum(acc, axis=2)
+    if NORM:
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(squares, axis=2) / K + eps))  # [BLOCK_M, 1]
+        y *= rstd
     if HAS_SCALE:  # fp8 weights: each row's scale, once, after its sum
         y *= tl.load(s_ptr + w_rows)[None, :]
     if HAS_BIAS:
@@ -178,7 +205,8 @@ def _gemv_kernel(
 
 
 def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
+            scale: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+    """norm: (residual, norm weight, eps, new residual [M, K] to fill): x is normed on the way in."""
     check_tensor(weight, "weight", ndim=2, dtypes=(x.dtype,) if scale is None else (FP8_KV,), device=x.device)
     m, n = x.shape[0], weight.shape[0]
     check_shape(weight, "weight", (n, k))
@@ -199,11 +227,15 @@ def _launch(x, weight, bias, k: int, silu_mul: bool, config: GemvConfig | None,
     vec = _vector(weight.dtype)
     check(config.block_k >= vec, "block_k {} is under one {}-element vector", config.block_k, vec)
     grid = (triton.cdiv(n, config.block_n),)
+    residual, norm_weight, eps, new_residual = norm if norm is not None else (x, x, 0.0, x)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out,
+        residual, norm_weight, new_residual,
         m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
+        residual.stride(0), new_residual.stride(0), float(eps),
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        EVEN_K=k % config.block_k == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, VEC=vec,
         NUM_STAGES=config.num_stages, num_warps=_num_warps(config.block_k, weight.dtype), **pdl_args(x.device),
     )
@@ -226,3 +258,31 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     check(x.shape[1] % 2 == 0, "x's last dimension must be even (gate | up), got {}", x.shape[1])
     return _launch(x, weight, bias, x.shape[1] // 2, True, config, scale)
+
+
+def add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x + residual)), x + residual): a decoder layer's norm and the projection after it."""
+    h, new_residual = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return linear_ref(h, weight, bias), new_residual
+
+
+def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rmsnorm_linear_ref in one kernel: the residual add and the RMS norm made on the way into
+    the GEMV, no normed [M, K] tensor written and read back and no norm launch (64 a step of an 8B
+    decode). Not the unfused path bit for bit: the normed input is not rounded to x.dtype before
+    the product, and the RMS scale multiplies the sum (fp32 rounding apart, the same value)."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    m, k = x.shape
+    check_tensor(residual, "residual", ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_shape(residual, "residual", (m, k))
+    check_tensor(norm_weight, "norm_weight", ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
+    check_shape(norm_weight, "norm_weight", (k,))
+    check(float(eps) >= 0.0, "eps must be non-negative")
+    new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m and not weight.shape[0]:  # no program would write the new residual
+        new_residual.copy_(residual + x)
+    out = _launch(x, weight, bias, k, False, config, norm=(residual, norm_weight, eps, new_residual))
+    return out, new_residual

@@ -189,6 +189,11 @@ class ReducingOps:
     def add_rmsnorm(self, x, residual, weight, eps):
         return self._comm.all_reduce_add_rmsnorm(x, residual, weight, eps, self._ops)
 
+    def add_rmsnorm_linear(self, x, residual, weight, eps, proj):
+        """The all-reduce first (the wrapped ops' fused form would skip it), then the projection."""
+        h, residual = self.add_rmsnorm(x, residual, weight, eps)
+        return proj(h), residual
+
 
 def apply_tensor_parallel(model: DecoderLM, cfg: ModelConfig, layout: ParallelLayout, comm: TensorGroup) -> None:
     """Put the collectives into a model built with layout.local_config(cfg) (loaded or not)."""
