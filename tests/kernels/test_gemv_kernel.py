@@ -58,6 +58,9 @@ def test_linear_matches_reference(dtype, m, device):
 def test_block_sizes_agree(dtype, config, m, device):
     """Every configuration the probe compares computes the same product, K a multiple of the
     step or not, N a multiple of the rows per program or not."""
+    ring = (config.num_stages - 1) * (config.block_n + m) * config.block_k * dtype.itemsize
+    if device.type == "cuda" and ring > 227 * 1024:  # the probe's 16-bit configuration, in fp32
+        pytest.skip(f"a {ring // 1024} KB load ring is more shared memory than an H100 has")
     for n, k in [(16, 1024), (19, 600)]:
         x = _nan_padded(m, k, dtype, device)
         w = _nan_padded(n, k, dtype, device, scale=0.05)
