@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.prefetch import start_prefetch
         prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
     early = None
-    if args.tensor_parallel_size * args.pipeline_parallel_size == 1 and not args.emit_only:
+    if (args.tensor_parallel_size * args.pipeline_parallel_size == 1 and not args.emit_only
+            and os.environ.get("INFERNO_EARLY_DEVICE", "1") != "0"):
         from services.worker.cuda_early import STAGING_BYTES, start_early_device
         from services.worker.model_build import staging_count
         # The driver makes the context and the loader's pinned buffers while torch is imported.
