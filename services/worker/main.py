@@ -2,7 +2,8 @@
 admin subjects) → serve → drain on SIGTERM.
 
 Before anything heavy is imported, threads start reading --model-dir's weight files into the page
-cache (prefetch.py), and torch, the device and the kernels warm up in a thread while NATS connects."""
+cache (prefetch.py) and making the CUDA context and the loader's pinned staging through the driver
+(cuda_early.py); torch, cuBLAS and the kernels warm up in a thread while NATS connects."""
 
 from __future__ import annotations
 
