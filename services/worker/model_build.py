@@ -121,22 +121,32 @@ class BuiltModel:
     timings: dict = field(default_factory=dict)
 
 
-def warm_device(cfg: WorkerServiceConfig, early=None) -> dict:
+@dataclass(slots=True)
+class WarmDevice:
+    """What warm_device leaves every load: when its parts were done (wall clock, for the load
+    breakdown; the driver thread's report too), and the loader's pinned staging (None off the GPU)."""
+
+    marks: dict
+    staging: object | None = None  # engine.loader.StagingPool, filled
+
+
+def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
     """Before any model: import torch and the engine (its kernels), create the CUDA context and a
-    cuBLAS handle, and fill the loader's pool of pinned staging buffers, so a load pays none of it.
-    `early` (cuda_early.EarlyDevice): the context and buffers the driver made while torch imported.
-    Returns wall-clock times (time.time()) of when imports and the device were done, and early's
-    report."""
+    cuBLAS handle, and fill a pool of pinned staging buffers for the loads, so a load pays none of
+    it. `early` (cuda_early.EarlyDevice): the context and buffers the driver made while torch
+    imported."""
     import torch
 
     from services.worker.engine import engine  # noqa: F401  (the model, kernels and Triton with it)
-    from services.worker.engine.loader import STAGING
+    from services.worker.engine.loader import StagingPool
 
     marks = {"imported_at": time.time()}
+    staging = None
     if cfg.device.startswith("cuda") and not cfg.emit_only:
         device = torch.device(cfg.device)
+        staging = StagingPool()
         if early is not None:
-            STAGING.adopt(early.buffers())
+            staging.adopt(early.buffers())
             marks.update(early.report())
         bind_thread(device)
         torch.empty(1, device=device)
@@ -144,10 +154,10 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> dict:
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         (a @ a).sum().item()
         marks["cublas_at"] = time.time()
-        STAGING.fill(staging_count())
+        staging.fill(staging_count())
         torch.cuda.synchronize(device)
     marks["device_at"] = time.time()
-    return marks
+    return WarmDevice(marks, staging)
 
 
 def staging_count() -> int:
@@ -159,9 +169,10 @@ def staging_count() -> int:
 
 
 def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,
-                leftovers: Leftovers | None = None) -> BuiltModel:
+                leftovers: Leftovers | None = None, staging=None) -> BuiltModel:
     """The engine of a checked model. A single-GPU engine captures only the graphs needed before
-    ready (staged_graphs.py); the rest are the step thread's to capture."""
+    ready (staged_graphs.py); the rest are the step thread's to capture. `staging`: the worker's
+    pinned buffers for the weights' copies (WarmDevice.staging)."""
     spec, mc = checked.spec, checked.model_config
     leftovers = leftovers or Leftovers()
     if cfg.emit_only:
@@ -192,7 +203,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     kv = leftovers.kv_cache
     if kv is not None:
         kv.pool.zero_()  # as a new pool: padded graph rows read block 0
-    engine = LLMEngine(config, kv_cache=kv)
+    engine = LLMEngine(config, kv_cache=kv, staging=staging)
     engine_s = time.perf_counter() - t0
     # graphs_s: what is compiled and captured before ready, the sampler's kernel variants included.
     graphs, graphs_s = None, engine.graph_capture_seconds + engine.sampler_warm_seconds

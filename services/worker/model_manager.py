@@ -36,7 +36,7 @@ class ModelManager:
         self.cfg = cfg
         self.cuda_graphs = cuda_graphs
         self.overlap = overlap
-        self.warm = warm  # warm_device() in a thread: its wall-clock marks once done
+        self.warm = warm  # warm_device() in a thread: its WarmDevice once done
         self.built: BuiltModel | None = None
         self.leftovers: Leftovers | None = None
         self.busy = ""  # the admin call under way, in words
@@ -98,7 +98,7 @@ class ModelManager:
                 log.warning("model refused", model_dir=spec.model_dir, error=str(e))
                 return self._reply("bad_request", str(e))
             try:
-                marks = await self.warm
+                warm = await self.warm
             except Exception as e:
                 return self._reply("internal", f"the device could not be initialised ({type(e).__name__}: {e})")
             unload_s = 0.0
@@ -111,7 +111,7 @@ class ModelManager:
             built, error = None, ""
             try:
                 built = await asyncio.to_thread(build_model, checked, self.cfg, self.cuda_graphs, self.overlap,
-                                                leftovers)
+                                                leftovers, warm.staging)
             except Exception as e:
                 log.exception("model load failed", model_dir=spec.model_dir)
                 error = f"loading {spec.model_dir} failed ({type(e).__name__}: {e}); the worker has no model now"
@@ -120,8 +120,8 @@ class ModelManager:
                 await asyncio.to_thread(free_memory, _device(self.cfg))
                 await self.service.set_state("no_model", "")
                 return self._reply("load_failed", error)
-            breakdown = self._breakdown(built, started, marks, unload_s)
-            self._attach(built, breakdown, started, at_start, prefetch, marks)
+            breakdown = self._breakdown(built, started, warm.marks, unload_s)
+            self._attach(built, breakdown, started, at_start, prefetch, warm.marks)
             await self.service.set_state("ready", spec.model_name)
             log.info("model ready", model=spec.model_name, model_dir=spec.model_dir, ready_s=round(breakdown.ready_s, 3))
             return self._reply(load=breakdown)

@@ -66,3 +66,13 @@ def test_fill_tops_the_pool_up_to_a_count(monkeypatch):
     pool.fill(2)
     assert len(pool) == 3 and len(made) == 2
     assert len(pool.take(5)) == 5 and len(made) == 4
+
+
+def test_warm_device_off_the_gpu_has_no_staging():
+    """The worker's pool of pinned buffers exists on a GPU only; the marks are the breakdown's."""
+    from services.worker.model_build import warm_device
+    from shared.config import WorkerServiceConfig
+
+    warm = warm_device(WorkerServiceConfig(device="cpu"))
+    assert warm.staging is None
+    assert warm.marks["imported_at"] <= warm.marks["device_at"]

@@ -121,9 +121,10 @@ class LLMEngine:
     the group's driver (it starts the other ranks); a rank started by it passes its `rank`."""
 
     def __init__(self, config: EngineConfig, model=None, rank: int | None = None, init_method: str = "",
-                 kv_cache: KVCache | None = None):
+                 kv_cache: KVCache | None = None, staging=None):
         """`kv_cache`: a pool of this model's shape to use instead of sizing and allocating one (a
-        worker replacing its model keeps the old pool: services/worker/model_build.py)."""
+        worker replacing its model keeps the old pool: services/worker/model_build.py). `staging`:
+        pinned buffers for the weights' copies (loader.StagingPool, the worker's)."""
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_path(config.model_dir)
@@ -148,7 +149,7 @@ class LLMEngine:
             self.model = load_rank_model(config, self.model_config, self.group, self.device, dtype, self.ops)
         else:
             self.model = load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
-                                    config.load_format, config.seed)
+                                    config.load_format, config.seed, staging=staging)
         if config.quantization == "fp8":
             self.model.quantize_fp8()
             if config.is_cuda:  # the 16-bit weights' memory back to the device before the KV pool is sized

@@ -114,10 +114,11 @@ def plan_load(model_dir: Path, cfg: ModelConfig, shards: dict[str, ShardedTensor
 
 
 class StagingPool:
-    """The GPU loads' pinned staging buffers, kept from one load to the next (a running worker loads
-    again on a model switch). Page-locking takes time (~0.5 s a GiB on the H100 VM), so the
-    worker makes them before any load: some through the driver while torch was still importing
-    (cuda_early.py), adopted here, the rest with torch."""
+    """Pinned staging buffers for GPU loads, kept from one load to the next (a running worker loads
+    again on a model switch). Page-locking takes time (~0.5 s a GiB on the H100 VM), so the worker
+    owns one and fills it before any load: some buffers made through the driver while torch was
+    still importing (cuda_early.py), adopted here, the rest with torch. A load given no pool makes
+    its own buffers (torch's pinned-memory cache keeps them)."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
@@ -149,14 +150,12 @@ class StagingPool:
         return len(self._free)
 
 
-STAGING = StagingPool()
-
-
 class _Copier:
     """One loading thread: reads byte ranges into its own staging buffer and copies them out."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, staging: StagingPool):
         self.device = device
+        self.staging = staging
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         # Two pinned buffers: the disk read into one overlaps the DMA out of the other. Made on
@@ -175,8 +174,8 @@ class _Copier:
                     raise WeightLoadError(f"{entry.path}: tensor {entry.name!r} is truncated")
             return
         if not self.buffers:
-            self.buffers = STAGING.take(2) if self.cuda else [torch.empty(STAGING_BYTES, dtype=torch.uint8)
-                                                               for _ in range(2)]
+            self.buffers = self.staging.take(2) if self.cuda else [torch.empty(STAGING_BYTES, dtype=torch.uint8)
+                                                                    for _ in range(2)]
         elem = entry.dtype.itemsize
         step = (STAGING_BYTES // elem) * elem
         done = 0
@@ -216,7 +215,7 @@ class _Copier:
         if self.stream is not None:
             self.stream.synchronize()
         if self.cuda:
-            STAGING.give(self.buffers)
+            self.staging.give(self.buffers)
         self.buffers = []
 
 
@@ -226,12 +225,13 @@ LOAD_FORMATS = ("auto", "dummy")
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                ops: TorchOps | None = None, num_threads: int = 4, load_format: str = "auto",
                seed: int = 0, build_cfg: ModelConfig | None = None,
-               shards: dict[str, ShardedTensor] | None = None) -> DecoderLM:
+               shards: dict[str, ShardedTensor] | None = None, staging: StagingPool | None = None) -> DecoderLM:
     """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers.
     load_format "dummy" reads no weights: random ones are drawn on the device (benchmarks of shapes
     too large to write, e.g. 70B; the directory needs only config.json and the tokenizer).
     A rank of a parallel group passes the shape it builds (`build_cfg`) and what it loads of each
-    checkpoint tensor (`shards`)."""
+    checkpoint tensor (`shards`). `staging`: the pinned buffers a GPU load copies through (a worker's
+    pool, kept between loads); None, buffers made for this load."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_path = Path(model_path)
@@ -265,7 +265,8 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         except GGUFError as e:
             raise WeightLoadError(str(e)) from e
     else:
-        _load_safetensors(plan, flat_target, device, num_threads)
+        _load_safetensors(plan, flat_target, device, num_threads,
+                          staging if staging is not None else StagingPool())
         if shards is not None:
             _zero_unloaded_rows(params, shards)
     model.init_rope(cfg.max_model_len, device)
@@ -308,7 +309,7 @@ def _fill_dummy(model: DecoderLM, seed: int, std: float = 0.02) -> None:
                 p.normal_(1.0, 0.1, generator=gen)
 
 
-def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int) -> None:
+def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int, staging: StagingPool) -> None:
     # Spread the tensors over threads by size so each thread moves about the same bytes.
     jobs = sorted(plan, key=lambda item: -item[0].nbytes)
     lanes: list[list] = [[] for _ in range(max(1, num_threads))]
@@ -321,7 +322,7 @@ def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int)
     local = threading.local()
 
     def run_lane(lane):
-        local.copier = _Copier(device)
+        local.copier = _Copier(device, staging)
         try:
             for entry, place, part in sorted(lane, key=lambda item: (str(item[0].path), item[0].start)):
                 if part is None:
