@@ -134,13 +134,13 @@ class StagingPool:
         """Pinned buffers made with torch until the pool holds count."""
         with self._lock:
             missing = count - len(self._free)
-        self.adopt(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(missing))
+        self.give(_pinned(missing))
 
     def take(self, count: int) -> list[torch.Tensor]:
+        """count buffers: the pool's, and new ones where it has too few."""
         with self._lock:
             taken, self._free = self._free[:count], self._free[count:]
-        return taken + [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-                        for _ in range(count - len(taken))]
+        return taken + _pinned(count - len(taken))
 
     def give(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
@@ -148,6 +148,10 @@ class StagingPool:
 
     def __len__(self) -> int:
         return len(self._free)
+
+
+def _pinned(count: int) -> list[torch.Tensor]:
+    return [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
 
 
 class _Copier:
