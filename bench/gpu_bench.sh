@@ -122,6 +122,9 @@ if has w2 || has w3; then
   fi
   kill -INT $UP; wait $UP
   tail -5 /tmp/inferno-run/worker-0.log > "$OUT/worker_tail.log" 2>/dev/null
+  # A kernel compiled while serving is a step that waited for the compiler: there should be none.
+  grep "kernel compiled while serving" /tmp/inferno-run/worker-0.log > "$OUT/late_compiles.log"
+  echo "kernels compiled while serving: $(wc -l < "$OUT/late_compiles.log")"
 fi
 if has w4; then  # two workers on the one GPU, each with a fixed KV pool (16 GB) beside its weights
   python3 -m services.cli up --model "$MODEL" --model-name llama-3.1-8b --device cuda --port 8001 --workers 2 \

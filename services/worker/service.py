@@ -10,6 +10,7 @@ from typing import Callable
 
 import structlog
 
+from services.worker.compile_watch import CompileWatch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.handoff import HandoffReceiver, HandoffSender
@@ -50,6 +51,9 @@ class WorkerService:
         self.model_name = ""
         self.max_model_len = 0
         self.loop_thread: StepLoop | None = None  # the attached model's step thread
+        # Triton compiles while serving (a step waits for each) are warnings: the warm-up missed them.
+        self.compile_watch = CompileWatch()
+        self.compile_watch.serving = self._settled
         self.sender: HandoffSender | None = None  # prefill role
         self.receiver: HandoffReceiver | None = None  # decode role
         self.transfer_server = None
@@ -109,12 +113,19 @@ class WorkerService:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
         self.loop_thread.background = background
+        if self.cfg.device.startswith("cuda"):  # Triton compiles on the GPU only (the CPU path runs torch)
+            self.compile_watch.install()
         # UCX moves the KV pages from this thread: the GPU it works on must be the engine's.
         bind_thread(getattr(engine, "device", None))
         self._start_handoff()
         self._start_cluster_cache()
         self.loop_thread.start()
         asyncio.ensure_future(self._clear_kv_index())  # the scheduler's view of this worker's cache
+
+    def _settled(self) -> bool:
+        """Serving with nothing left to warm: a model attached and its deferred graphs captured."""
+        loop_thread = self.loop_thread
+        return loop_thread is not None and loop_thread.background is None and self.state == "ready"
 
     async def finish_requests(self, timeout: float, reason: str) -> None:
         """Let the model's requests run up to `timeout` seconds (0: none), then end the rest with

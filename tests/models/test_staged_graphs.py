@@ -105,3 +105,24 @@ def test_capture_next_leaves_the_kv_cache_alone(model_dirs):
     while not r.status.finished:
         engine.step()
     assert r.output_token_ids == first and r.num_cached_tokens == 48
+
+
+def test_warm_logits_runs_the_head_at_every_padded_count(model_dirs):
+    """The LM head runs outside the graphs, at the row counts _logits pads to: the warm-up runs it at
+    each of them, the GEMV's small counts included (their kernel variants compiled mid-run on a GPU),
+    largest first, so that no step is the first at its count."""
+    from services.worker.engine.runner import logits_rows
+
+    engine = make_engine(model_dirs[ARCH], max_num_seqs=80)
+    seen = []
+    head = engine.model.compute_logits
+
+    def recording(hidden):
+        seen.append(hidden.shape[0])
+        return head(hidden)
+
+    engine.model.compute_logits = recording
+    assert engine.runner.warm_logits(80) == len(seen)
+    want = sorted({logits_rows(m) for m in range(1, 81)}, reverse=True)
+    assert seen == want
+    assert {1, 2, 3, 4} <= set(seen) and max(seen) == logits_rows(80)
