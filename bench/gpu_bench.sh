@@ -104,7 +104,7 @@ if has w2 || has w3; then
       name=w2; [ $run -gt 1 ] && name=w2_run$run
       start=$(date +%s.%N)
       # power and clocks every 100 ms: is the GPU at its power cap (and its clocks down)?
-      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,clocks.mem,utilization.gpu,temperature.gpu,clocks_throttle_reasons.active \
+      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,clocks.mem,utilization.gpu,temperature.gpu,clocks_throttle_reasons.active,memory.used,memory.total \
         --format=csv,noheader,nounits -lms 100 > "$OUT/${name}_smi.csv" 2>/dev/null &
       SMI=$!
       python3 -m services.cli bench --base-url http://127.0.0.1:8000 --num-requests 1000 --vocab-size 128000 \

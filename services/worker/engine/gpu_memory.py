@@ -14,7 +14,11 @@ from services.worker.kernels.extend_attention import query_tiles
 
 log = structlog.get_logger("worker.memory")
 
-GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, measured ~0.3 GiB at 8B
+# The decode graphs' pool and allocator slack (the mixed graphs share that pool: mixed_graph_bytes).
+# Measured at 8B on the H100 (2026-11-27, the "graphs captured" log): with 512 MiB here, 2.57 GiB free
+# and 0.61 cached once every graph was captured, i.e. ~0.54 GiB beyond the utilisation's share and the
+# largest eager step's activations; 384 MiB hands 0.125 of it to the KV pool.
+GRAPH_RESERVE_BYTES = 384 << 20
 
 
 @torch.inference_mode()

@@ -112,9 +112,18 @@ class StagedGraphs:
             self.engine.runner.warm_logits(self.engine.config.max_num_seqs)
         self.later_seconds += time.perf_counter() - t0
         if not self.backlog:
+            memory = self._memory() if self.cuda else {}
             log.info("graphs captured", graphs=self.count, before_ready=self.before_ready,
-                     before_ready_s=round(self.ready_seconds, 3), after_ready_s=round(self.later_seconds, 3))
+                     before_ready_s=round(self.ready_seconds, 3), after_ready_s=round(self.later_seconds, 3),
+                     **memory)
         return bool(self.backlog)
+
+    def _memory(self) -> dict:
+        """The device memory left once every graph holds its pool (free, and cached by the allocator
+        for the eager steps): what the KV sizing's reserves (gpu_memory.py) left over."""
+        device = self.engine.device
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return {"free_gib": round(torch.cuda.mem_get_info(device)[0] / 2**30, 2), "cached_gib": round(cached / 2**30, 2)}
 
     def _capture(self, runner, size: int):
         """One graph into the shared pool. Not torch.cuda.graph(): that empties the allocator's
