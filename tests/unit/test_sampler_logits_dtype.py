@@ -73,3 +73,25 @@ def test_greedy_bf16_batch_is_argmax_of_the_raw_values():
     logits = torch.randn(3, VOCAB).to(torch.bfloat16)
     got = sampler(logits, [_request(str(i), SamplingParams(temperature=0.0)) for i in range(3)]).result()
     assert got.token_ids == logits.float().argmax(-1).tolist()
+
+
+def test_logprobs_in_row_chunks_match_one_piece(monkeypatch):
+    """Log-probabilities are made LOGPROB_ROWS rows at a time (bounded temporaries): the same values
+    as over the whole batch at once, for every row, through the sampler's result."""
+    from services.worker.engine import sampler as S
+
+    logits = torch.randn(7, VOCAB).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (7,))
+    whole = torch.log_softmax(logits.float(), dim=-1)
+    monkeypatch.setattr(S, "LOGPROB_ROWS", 3)
+    chosen, top_ids, top_lp = S.log_probs(logits, ids, 5)
+    assert torch.equal(chosen, whole.gather(1, ids.view(-1, 1)).squeeze(1))
+    want_lp, want_ids = whole.topk(5, dim=-1)
+    assert torch.equal(top_lp, want_lp) and torch.equal(top_ids, want_ids)
+    assert S.log_probs(logits, ids, 0)[1].shape == (7, 0)
+
+    sampler = Sampler(TorchOps(), VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    reqs = [_request(f"r{i}", SamplingParams(temperature=0.0, logprobs=2)) for i in range(7)]
+    got = sampler(logits, reqs).result()
+    assert got.token_ids == logits.float().argmax(-1).tolist()
+    assert got.logprobs == whole.gather(1, logits.float().argmax(-1).view(-1, 1)).squeeze(1).tolist()

@@ -10,7 +10,9 @@ import torch
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
 from services.worker.engine.kv_export import handoff_buffer_blocks
+from services.worker.engine.sampler import log_probs
 from services.worker.kernels.extend_attention import query_tiles
+from shared.sampling_params import MAX_TOP_LOGPROBS
 
 log = structlog.get_logger("worker.memory")
 
@@ -49,7 +51,7 @@ def dry_run_peak_bytes(engine) -> int:
         engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
                           torch.zeros(rows, dtype=torch.int64, device=device),
                           torch.zeros(rows, dtype=torch.int64, device=device))
-        torch.log_softmax(logits.float(), dim=-1)  # the logprobs path (it widens first)
+        log_probs(logits, torch.zeros(rows, dtype=torch.int64, device=device), MAX_TOP_LOGPROBS)  # every row asks
         del logits
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - base

@@ -41,6 +41,24 @@ class PendingSample:
 
 
 _WARM_THREADS = 8  # warm-up draws compiling at once (a GPU host has 16 cores or more)
+# Rows whose log-probabilities are made at once (fp32, as vLLM's): in one piece, 1,024 rows of a 128k
+# vocabulary made 1 GB of temporaries (the widened copy and log_softmax's output), which the KV
+# sizing's dry run reserves for the largest step (gpu_memory.py).
+LOGPROB_ROWS = 256
+
+
+def log_probs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """(each row's chosen token's log-probability, the top k ids, their log-probabilities), made
+    LOGPROB_ROWS rows at a time."""
+    parts = []
+    for start in range(0, logits.shape[0], LOGPROB_ROWS):
+        logp = torch.log_softmax(logits[start:start + LOGPROB_ROWS].float(), dim=-1)
+        chosen = logp.gather(1, token_ids[start:start + LOGPROB_ROWS].view(-1, 1)).squeeze(1)
+        top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        parts.append((chosen, top_ids, top_lp))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(column) for column in zip(*parts))
 
 
 class Sampler:
@@ -79,10 +97,7 @@ class Sampler:
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = None
         if k is not None:
-            logp = torch.log_softmax(raw.float(), dim=-1)
-            chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
-            top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-            logprobs = tuple(self._host_copy(t) for t in (chosen, top_ids, top_lp))
+            logprobs = tuple(self._host_copy(t) for t in log_probs(raw, token_ids, k))
         return self._pending(token_ids, logprobs)
 
     def warm_up(self, max_rows: int) -> int:
