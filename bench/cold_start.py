@@ -55,7 +55,8 @@ async def measure(args, extra: list[str]) -> dict:
         "load_weights_s": breakdown.get("weights_s"), "kv_s": breakdown.get("kv_s"),
         "graph_capture_s": breakdown.get("graphs_s"), "graphs_deferred": breakdown.get("graphs_deferred"),
         "prefetch_s": breakdown.get("prefetch_s"), "page_cache": "dropped" if args.drop_caches else "warm",
-        "max_num_seqs": args.max_num_seqs, "memory": {k: memory[k] for k in ("kv_gib", "kv_tokens") if k in memory},
+        "max_num_seqs": args.max_num_seqs,
+        "memory": {k: memory[k] for k in ("kv_gib", "kv_tokens", "dry_forward_s", "dry_head_s") if k in memory},
         "breakdown": breakdown,
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import structlog
 import torch
@@ -24,9 +25,13 @@ GRAPH_RESERVE_BYTES = 384 << 20
 
 
 @torch.inference_mode()
-def dry_run_peak_bytes(engine) -> int:
-    """Activation bytes of the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows."""
+def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
+    """Activation bytes of the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows.
+    `seconds` receives the time of its parts (the forward; the head, draw and log-probabilities),
+    each the first launch of its kernels in the process: a start's KV phase is mostly this."""
     cfg, mc, device = engine.config, engine.model_config, engine.device
+    seconds = {} if seconds is None else seconds
+    t0 = time.perf_counter()
     tokens = cfg.max_num_batched_tokens
     n_blocks = math.ceil(tokens / cfg.block_size) + 1
     scratch = KVCache(engine.rank_config, n_blocks, cfg.block_size, engine.kv_dtype, device)
@@ -44,6 +49,8 @@ def dry_run_peak_bytes(engine) -> int:
         tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
     ids = torch.randint(0, mc.vocab_size, (tokens,), device=device)
     hidden = engine.model(ids, torch.arange(tokens, device=device), scratch.layers, meta)
+    torch.cuda.synchronize()
+    seconds["dry_forward_s"] = time.perf_counter() - t0
     if hidden is not None:  # None on a pipeline stage before the last: no logits there
         rows = min(cfg.max_num_seqs, tokens)
         logits = engine.model.compute_logits(hidden[:rows])
@@ -54,6 +61,7 @@ def dry_run_peak_bytes(engine) -> int:
         log_probs(logits, torch.zeros(rows, dtype=torch.int64, device=device), MAX_TOP_LOGPROBS)  # every row asks
         del logits
     torch.cuda.synchronize()
+    seconds["dry_head_s"] = time.perf_counter() - t0 - seconds["dry_forward_s"]
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden, meta
     torch.cuda.empty_cache()
@@ -74,7 +82,8 @@ def mixed_graph_bytes(engine) -> int:
 
 def profile_kv_blocks(engine) -> int:
     device = engine.device
-    activation_peak = dry_run_peak_bytes(engine)
+    seconds: dict = {}
+    activation_peak = dry_run_peak_bytes(engine, seconds)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
     budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
@@ -86,6 +95,7 @@ def profile_kv_blocks(engine) -> int:
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,
         "handoff_buffer_gib": handoff / 2**30,
         "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
+        **seconds,
     }
     log.info("kv pool sized from memory", **{k: round(v, 2) for k, v in engine.memory_report.items()})
     if blocks < 1:
