@@ -56,7 +56,8 @@ async def measure(args, extra: list[str]) -> dict:
         "graph_capture_s": breakdown.get("graphs_s"), "graphs_deferred": breakdown.get("graphs_deferred"),
         "prefetch_s": breakdown.get("prefetch_s"), "page_cache": "dropped" if args.drop_caches else "warm",
         "max_num_seqs": args.max_num_seqs,
-        "memory": {k: memory[k] for k in ("kv_gib", "kv_tokens", "dry_forward_s", "dry_head_s") if k in memory},
+        "memory": {k: memory[k] for k in ("kv_gib", "kv_tokens", "in_use_gib", "activation_peak_gib", "dry_forward_s",
+                                          "dry_head_s") if k in memory},
         "breakdown": breakdown,
     }
 
