@@ -89,6 +89,7 @@ def test_logprobs_in_row_chunks_match_one_piece(monkeypatch):
     want_lp, want_ids = whole.topk(5, dim=-1)
     assert torch.equal(top_lp, want_lp) and torch.equal(top_ids, want_ids)
     assert S.log_probs(logits, ids, 0)[1].shape == (7, 0)
+    assert [t.shape for t in S.log_probs(logits[:0], ids[:0], 5)] == [(0,), (0, 5), (0, 5)]
 
     sampler = Sampler(TorchOps(), VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
     reqs = [_request(f"r{i}", SamplingParams(temperature=0.0, logprobs=2)) for i in range(7)]

@@ -51,7 +51,7 @@ def log_probs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[to
     """(each row's chosen token's log-probability, the top k ids, their log-probabilities), made
     LOGPROB_ROWS rows at a time."""
     parts = []
-    for start in range(0, logits.shape[0], LOGPROB_ROWS):
+    for start in range(0, max(logits.shape[0], 1), LOGPROB_ROWS):  # one part even for no rows
         logp = torch.log_softmax(logits[start:start + LOGPROB_ROWS].float(), dim=-1)
         chosen = logp.gather(1, token_ids[start:start + LOGPROB_ROWS].view(-1, 1)).squeeze(1)
         top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
