@@ -29,18 +29,28 @@ B = 256
 
 
 @triton.jit
-def _stats(x_ptr, stride, m_part, z_part, inv_t, vocab, chunk, S, BLOCK: tl.constexpr):
+def _chunk(x_ptr, stride, vocab, chunk, BLOCK: tl.constexpr):
+    """This program's row and vocabulary chunk: (row, split, start, end, lanes, the row's base)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+    return row, split, start, tl.minimum(start + chunk, vocab), tl.arange(0, BLOCK), x_ptr + row * stride
+
+
+@triton.jit
+def _tile(base, v0, cols, end, inv_t):
+    """One tile's token ids and l = logits / T (-inf past the chunk)."""
+    idx = v0 + cols
+    return idx, tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+
+
+@triton.jit
+def _stats(x_ptr, stride, m_part, z_part, inv_t, vocab, chunk, S, BLOCK: tl.constexpr):
+    row, split, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_z = tl.zeros([BLOCK], tl.float32)
     for v0 in range(start, end, BLOCK):
-        idx = v0 + cols
-        l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        _, l = _tile(base, v0, cols, end, inv_t)
         new = tl.maximum(lane_max, l)
         safe = tl.where(new > float("-inf"), new, 0.0)
         lane_z = lane_z * tl.exp(lane_max - safe) + tl.exp(l - safe)
@@ -53,54 +63,25 @@ def _stats(x_ptr, stride, m_part, z_part, inv_t, vocab, chunk, S, BLOCK: tl.cons
 
 @triton.jit
 def _pivot(x_ptr, stride, m_ptr, lo_ptr, step_ptr, out_ptr, cnt_ptr, inv_t, vocab, chunk, S,
-           P: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+           P: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr, BINS: tl.constexpr):
+    """The mass (and count) above P pivots lo + j * step: each token compared with every pivot, or
+    (BINS) its one integer bin compared with every pivot's index."""
+    row, split, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     m = tl.load(m_ptr + row)
     lo = tl.load(lo_ptr + row)
     step = tl.load(step_ptr + row)
-    q = lo + tl.arange(0, P).to(tl.float32) * step
-    acc = tl.zeros([BLOCK, P], tl.float32)
-    cnt = tl.zeros([BLOCK, P], tl.int32)
-    for v0 in range(start, end, BLOCK):
-        idx = v0 + cols
-        l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
-        e = tl.exp(l - m)
-        ge = l[:, None] >= q[None, :]
-        acc += tl.where(ge, e[:, None], 0.0)
-        if COUNT:
-            cnt += ge.to(tl.int32)
-    tl.store(out_ptr + (row * S + split) * P + tl.arange(0, P), tl.sum(acc, axis=0))
-    if COUNT:
-        tl.store(cnt_ptr + (row * S + split) * P + tl.arange(0, P), tl.sum(cnt, axis=0))
-
-
-@triton.jit
-def _pivot_bins(x_ptr, stride, m_ptr, lo_ptr, step_ptr, out_ptr, cnt_ptr, inv_t, vocab, chunk, S,
-                P: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
-    """The same sums from one integer bin per token, compared with each pivot's index."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
-    m = tl.load(m_ptr + row)
-    lo = tl.load(lo_ptr + row)
-    inv_step = 1.0 / tl.load(step_ptr + row)
     jj = tl.arange(0, P)
+    q = lo + jj.to(tl.float32) * step
     acc = tl.zeros([BLOCK, P], tl.float32)
     cnt = tl.zeros([BLOCK, P], tl.int32)
     for v0 in range(start, end, BLOCK):
-        idx = v0 + cols
-        l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        _, l = _tile(base, v0, cols, end, inv_t)
         e = tl.exp(l - m)
-        b = tl.minimum(tl.maximum(tl.floor((l - lo) * inv_step), -1.0), P).to(tl.int32)
-        ge = b[:, None] >= jj[None, :]
+        if BINS:
+            b = tl.minimum(tl.maximum(tl.floor((l - lo) * (1.0 / step)), -1.0), P).to(tl.int32)
+            ge = b[:, None] >= jj[None, :]
+        else:
+            ge = l[:, None] >= q[None, :]
         acc += tl.where(ge, e[:, None], 0.0)
         if COUNT:
             cnt += ge.to(tl.int32)
@@ -111,16 +92,10 @@ def _pivot_bins(x_ptr, stride, m_ptr, lo_ptr, step_ptr, out_ptr, cnt_ptr, inv_t,
 
 @triton.jit
 def _collect(x_ptr, stride, a_ptr, n_ptr, buf_l, buf_i, inv_t, vocab, chunk, CAP, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+    row, _, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     a = tl.load(a_ptr + row)
     for v0 in range(start, end, BLOCK):
-        idx = v0 + cols
-        l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        idx, l = _tile(base, v0, cols, end, inv_t)
         keep = l >= a
         if tl.max(l, axis=0) >= a:
             k = keep.to(tl.int32)
@@ -133,19 +108,13 @@ def _collect(x_ptr, stride, a_ptr, n_ptr, buf_l, buf_i, inv_t, vocab, chunk, CAP
 @triton.jit
 def _draw(x_ptr, stride, a_ptr, seeds_ptr, out_s, out_i, inv_t, vocab, chunk, S, BLOCK: tl.constexpr,
           GATED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+    row, split, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     a = tl.load(a_ptr + row)
     key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = cols
     for v0 in range(start, end, BLOCK):
-        idx = v0 + cols
-        l = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32) * inv_t
+        idx, l = _tile(base, v0, cols, end, inv_t)
         if GATED:
             if tl.max(l, axis=0) >= a:
                 s = tl.where(l >= a, l - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
@@ -228,10 +197,11 @@ def main() -> None:
             cnt = torch.empty(B, S_eff, P, device=dev, dtype=torch.int32)
             for BLOCK, warps in ((1024, 4), (512, 4)):
                 for count in (False, True):
-                    for kern, kn in ((_pivot, "cmp"), (_pivot_bins, "bins")):
+                    for bins, kn in ((False, "cmp"), (True, "bins")):
                         row(f"pivot-{kn} S={S_eff} P={P} BLOCK={BLOCK} count={int(count)}",
-                            lambda: kern[(B, S_eff)](logits, logits.stride(0), m_true, lo_sure, step, out, cnt, inv_t,
-                                                     V, chunk, S_eff, P=P, BLOCK=BLOCK, COUNT=count, num_warps=warps))
+                            lambda: _pivot[(B, S_eff)](logits, logits.stride(0), m_true, lo_sure, step, out, cnt, inv_t,
+                                                       V, chunk, S_eff, P=P, BLOCK=BLOCK, COUNT=count, BINS=bins,
+                                                       num_warps=warps))
         for gap, label in ((0.2, "a=T-0.2"), (-1.0, "a=T+1")):
             a = (t_p - gap).contiguous()
             n_true = int((l >= a[:, None]).sum(-1).float().mean())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -20,8 +20,8 @@ log = structlog.get_logger("worker.compile")
 class CompileWatch:
     """Installed once per process (Triton's hooks are global); `serving` says when a compile is late."""
 
-    def __init__(self) -> None:
-        self.serving: Callable[[], bool] = lambda: False
+    def __init__(self, serving: Callable[[], bool]) -> None:
+        self.serving = serving
         self.late = 0  # compiles (or disk-cache loads) while serving
         self.late_seconds = 0.0
         self._started: dict[int, float] = {}

@@ -52,8 +52,7 @@ class WorkerService:
         self.max_model_len = 0
         self.loop_thread: StepLoop | None = None  # the attached model's step thread
         # Triton compiles while serving (a step waits for each) are warnings: the warm-up missed them.
-        self.compile_watch = CompileWatch()
-        self.compile_watch.serving = self._settled
+        self.compile_watch = CompileWatch(serving=self._settled)
         self.sender: HandoffSender | None = None  # prefill role
         self.receiver: HandoffReceiver | None = None  # decode role
         self.transfer_server = None

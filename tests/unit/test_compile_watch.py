@@ -32,10 +32,9 @@ def compile_once(runtime, name: str) -> bool | None:
 
 
 def test_compiles_warn_only_while_serving(hooks):
-    watch = CompileWatch()
-    assert watch.install()
     serving = [False]
-    watch.serving = lambda: serving[0]
+    watch = CompileWatch(serving=lambda: serving[0])
+    assert watch.install()
     with capture_logs() as logs:
         assert compile_once(hooks, "_warm_kernel") is False  # the compile goes ahead
         serving[0] = True

@@ -123,7 +123,8 @@ class StagedGraphs:
         for the eager steps): what the KV sizing's reserves (gpu_memory.py) left over."""
         device = self.engine.device
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return {"free_gib": round(torch.cuda.mem_get_info(device)[0] / 2**30, 2), "cached_gib": round(cached / 2**30, 2)}
+        free = torch.cuda.mem_get_info(device)[0]
+        return {"free_gib": round(free / 2**30, 2), "cached_gib": round(cached / 2**30, 2)}
 
     def _capture(self, runner, size: int):
         """One graph into the shared pool. Not torch.cuda.graph(): that empties the allocator's
