@@ -36,6 +36,17 @@ def test_noise_is_bit_identical_in_triton_and_torch(device):
     assert bool((want > 0).all()) and bool((want < 1).all())
 
 
+def test_gumbel_noise_is_within_its_bound_of_the_exact_one(device):
+    # Every u near 1 (where -log u is tiny: the series), near 1/16 below it (the switch) and the rest.
+    seeds = torch.cat([_seeds(6, device), torch.tensor([0, -1], device=device)])
+    offsets = torch.arange(8, dtype=torch.int64, device=device)
+    got = K.gumbel_noise(seeds, offsets, 20_000)
+    u = K.uniform_noise_ref(seeds, offsets, 20_000).double()
+    want = -torch.log(-torch.log(u))
+    assert float((got.double() - want).abs().max()) < 4e-6
+    assert float((got.double() - K.gumbel_noise_ref(seeds, offsets, 20_000).double()).abs().max()) < 4e-6
+
+
 def test_noise_is_uniform_and_decorrelated():
     u = K.uniform_noise_ref(torch.tensor([42, 43]), torch.tensor([0, 0]), 200_000)
     assert abs(u.mean().item() - 0.5) < 0.005

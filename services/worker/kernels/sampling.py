@@ -10,11 +10,12 @@ kernel section), with inv_t = 1 / T and l = logits * inv_t in fp32, m = max l, e
 - min-p (> 0): keep e >= min_p (p_i >= min_p * p_max; renormalising does not change the ratio).
 - the draw: argmax over kept tokens of l + Gumbel noise -log(-log(u)), u from a counter-based hash
   of (seed, offset, token index): a request's draw at output position `offset` never depends on
-  the rest of the batch.
+  the rest of the batch. The kernels' noise uses the GPU's approximate logs (sampling_scan._gumbel),
+  within ~2e-6 of the reference's; every kernel computes it the same way, bit for bit.
 The two can disagree only where a threshold's mass lands within fp32 rounding of p * Z (the kernels
 sum e in fp32, in their own order, and weigh the mass above candidate tokens as well as above
 thresholds), or exp differs in its last bits at a min-p boundary, and even then only if the
-boundary token wins the draw.
+boundary token wins the draw; or where two tokens' scores lie within the noise's ~2e-6.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, u
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
 from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
                                                     _chain_round_kernel, chain_splits)
-from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _key_float, _load_u,
+from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _gumbel, _key_float, _load_u,
                                                    _row_count_select, _row_key, _row_params, _scan, _tile_select,
                                                    _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
@@ -91,7 +92,7 @@ def _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx):
     if greedy:
         score = tl.where(valid, x, float("-inf"))
     else:
-        score = tl.where(valid, x * inv_t - tl.log(-tl.log(_uniform(key, idx))), float("-inf"))
+        score = tl.where(valid, x * inv_t + _gumbel(key, idx), float("-inf"))
     better = score > best
     return tl.where(better, score, best), tl.where(better, idx, best_idx)
 
@@ -501,8 +502,25 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
 
 
+@triton.jit
+def _gumbel_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+    tl.store(out_ptr + row * out_stride + idx, _gumbel(key, idx), mask=idx < vocab)
+
+
+def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The Gumbel noise the draws add, materialised (tests): within ~2e-6 of gumbel_noise_ref."""
+    return _noise(_gumbel_noise_kernel, seeds, offsets, vocab)
+
+
 def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """The kernel's noise, materialised (for tests and debugging): equals uniform_noise_ref bit for bit."""
+    return _noise(_uniform_noise_kernel, seeds, offsets, vocab)
+
+
+def _noise(kernel, seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     check_tensor(seeds, "seeds", ndim=1, dtypes=(torch.int64,), contiguous=True)
     n_rows = seeds.shape[0]
     _check_row_params("offsets", offsets, n_rows, INDEX_DTYPES, seeds.device)
@@ -510,6 +528,6 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> tor
     if n_rows == 0 or vocab == 0:
         return out
     block_v = min(1024, triton.next_power_of_2(vocab))
-    _uniform_noise_kernel[(n_rows, triton.cdiv(vocab, block_v))](
-        seeds, offsets, out, vocab, out.stride(0), BLOCK_V=block_v, num_warps=4)
+    kernel[(n_rows, triton.cdiv(vocab, block_v))](seeds, offsets, out, vocab, out.stride(0), BLOCK_V=block_v,
+                                                  num_warps=4)
     return out
