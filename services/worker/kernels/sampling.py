@@ -33,9 +33,9 @@ from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, u
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
 from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
                                                     _chain_round_kernel, chain_splits)
-from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _gumbel, _key_float, _load_u,
-                                                   _row_count_select, _row_key, _row_params, _scan, _tile_select,
-                                                   _uniform)
+from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _gumbel, _key_float,
+                                                   _load_u, _row_count_select, _row_key, _row_params, _scan,
+                                                   _tile_select, _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
 from services.worker.kernels.sampling_collect import (_SERIAL, COLLECT_SPLITS, _bounds_kernel,  # noqa: F401
                                                       _collect_end_kernel, _collect_kernel)
