@@ -43,7 +43,7 @@ def _val16(key):
 
 @triton.jit
 def _stats_hist(x_ptr, stride, temp_ptr, kc_ptr, m_ptr, z_ptr, am_ptr, hist_ptr, vocab, chunk, S,
-                NB: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr):
+                NB: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr, HBLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * chunk
@@ -77,8 +77,9 @@ def _stats_hist(x_ptr, stride, temp_ptr, kc_ptr, m_ptr, z_ptr, am_ptr, hist_ptr,
     tl.store(am_ptr + o, tl.min(tl.where(kmax == kc, kidx, vocab), axis=0))
     if HIST:
         acc = tl.zeros([NB], tl.int32)
-        for v0 in range(start, end, BLOCK):
-            idx = v0 + cols
+        hcols = tl.arange(0, HBLOCK)  # a histogram call's cost follows its bins: few calls, large tiles
+        for v0 in range(start, end, HBLOCK):
+            idx = v0 + hcols
             x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
             b = tl.minimum(kc - _key16(x), NB - 1)  # the last bin takes everything further down
             acc += tl.histogram(b, NB)
@@ -173,47 +174,47 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     modes = ("topp0.9-broad", "topp0.9", "topk50-topp0.9", "topp0.95-minp0.05", "topk1")
+    S = 8
+    chunk = triton.cdiv(triton.cdiv(V, S), 8192) * 8192
+    S_eff = triton.cdiv(V, chunk)
+    # (bins, values per histogram call, warps)
+    shapes = ((1024, 1024, 4), (256, 4096, 8), (512, 4096, 8), (256, 8192, 8), (512, 8192, 16), (1024, 8192, 16))
     for mode in modes:
         logits, temp, top_k, top_p, min_p, seeds, offs = sampling_inputs(B, mode, dev, torch.bfloat16)
         want = sample_ref(logits, temp, top_k, top_p, min_p, seeds, offs)
-        for S in (8, 16):
-            chunk = triton.cdiv(triton.cdiv(V, S), 1024) * 1024
-            S_eff = triton.cdiv(V, chunk)
-            kc = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
-            mp = torch.empty(B, S_eff, device=dev)
-            zp = torch.empty(B, S_eff, device=dev)
-            am = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
-            t = torch.empty(B, device=dev, dtype=torch.int32)
-            flag = torch.empty(B, device=dev, dtype=torch.int32)
-            os_ = torch.empty(B, S_eff, device=dev)
-            oi = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
-            out = torch.empty(B, device=dev, dtype=torch.int64)
-            for NB in (1024, 2048):
-                hist = torch.empty(B, S_eff, NB, device=dev, dtype=torch.int32)
-                res = {}
-                for hist_on in (False, True):
-                    res[f"stats{'+hist' if hist_on else ''}"] = graph_us(
-                        lambda h=hist_on: _stats_hist[(B, S_eff)](logits, logits.stride(0), temp, kc, mp, zp, am, hist,
-                                                                  V, chunk, S_eff, NB=NB, BLOCK=1024, HIST=h,
-                                                                  num_warps=4))
-                res["finish"] = graph_us(lambda: _finish[(B,)](temp, top_k, top_p, min_p, kc, mp, zp, hist, t, flag,
-                                                               S_eff, V, NB=NB, SB=16, num_warps=8))
-                for fast in (False, True):
-                    res[f"draw{'-fast' if fast else ''}"] = graph_us(
-                        lambda f=fast: _draw[(B, S_eff)](logits, logits.stride(0), temp, t, seeds, offs, os_, oi, V,
-                                                          chunk, S_eff, BLOCK=1024, FAST=f, num_warps=4))
-                res["merge"] = graph_us(lambda: _merge[(B,)](os_, oi, out, S_eff, SB=16))
-                for fast in (False, True):
-                    _draw[(B, S_eff)](logits, logits.stride(0), temp, t, seeds, offs, os_, oi, V, chunk, S_eff,
-                                      BLOCK=1024, FAST=fast, num_warps=4)
-                    _merge[(B,)](os_, oi, out, S_eff, SB=16)
-                    ok = flag == 0
-                    res[f"diff{'-fast' if fast else ''}"] = int((out[ok] != want[ok]).sum())
-                res["fallback"] = int(flag.sum())
-                total = res["stats+hist"] + res["finish"] + res["draw"] + res["merge"]
-                print(f"{mode:18s} S={S_eff:2d} NB={NB} " + " ".join(
-                    f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
-                      + f" total={total:.1f}", flush=True)
+        kc = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
+        mp = torch.empty(B, S_eff, device=dev)
+        zp = torch.empty(B, S_eff, device=dev)
+        am = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
+        t = torch.empty(B, device=dev, dtype=torch.int32)
+        flag = torch.empty(B, device=dev, dtype=torch.int32)
+        os_ = torch.empty(B, S_eff, device=dev)
+        oi = torch.empty(B, S_eff, device=dev, dtype=torch.int32)
+        out = torch.empty(B, device=dev, dtype=torch.int64)
+        for NB, HB, warps in shapes:
+            hist = torch.empty(B, S_eff, NB, device=dev, dtype=torch.int32)
+            res = {}
+            for hist_on in (False, True):
+                res[f"stats{'+hist' if hist_on else ''}"] = graph_us(
+                    lambda h=hist_on: _stats_hist[(B, S_eff)](logits, logits.stride(0), temp, kc, mp, zp, am, hist,
+                                                              V, chunk, S_eff, NB=NB, BLOCK=1024, HIST=h, HBLOCK=HB,
+                                                              num_warps=warps))
+            res["finish"] = graph_us(lambda: _finish[(B,)](temp, top_k, top_p, min_p, kc, mp, zp, hist, t, flag,
+                                                           S_eff, V, NB=NB, SB=16, num_warps=8))
+            res["draw-fast"] = graph_us(lambda: _draw[(B, S_eff)](logits, logits.stride(0), temp, t, seeds, offs, os_,
+                                                                   oi, V, chunk, S_eff, BLOCK=1024, FAST=True,
+                                                                   num_warps=4))
+            res["merge"] = graph_us(lambda: _merge[(B,)](os_, oi, out, S_eff, SB=16))
+            _draw[(B, S_eff)](logits, logits.stride(0), temp, t, seeds, offs, os_, oi, V, chunk, S_eff,
+                              BLOCK=1024, FAST=True, num_warps=4)
+            _merge[(B,)](os_, oi, out, S_eff, SB=16)
+            ok = flag == 0
+            res["diff"] = int((out[ok] != want[ok]).sum())
+            res["fallback"] = int(flag.sum())
+            total = res["stats+hist"] + res["finish"] + res["draw-fast"] + res["merge"]
+            print(f"{mode:18s} S={S_eff} NB={NB} per-call={HB} warps={warps} " + " ".join(
+                f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
+                  + f" total={total:.1f}", flush=True)
 
 
 if __name__ == "__main__":
