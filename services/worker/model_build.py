@@ -139,6 +139,7 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
 
     from services.worker.engine import engine  # noqa: F401  (the model, kernels and Triton with it)
     from services.worker.engine.loader import StagingPool
+    from services.worker.kernels import triton_setup
 
     marks = {"imported_at": time.time()}
     staging = None
@@ -156,6 +157,7 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
         marks["cublas_at"] = time.time()
         staging.fill(staging_count())
         torch.cuda.synchronize(device)
+        triton_setup.start(device)  # beside the load that follows; the engine waits for it after
     marks["device_at"] = time.time()
     return WarmDevice(marks, staging)
 

@@ -31,6 +31,7 @@ from services.worker.engine.parallel.sharded_model import join_or_start_group, l
 from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
+from services.worker.kernels import triton_setup
 from shared.block_hash import request_block_key
 from shared.sampling_params import SamplingParams
 
@@ -150,6 +151,7 @@ class LLMEngine:
         else:
             self.model = load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
                                     config.load_format, config.seed, staging=staging)
+        triton_setup.wait()  # Triton's one-time setup, begun beside the load (warm_device), before any kernel
         if config.quantization == "fp8":
             self.model.quantize_fp8()
             if config.is_cuda:  # the 16-bit weights' memory back to the device before the KV pool is sized
