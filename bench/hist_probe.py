@@ -21,6 +21,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
+from bench.pivot_probe import _chunk  # noqa: E402  (a program's row and vocabulary chunk)
 from services.worker.kernels.sampling_ref import sample_ref  # noqa: E402
 from services.worker.kernels.sampling_scan import _row_key, _uniform  # noqa: E402
 
@@ -44,12 +45,7 @@ def _val16(key):
 @triton.jit
 def _stats_hist(x_ptr, stride, temp_ptr, kc_ptr, m_ptr, z_ptr, am_ptr, hist_ptr, vocab, chunk, S,
                 NB: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr, HBLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+    row, split, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     inv_t = 1.0 / tl.load(temp_ptr + row)
     kmax = tl.full([BLOCK], -65536, tl.int32)
     kidx = cols
@@ -130,12 +126,7 @@ def _finish(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, kc_ptr, m_ptr, z_ptr, his
 @triton.jit
 def _draw(x_ptr, stride, temp_ptr, t_ptr, seeds_ptr, offs_ptr, out_s, out_i, vocab, chunk, S,
           BLOCK: tl.constexpr, FAST: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, vocab)
-    cols = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride
+    row, split, start, end, cols, base = _chunk(x_ptr, stride, vocab, chunk, BLOCK)
     inv_t = 1.0 / tl.load(temp_ptr + row)
     t = tl.load(t_ptr + row)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(offs_ptr + row))

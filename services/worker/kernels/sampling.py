@@ -79,11 +79,15 @@ _NO_SPECIALIZE = ["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr"
 
 
 @triton.jit
-def _uniform_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BLOCK_V: tl.constexpr):
+def _noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BLOCK_V: tl.constexpr, GUMBEL: tl.constexpr):
+    """The draws' noise, materialised: u (_uniform), or the Gumbel noise made from it (_gumbel)."""
     row = tl.program_id(0).to(tl.int64)
     idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-    tl.store(out_ptr + row * out_stride + idx, _uniform(key, idx), mask=idx < vocab)
+    if GUMBEL:
+        tl.store(out_ptr + row * out_stride + idx, _gumbel(key, idx), mask=idx < vocab)
+    else:
+        tl.store(out_ptr + row * out_stride + idx, _uniform(key, idx), mask=idx < vocab)
 
 
 @triton.jit
@@ -502,25 +506,17 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
 
 
-@triton.jit
-def _gumbel_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, vocab, out_stride, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-    tl.store(out_ptr + row * out_stride + idx, _gumbel(key, idx), mask=idx < vocab)
-
-
 def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """The Gumbel noise the draws add, materialised (tests): within ~2e-6 of gumbel_noise_ref."""
-    return _noise(_gumbel_noise_kernel, seeds, offsets, vocab)
+    return _noise(seeds, offsets, vocab, gumbel=True)
 
 
 def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """The kernel's noise, materialised (for tests and debugging): equals uniform_noise_ref bit for bit."""
-    return _noise(_uniform_noise_kernel, seeds, offsets, vocab)
+    return _noise(seeds, offsets, vocab, gumbel=False)
 
 
-def _noise(kernel, seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+def _noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, gumbel: bool) -> torch.Tensor:
     check_tensor(seeds, "seeds", ndim=1, dtypes=(torch.int64,), contiguous=True)
     n_rows = seeds.shape[0]
     _check_row_params("offsets", offsets, n_rows, INDEX_DTYPES, seeds.device)
@@ -528,6 +524,6 @@ def _noise(kernel, seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> to
     if n_rows == 0 or vocab == 0:
         return out
     block_v = min(1024, triton.next_power_of_2(vocab))
-    kernel[(n_rows, triton.cdiv(vocab, block_v))](seeds, offsets, out, vocab, out.stride(0), BLOCK_V=block_v,
-                                                  num_warps=4)
+    _noise_kernel[(n_rows, triton.cdiv(vocab, block_v))](seeds, offsets, out, vocab, out.stride(0), BLOCK_V=block_v,
+                                                         GUMBEL=gumbel, num_warps=4)
     return out
