@@ -35,10 +35,15 @@ def _row_key(seed, offset):
 
 
 @triton.jit
+def _bits23(row_key, idx):
+    """The token's 23 random bits (u is (n + 0.5) * 2^-23): one mixing round per token, after the
+    golden-ratio multiply spreads consecutive indices."""
+    return _lowbias32(row_key ^ (idx.to(tl.uint32) * 0x9E3779B9)) >> 9
+
+
+@triton.jit
 def _uniform(row_key, idx):
-    # One mixing round per token: the golden-ratio multiply spreads consecutive indices first.
-    h = _lowbias32(row_key ^ (idx.to(tl.uint32) * 0x9E3779B9))
-    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+    return (_bits23(row_key, idx).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
 
 
 @triton.jit
@@ -57,7 +62,7 @@ def _gumbel(row_key, idx):
     logs cost half of what two exact ones do, and the noise is most of a draw's arithmetic. The inner
     log is the one that needs care: near u = 1, -log u is tiny and an absolute error of 2^-22.6 would
     swamp it, so there it is the series of -log(1 - w) in w = 1 - u (exact: u is on a 2^-23 grid)."""
-    n = _lowbias32(row_key ^ (idx.to(tl.uint32) * 0x9E3779B9)) >> 9
+    n = _bits23(row_key, idx)
     u = (n.to(tl.float32) + 0.5) * 1.1920928955078125e-07
     w = ((8388607 - n).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     near_one = w * (1.0 + w * (0.5 + w * (0.3333333333 + w * (0.25 + w * (0.2 + w * (0.1666666667 + w * (

@@ -12,8 +12,11 @@ from __future__ import annotations
 import threading
 
 import structlog
+import torch
 import triton
 import triton.language as tl
+
+from services.worker.engine.cuda_device import bind_thread
 
 log = structlog.get_logger("worker.triton")
 
@@ -40,10 +43,6 @@ def wait() -> None:
 
 
 def _first_launch(device) -> None:
-    import torch
-
-    from services.worker.engine.cuda_device import bind_thread
-
     try:
         bind_thread(device)
         x = torch.zeros(1, dtype=torch.int32, device=device)
