@@ -382,6 +382,16 @@ def sampling_inputs(batch: int, mode: str, device, dtype=torch.float32) -> tuple
     return logits.to(dtype), temperature, top_k, top_p, min_p, seeds, offsets
 
 
+def engine_rounds(args) -> dict:
+    """sample()'s optional launches as the engine asks for them (sampler.py): the chain's rounds and
+    the second read only for batches with rows that need them."""
+    from services.worker.kernels import sampling as K
+
+    t, k, p, mp = (x.tolist() for x in args[1:5])
+    chain, second_read = K.launches_needed(t, k, p, mp, args[0].shape[1])
+    return dict(chain_rounds=K.CHAIN_ROUNDS if chain else 0, second_read=second_read)
+
+
 def case_sampling(batch: int, mode: str, device, dtype=torch.float32) -> Result:
     from services.worker.kernels import sampling as K
 
@@ -389,8 +399,9 @@ def case_sampling(batch: int, mode: str, device, dtype=torch.float32) -> Result:
     logits, temperature = args[:2]
     tag = "" if dtype == torch.float32 else " bf16"
     res = Result("sampling", f"B={batch} V={VOCAB} {mode}{tag}", ok=False)
+    kw = engine_rounds(args)
     with poisoned_empty():
-        got = K.sample(*args)
+        got = K.sample(*args, **kw)
     want = K.sample_ref(*args)
     greedy = temperature == 0
     greedy_ok = bool(torch.equal(got[greedy], logits[greedy].argmax(-1)))
@@ -403,12 +414,12 @@ def case_sampling(batch: int, mode: str, device, dtype=torch.float32) -> Result:
     # Gumbel winner was checked, or top-p's estimated bound was too high; more: rejections or the
     # top-k select). The time is of calls without this count.
     reads = torch.zeros(batch, dtype=torch.int32, device=device)
-    same = bool(torch.equal(K.sample(*args, reads=reads), got))
+    same = bool(torch.equal(K.sample(*args, reads=reads, **kw), got))
     hist = {int(n): int(c) for n, c in zip(*torch.unique(reads, return_counts=True))}
     res.extra["reads_per_row"] = hist
     res.note = f"{mismatches} of {batch} rows differ; rows by reads {hist}"
     nbytes = logits.numel() * logits.element_size() + batch * 8 * 5
-    return finish(res, lambda: K.sample(*args), nbytes, greedy_ok and same and mismatches <= allowed
+    return finish(res, lambda: K.sample(*args, **kw), nbytes, greedy_ok and same and mismatches <= allowed
                   and bool(((got >= 0) & (got < VOCAB)).all()))
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.gpu_kernels import graph_us, sampling_inputs  # noqa: E402
+from bench.gpu_kernels import engine_rounds, graph_us, sampling_inputs  # noqa: E402
 from services.worker.kernels import sampling as K  # noqa: E402
 from services.worker.kernels import sampling_chain  # noqa: E402
 
@@ -46,10 +46,11 @@ def main() -> None:
     row = []
     for mode in MODES:
         a = sampling_inputs(n_rows, mode, dev, dtype)
+        kw_mode = {**engine_rounds(a), **kw}  # the engine's rounds unless --chain-rounds says
         reads = torch.zeros(n_rows, dtype=torch.int32, device=dev)
-        ok = bool(torch.equal(K.sample(*a, reads=reads, **kw), K.sample_ref(*a)))
+        ok = bool(torch.equal(K.sample(*a, reads=reads, **kw_mode), K.sample_ref(*a)))
         spread = "/".join(str(int((reads == r).sum())) for r in range(1, 7))  # rows read once, twice, ...
-        row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw)):.1f}{'' if ok else '!'} [{spread}]")
+        row.append(f"{mode} {graph_us(lambda: K.sample(*a, **kw_mode)):.1f}{'' if ok else '!'} [{spread}]")
     regs = []
     for kern in (K._stats_kernel, K._bounds_kernel, K._collect_kernel, K._collect_end_kernel, K._sample_kernel,
                  K._chain_round_kernel, K._chain_finish_kernel):

@@ -122,10 +122,10 @@ def test_bf16_logits_match_the_reference(block_v, num_splits, device):
 
 def test_bf16_top_p_chain_in_rounds(device):
     """A flat bf16 row under top-p keeps far more than the buffer: the chunked rounds' chain on
-    widened bf16 values."""
+    widened bf16 values, from pass 1's winner (kept: two reads; else a bound, a draw above it, ...)."""
     got, want, reads = _draws(_flat(1024).to(torch.bfloat16), 12, device, block_v=32, num_splits=2, top_p=0.9)
     assert torch.equal(got, want)
-    assert min(reads) >= 3
+    assert min(reads) == 2 and 3 not in reads and max(reads) >= 4
 
 
 @pytest.mark.parametrize("block_v", [None, 16])
@@ -246,8 +246,10 @@ def _flat(vocab, seed=0):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_bound_from_pass_one_fits_the_buffer(filters, num_splits, device):
     """The usual case: the group maxima of pass 1 bound the kept set from below tightly enough that
-    one more read puts every token above the bound in the buffer (64 here), where all is exact."""
-    got, want, reads = _draws(_peaked(1000), 12, device, block_v=64, num_splits=num_splits, **filters)
+    one more read puts every token above the bound in the buffer (64 here), where all is exact.
+    (Without rounds: with them, top-p rows without top-k take the chain from pass 1's winner.)"""
+    got, want, reads = _draws(_peaked(1000), 12, device, block_v=64, num_splits=num_splits, chain_rounds=0,
+                              **filters)
     assert torch.equal(got, want)
     assert reads == [2] * 12
 
@@ -259,12 +261,14 @@ def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, chain_rounds, de
     """Flat rows keep far more than the buffer: the bound's set yields its Gumbel winner, accepted
     (3 reads) or rejected, and the next read checks the winner above it (tiles both dense and sparse
     in the set, so noise is drawn in place and through the buffer, with refills). Top-p's links run in
-    the row program (chain_rounds 0), in chunked rounds, or in one round and then serially for the
-    rows it left pending: the same draws, the same reads. (Pass 1's four samples a lane bound these
-    sets closely enough that most chains end at their first link; top-p 0.9 still needs two.)"""
+    the row program (chain_rounds 0), in one round and then serially for the rows it left pending,
+    or, from pass 1's winner (chain rows, from two rounds on: its first link is a round, so a kept
+    one takes two reads), in chunked rounds: the same draws. (Pass 1's four samples a lane bound these sets closely
+    enough that most chains end at their first link; top-p 0.9 still needs two.)"""
     got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, chain_rounds=chain_rounds, **filters)
     assert torch.equal(got, want)
-    assert min(reads) == 3 and max(reads) >= longest
+    chain_row = chain_rounds >= 2 and "top_k" not in filters
+    assert min(reads) == (2 if chain_row else 3) and max(reads) >= longest
 
 
 def test_chain_ends_in_the_buffer_after_rejections(device):
@@ -279,17 +283,23 @@ def test_chain_ends_in_the_buffer_after_rejections(device):
     assert torch.equal(got, want)
     assert set(want.tolist()) <= set(range(0, 160, 16)) and len(set(want.tolist())) > 3
     assert reads == [3] * 12
-    # In chunked rounds there is no buffer: a rejected winner costs one round more, never a wrong draw.
+    # In chunked rounds there is no buffer, nor a scan: pass 1's winner is kept (2 reads) or leaves a
+    # bound, the next round draws above it and the one after weighs that winner (4, or 5 after a winner
+    # at +1.5): more reads, never a wrong draw.
     got, _, chunked = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4)
-    assert torch.equal(got, want) and set(chunked) <= {3, 4}
+    assert torch.equal(got, want) and set(chunked) <= {2, 4, 5}
 
 
 def test_loose_min_p_is_the_only_filter(device):
     """min-p alone keeping more than the buffer: its set is exact from the first scan, so that scan's
-    Gumbel winner is the draw, with no read to check it."""
-    got, want, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2)
+    Gumbel winner is the draw, with no read to check it. As a chain row (with rounds): pass 1's winner
+    is the draw where it passes min-p (one read), else the first round's winner above it (two)."""
+    got, want, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2, chain_rounds=0)
     assert torch.equal(got, want)
     assert reads == [2] * 8
+    got, _, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2)
+    assert torch.equal(got, want)
+    assert set(reads) == {1, 2}
 
 
 @pytest.mark.parametrize("vocab,block_v", [(1024, 32), (256, 16)])
@@ -321,7 +331,7 @@ def test_top_p_set_larger_than_the_buffer_splits_at_hi(min_p, device):
     bounds the threshold within a band of about 32 samples, the scan keeps the band and only draws
     the tokens above it, and their mass tells that every one of them is kept: one scan."""
     got, want, reads = _draws(_spiked(4096, 8, 6.0), 8, device, block_v=64, num_splits=8, temperature=0.8,
-                              top_p=0.9, min_p=min_p)
+                              top_p=0.9, min_p=min_p, chain_rounds=0)
     assert torch.equal(got, want)
     assert reads == [2] * 8
     assert len(set(want.tolist())) > 3
@@ -335,7 +345,7 @@ def test_split_below_the_threshold_falls_back_to_the_chain(device):
     row = _peaked(4096)
     lanes = torch.arange(64)
     row[torch.cat([lanes, lanes + 64])] = 7.999
-    got, want, reads = _draws(row, 8, device, block_v=64, num_splits=8, top_p=0.9)
+    got, want, reads = _draws(row, 8, device, block_v=64, num_splits=8, top_p=0.9, chain_rounds=0)
     assert torch.equal(got, want)
     assert reads == [3] * 8
 
@@ -343,7 +353,8 @@ def test_split_below_the_threshold_falls_back_to_the_chain(device):
 def test_mixed_batch_at_full_vocabulary(device):
     """The benchmark's mixed batch (greedy, top-k 40, top-p 0.9, min-p 0.1 in turn; V = 128,256 with
     64 tokens lifted by 8; 3 chunks per row, as at B = 256 on an H100): every row in two reads at
-    most, top-p rows keeping more than the buffer (2,048) among them."""
+    most but top-p's (chain rows, as min-p's: two where pass 1's winner is kept), whose kept sets
+    outgrow the buffer (2,048) in two rows."""
     n, vocab = 16, 128_256
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(n, vocab, generator=g) * 2.0
@@ -359,7 +370,8 @@ def test_mixed_batch_at_full_vocabulary(device):
     reads = torch.zeros(n, dtype=torch.int32, device=device)
     got = K.sample(*args, num_splits=3, reads=reads)
     assert torch.equal(got, K.sample_ref(*args))
-    assert reads.tolist() == [1, 2, 2, 2] * 4
+    assert reads.tolist()[0::4] == [1] * 4 and reads.tolist()[1::4] == [2] * 4
+    assert min(reads.tolist()[2::4]) == 2 and set(reads.tolist()[3::4]) <= {1, 2}  # chain rows: top-p, min-p
 
 
 @pytest.mark.parametrize("collect_splits", [2, 4])
@@ -408,7 +420,9 @@ def test_batch_of_every_path(device):
     reads = torch.zeros(6, dtype=torch.int32, device=device)
     got = K.sample(rows, t, k, p, mp, seeds, offsets, block_v=32, num_splits=2, reads=reads)
     assert torch.equal(got, K.sample_ref(rows, t, k, p, mp, seeds, offsets))
-    assert reads[:2].tolist() == [1, 1] and min(reads[2:].tolist()) >= 2 and reads[4].item() > 3
+    # Row 5 (min-p alone) is a chain row: pass 1's winner is its draw where it passes min-p.
+    assert reads[:2].tolist() == [1, 1] and min(reads[2:5].tolist()) >= 2 and reads[4].item() > 3
+    assert reads[5].item() in (1, 2)
     for i in range(6):
         one = slice(i, i + 1)
         assert torch.equal(K.sample(rows[one], t[one], k[one], p[one], mp[one], seeds[one], offsets[one],
@@ -456,7 +470,7 @@ def test_one_launch_shape_for_every_batch_size(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=K.max_splits(5000)), want)
 
 
-@pytest.mark.parametrize("chain_rounds", [0, K.CHAIN_ROUNDS])
+@pytest.mark.parametrize("chain_rounds", [0])  # with rounds, top-p rows without top-k are chain rows
 def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(chain_rounds, device):
     """2,000 tokens at 5.001 and 2,000 tied at 4.99 (the threshold), in neighbouring bins of pass 1's
     grid: the grid weighs the 5.001s at their bin's middle (5.0625), so their mass seems to reach p * Z
@@ -477,3 +491,29 @@ def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(chain_rounds
     assert torch.equal(got, want)
     assert min(reads) >= 4  # pass 1, the scan, the read from the bound, a link of the chain at least
     assert set(row[want.cpu()].tolist()) == {torch.tensor(5.001).item(), torch.tensor(4.99).item()}
+
+
+def test_launches_a_batch_needs():
+    """The engine skips the chain's rounds without chain rows (sampled, top-p or min-p, no top-k) and
+    the second read without sampled top-k rows; greedy rows need neither."""
+    v = 1000
+    assert K.launches_needed([1.0, 0.0], [0, 5], [1.0, 0.5], [0.0, 0.1], v) == (False, False)
+    assert K.launches_needed([1.0], [0], [0.9], [0.0], v) == (True, False)
+    assert K.launches_needed([1.0], [0], [1.0], [0.05], v) == (True, False)
+    assert K.launches_needed([1.0], [40], [0.9], [0.0], v) == (False, True)
+    assert K.launches_needed([1.0, 0.7], [v, 40], [0.9, 1.0], [0.0, 0.0], v) == (True, True)  # k >= V: no top-k
+
+
+def test_chain_rows_without_the_second_read(device):
+    """A batch of chain rows only (top-p, min-p, both; plain and greedy rows beside them) drawn with the
+    second read's launches skipped, as the engine does: the reference's draws."""
+    n = 8
+    rows = torch.stack([_flat(1024, i) for i in range(n)]).to(device)
+    t = torch.tensor([1.0, 0.8, 1.2, 0.0, 1.0, 0.9, 1.0, 0.7], device=device)
+    k = torch.zeros(n, dtype=torch.int32, device=device)
+    p = torch.tensor([0.9, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 1.0], device=device)
+    mp = torch.tensor([0.0, 0.2, 0.05, 0.0, 0.0, 0.0, 0.1, 0.5], device=device)
+    seeds, offsets = _seeds(n, device), torch.arange(n, device=device)
+    assert K.launches_needed(t.tolist(), k.tolist(), p.tolist(), mp.tolist(), 1024) == (True, False)
+    got = K.sample(rows, t, k, p, mp, seeds, offsets, block_v=32, num_splits=2, chain_block=32, second_read=False)
+    assert torch.equal(got, K.sample_ref(rows, t, k, p, mp, seeds, offsets))

@@ -63,7 +63,7 @@ def decode_kernels_with_pdl() -> None:
         "m_ptr": "*fp32",
         "z_ptr": "*fp32", "bound_ptr": "*fp32", "out_ptr": "*i64", "reads_ptr": "*i64", "part_mass_ptr": "*fp32",
         "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "vocab": "i32", "chunk": "i32", "splits": "i32"},
-        {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False}))
+        {"BLOCK": 2048, "BLOCK_S": 16, "COUNT_READS": False, "FIRST": True}))
     for ptx in ptxs[:-1]:
         # The wait comes before any global load: nothing is read before the kernel before it ended.
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
@@ -80,22 +80,24 @@ def sampler_kernels_for_bf16_logits() -> None:
     rows.update({"top_k_ptr": "*i32", "seeds_ptr": "*i64", "offsets_ptr": "*i64"})
     _compile(K._stats_kernel, {
         "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "part_score_ptr": "*fp32", "part_idx_ptr": "*i32",
-        "part_z_ptr": "*fp32", "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "vocab": "i32", "chunk": "i32",
-        "num_splits": "i32", "n_u": "i32"}, {"NL": 256, "BLOCK_V": 2048})
+        "part_z_ptr": "*fp32", "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "part_draw_ptr": "*fp32", "vocab": "i32",
+        "chunk": "i32", "num_splits": "i32", "n_u": "i32", "chain_first": "i32"}, {"NL": 256, "BLOCK_V": 2048})
     _compile(K._sample_kernel, {
         "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "out_ptr": "*i64", "reads_ptr": "*i32",
         "times_ptr": "*i64", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "part_z_ptr": "*fp32",
         "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "buf_l_ptr": "*fp32", "buf_i_ptr": "*i32", "cand_ptr": "*i32",
         "m_ptr": "*fp32", "z_ptr": "*fp32", "bound_ptr": "*fp32", "vocab": "i32", "num_splits": "i32", "n_u": "i32"},
         {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BLOCK_V": 2048, "SMALL": 256, "SCAN_ONLY": True,
-         "COUNT_READS": True, "TIMES": False, "DEFER": True, "GATE": True})
+         "COUNT_READS": True, "TIMES": False, "DEFER": True, "GATE": K._SERIAL.value})
     state = {p: "*fp32" for p in ("m_ptr", "z_ptr", "bound_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")}
     _compile(K._bounds_kernel, {
+        "logits_ptr": "*bf16", "logits_stride": "i32",
         **{p: t for p, t in rows.items() if p not in ("seeds_ptr", "offsets_ptr")}, "out_ptr": "*i64",
         "reads_ptr": "*i32", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32", "part_z_ptr": "*fp32",
-        "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "cand_ptr": "*i32", "arrived_ptr": "*i32",
-        **{p: "*fp32" for p in ("m_ptr", "z_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")}, "vocab": "i32",
-        "num_splits": "i32", "n_u": "i32"},
+        "part_u_ptr": "*fp32", "part_grid_ptr": "*i32", "part_draw_ptr": "*fp32", "cand_ptr": "*i32",
+        "arrived_ptr": "*i32",
+        **{p: "*fp32" for p in ("m_ptr", "z_ptr", "bound_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr")},
+        "vocab": "i32", "num_splits": "i32", "n_u": "i32", "chain_first": "i32"},
         {"BLOCK_S": 64, "BLOCK_U": 1024, "GRID_S": 16, "BAND": 1280, "COUNT_READS": False})
     _compile(K._collect_kernel, {
         "logits_ptr": "*bf16", "logits_stride": "i32", **rows, "cand_ptr": "*i32", "m_ptr": "*fp32",

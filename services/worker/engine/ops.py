@@ -62,10 +62,11 @@ class TorchOps:
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets, chain: bool = True,
-               one_shape: bool = False):
-        """chain False: the caller knows no row has top-p without top-k (the kernels skip the
-        launches of top-p's chunked chain); the reference has no such work. one_shape: one launch
-        shape whatever the batch size (one kernel variant to compile, for a rare input type)."""
+               second_read: bool = True, one_shape: bool = False):
+        """chain / second_read False: the caller knows no row needs the kernels' chunked chain or
+        their second read (sampling.launches_needed), whose launches are then skipped; the reference
+        has no such work. one_shape: one launch shape whatever the batch size (one kernel variant to
+        compile, for a rare input type)."""
         return sampling.sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
     def sample_warm_rows(self, vocab: int, max_rows: int, device: torch.device) -> list[int]:
@@ -138,9 +139,9 @@ class TritonOps(TorchOps):
             max_query_len=meta.max_query_len, tiles=meta.tiles)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets, chain: bool = True,
-               one_shape: bool = False):
+               second_read: bool = True, one_shape: bool = False):
         return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets,
-                               chain_rounds=sampling.CHAIN_ROUNDS if chain else 0,
+                               chain_rounds=sampling.CHAIN_ROUNDS if chain else 0, second_read=second_read,
                                num_splits=sampling.max_splits(logits.shape[1]) if one_shape else None)
 
     def sample_warm_rows(self, vocab: int, max_rows: int, device: torch.device) -> list[int]:

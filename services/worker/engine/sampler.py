@@ -10,6 +10,7 @@ import torch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.request import Request
+from services.worker.kernels.sampling import launches_needed
 
 
 @dataclass(slots=True)
@@ -115,7 +116,7 @@ class Sampler:
             sizes = rows if dtype == self.logits_dtype else list(dict.fromkeys((rows[0], rows[-1])))
             logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
             jobs += [(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n]) for n in sizes]
-            # A batch without top-p-only rows skips the chain: the row program's other variant.
+            # A batch without chain rows (top-p or min-p alone) skips the rounds: the row program's other variant.
             jobs += [(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
                      for n in dict.fromkeys((sizes[0], sizes[-1]))]
         self._warm_draws(jobs)
@@ -145,10 +146,10 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, float_rows: list[list[float]], int_rows: list[list[int]]) -> torch.Tensor:
         """float_rows: temperature, top_p, min_p; int_rows: top_k, seed, offset; one column a row."""
-        # Only a sampled row with top-p and no top-k can need top-p's chunked chain (sampling_chain.py):
-        # without one, its launches (~13 µs at B = 256 on an H100) are skipped.
-        chain = any(t > 0.0 and p < 1.0 and not 0 < k < self.vocab_size
-                    for t, p, k in zip(float_rows[0], float_rows[1], int_rows[0]))
+        # The kernels' launches for rows this batch has none of are skipped: the chunked chain's (rows with
+        # top-p or min-p and no top-k, sampling_chain.py), the second read's (rows with top-k).
+        chain, second_read = launches_needed(float_rows[0], int_rows[0], float_rows[1], float_rows[2],
+                                             self.vocab_size)
         floats = torch.tensor(float_rows, dtype=torch.float32)
         ints = torch.tensor(int_rows, dtype=torch.int64)
         if self.device.type == "cuda":
@@ -157,7 +158,7 @@ class Sampler:
         # Logits of another type than the model's (widened for penalties) compile kernel variants of
         # their own: one launch shape for every batch size keeps them to one set (warm_up).
         return self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2],
-                               chain=chain, one_shape=logits.dtype != self.logits_dtype)
+                               chain=chain, second_read=second_read, one_shape=logits.dtype != self.logits_dtype)
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         if not self._cuda:

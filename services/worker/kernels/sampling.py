@@ -32,17 +32,17 @@ from services.worker.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check, c
 from services.worker.kernels.sampling_ref import gumbel_noise_ref, sample_ref, uniform_noise_ref  # noqa: F401
 # The second read's buffer, scans and finish, and the noise and order keys, live beside this file.
 from services.worker.kernels.sampling_chain import (CHAIN_ROUNDS, _chain, _chain_finish_kernel,  # noqa: F401
-                                                    _chain_round_kernel, chain_splits)
+                                                    _chain_round_kernel, _chain_row, _first_winner, chain_splits)
 from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _drain, _float_key, _gumbel, _key_float,
                                                    _load_u, _row_count_select, _row_key, _row_params, _scan,
                                                    _tile_select, _uniform)
 # The second read split over chunks of the row, and the row states between the launches.
-from services.worker.kernels.sampling_collect import (_SERIAL, COLLECT_SPLITS, _bounds_kernel,  # noqa: F401
+from services.worker.kernels.sampling_collect import (_COLLECT, _SERIAL, COLLECT_SPLITS, _bounds_kernel,  # noqa: F401
                                                       _collect_end_kernel, _collect_kernel)
 from services.worker.kernels.sampling_collect import collect_splits as _collect_splits
 # Pass 1's grid of the lanes' largest values, and a row's pass-1 results reduced to its bounds.
 from services.worker.kernels.sampling_grid import (_GRID_BINS, _c_bound, _chunk_grid, _lane_stats, _needs_grid,
-                                                   _plain_token, _row_start)
+                                                   _row_start)
 
 # --- the kernel ----------------------------------------------------------------------------
 #
@@ -75,7 +75,8 @@ from services.worker.kernels.sampling_grid import (_GRID_BINS, _c_bound, _chunk_
 # count nor the per-row parameters' pointers (slices of one upload: their alignment follows B), and
 # the second kernel's block shapes follow only the vocabulary (launch_constants). Pass 1 keeps one
 # variant per power of two of the chunk count (its lane groups), few and small: warm_up compiles them.
-_NO_SPECIALIZE = ["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "num_splits", "n_u"]
+_NO_SPECIALIZE = ["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr", "num_splits", "n_u",
+                  "chain_first"]
 
 
 @triton.jit
@@ -104,13 +105,15 @@ def _draw_tile(x, idx, valid, greedy, inv_t, key, best, best_idx):
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _stats_kernel(
     logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, offsets_ptr,
-    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, vocab, chunk, num_splits, n_u,
-    NL: tl.constexpr, BLOCK_V: tl.constexpr,
+    part_score_ptr, part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, part_draw_ptr, vocab, chunk, num_splits, n_u,
+    chain_first, NL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over one vocabulary chunk of one row. Rows without filters: the chunk's best draw
-    (score, index). Filtered rows: the chunk's max l, its sum of exp(l - max), NL maxima of lane
-    groups, group j being lanes j, j + NL, ... (interleaved: neighbouring token ids, often alike,
-    fall in different groups), and the lanes' four largest values on the grid (_chunk_grid)."""
+    (score, index). Chain rows (sampling_chain.py): the chunk's max l, its sum of exp(l - max) and its
+    Gumbel winner (score, index). Other filtered rows: the chunk's max l, its sum of exp(l - max), NL
+    maxima of lane groups, group j being lanes j, j + NL, ... (interleaved: neighbouring token ids,
+    often alike, fall in different groups), and the lanes' four largest values on the grid
+    (_chunk_grid)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy, simple, inv_t, top_k, _, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
@@ -133,6 +136,13 @@ def _stats_kernel(
         s_max = tl.max(best, axis=0)
         tl.store(part_score_ptr + part, s_max)
         tl.store(part_idx_ptr + part, tl.min(tl.where(best == s_max, best_idx, vocab), axis=0))
+    elif _chain_row(use_k, use_p, tl.load(min_p_ptr + row), chain_first):
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        m, z, s_max, s_idx = _first_winner(base, start, end, inv_t, key, BLOCK_V)
+        tl.store(part_score_ptr + part, m)
+        tl.store(part_z_ptr + part, z)
+        tl.store(part_draw_ptr + part, s_max)
+        tl.store(part_idx_ptr + part, s_idx)
     else:
         grid = _needs_grid(top_k, use_k, use_p, n_u)
         if grid:  # the grid's samples: four values a lane
@@ -235,38 +245,31 @@ def _sample_kernel(
     SMALL: tl.constexpr, SCAN_ONLY: tl.constexpr, COUNT_READS: tl.constexpr, TIMES: tl.constexpr,
     DEFER: tl.constexpr, GATE: tl.constexpr,
 ):
-    """One program per row, after pass 1: reduces the chunks' results; filtered rows go on, reading
-    the row serially. With GATE, only rows the chunked second read left it (pending _SERIAL)."""
+    """One program per row, after pass 1 and the bounds launch: reduces the chunks' results; the
+    filtered rows in state GATE go on, reading the row serially: _COLLECT where no chunked second
+    read runs (large batches), else _SERIAL, the rows that read left it (sampling_collect.py)."""
     row = tl.program_id(0).to(tl.int64)
     if TIMES:
         t0 = globaltimer()
-    run = True
-    if GATE:  # after the chunked second read, only the rows it left for serial work (sampling_collect.py)
-        run = tl.load(cand_ptr + row) == _SERIAL
-    if run:
-        greedy, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(
-            temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    if tl.load(cand_ptr + row) == GATE:  # a filtered row: the bounds launch ended those without filters
+        _, _, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
+                                                                     vocab)
         s = tl.arange(0, BLOCK_S)
         part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-        reads = tl.full([], 1, tl.int32)
-        pending = tl.full([], -1, tl.int32)
-        if simple:
-            token = _plain_token(part_score, part_idx_ptr + row * num_splits, num_splits, vocab, BLOCK_S)
-        else:
-            m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
-                                                num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S,
-                                                BLOCK_V * 5 // 8)
-            key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
-            token, reads, pending, bound = _filtered_draw(
-                logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V, vocab, inv_t,
-                top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
-                BLOCK_V, SMALL, SCAN_ONLY, DEFER)
-            if GATE:  # the chunked read before (_collect_kernel) found this row needs serial work
-                reads += 1
-            if DEFER:
-                tl.store(m_ptr + row, m)
-                tl.store(z_ptr + row, z)
-                tl.store(bound_ptr + row, bound)
+        m, z, lo_k, lo_p, hi_p = _row_start(part_score, part_z_ptr, part_u_ptr, part_grid_ptr, part_score_ptr, row,
+                                            num_splits, n_u, top_k, top_p, use_k, use_p, BLOCK_S, BLOCK_U, GRID_S,
+                                            BLOCK_V * 5 // 8)
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
+        token, reads, pending, bound = _filtered_draw(
+            logits_ptr + row * logits_stride, buf_l_ptr + row * BLOCK_V, buf_i_ptr + row * BLOCK_V, vocab, inv_t,
+            top_k, top_p, min_p, use_k, use_p, key, m, z, part_u_ptr + row * n_u, n_u, lo_k, lo_p, hi_p, BLOCK_U,
+            BLOCK_V, SMALL, SCAN_ONLY, DEFER)
+        if GATE == _SERIAL:  # the chunked read before (_collect_kernel) found this row needs serial work
+            reads += 1
+        if DEFER:
+            tl.store(m_ptr + row, m)
+            tl.store(z_ptr + row, z)
+            tl.store(bound_ptr + row, bound)
         tl.store(out_ptr + row, token.to(tl.int64))
         if DEFER:
             tl.store(cand_ptr + row, pending)
@@ -348,14 +351,14 @@ def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: in
 
 def _collects(n_rows: int, device: torch.device) -> bool:
     """Whether the second read of a batch of n_rows is split over chunks of each row (sampling_collect.py)
-    rather than one program's per row. The split wins where the row programs leave SMs idle: on an
-    H100, bf16 logits, B = 1: 41 against 98 µs (top-k 50 and top-p 0.9), 75 against 167 (top-p sets
-    of thousands); B = 64: 67 against 110, 182 against 233. Once the row programs fill the GPU, top-p
-    sets of thousands overflow the chunks' regions: at B = 256 on an H200 the split read faster in
-    five modes of six (mixed 175 against 258 µs) but took 380 against 312 µs for those sets; routing
-    just those rows to the row program was slower still on an H100 (its launch then follows the
-    chunks' instead of running beside them; bench/collect_ab.sh, 2026-11-27)."""
-    return n_rows <= _num_sms(device)
+    rather than one program's per row: now always. The split wins where the row programs leave SMs
+    idle (H100, bf16 logits, B = 1: 41 against 98 µs with top-k 50 and top-p 0.9) and, since top-p's
+    sets of thousands take the chain rows' way (sampling_chain.py), at B = 256 too: top-k 50 and top-p
+    0.9 141 against 184 µs, the mixed mode 172 against 250, top-k 1 132 against 136 (H100,
+    2026-11-28); the chain rows' modes pay its empty launches, ~4 µs. (Before the chain rows, sets
+    of thousands overflowed the chunks' regions at B = 256: 380 against 312 µs on an H200.) The row
+    program's way stays for A/B runs (sample's collect_splits=0) and tests."""
+    return True
 
 
 def _block_v(vocab: int, block_v: int | None) -> int:
@@ -372,7 +375,7 @@ def sample(
     min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
     block_v: int | None = None, num_splits: int | None = None, reads: torch.Tensor | None = None,
     times: torch.Tensor | None = None, chain_rounds: int = CHAIN_ROUNDS, chain_block: int | None = None,
-    collect_splits: int | None = None,
+    collect_splits: int | None = None, second_read: bool = True,
 ) -> torch.Tensor:
     """Same contract as sample_ref: no host sync, allocations sized by shapes, graph-capturable.
 
@@ -389,7 +392,9 @@ def sample(
     finish (a caller that knows no row has top-p without top-k saves the rounds' launches so:
     engine/sampler.py). collect_splits: the second read's chunks per row (tests use small buffers
     split too); 0: the row program reads every filtered row alone, as before the split (A/B runs).
-    chain_block: the rounds' tile (tests use small ones)."""
+    chain_block: the rounds' tile (tests use small ones). second_read=False: the caller knows that no
+    row needs the second read (launches_needed), whose launches are then skipped; a row that did
+    would get no token."""
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     device = logits.device
     n_rows, vocab = logits.shape
@@ -426,23 +431,30 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
+    # Chain rows (sampling_chain.py) need a first round that sums Z and one that draws after it.
+    chain_first = int(chain_rounds >= 2)
     if collect_splits is None:
         collect_splits = None if _collects(n_rows, device) else 0
     # cand: per row its state (_DONE, _COLLECT, ...; a candidate of top-p's chain), then the rounds'
     # and the second read's arrival counts; m, Z and the sure bound per row (the rounds read them).
-    # The row program alone without rounds needs none of them (placeholders: no allocations a step).
-    if defer or collect_splits != 0:
-        cand = torch.empty((3, n_rows), **i32)
-        row_m, row_z, row_b = (torch.empty((n_rows,), **f32) for _ in range(3))
-    else:
-        cand, row_m, row_z, row_b = (out,) * 4
+    cand = torch.empty((3, n_rows), **i32)
+    row_m, row_z, row_b = (torch.empty((n_rows,), **f32) for _ in range(3))
+    part_draw = torch.empty((n_rows, num_splits), **f32)
     _stats_kernel[(n_rows, num_splits)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets,
-        part_score, part_idx, part_z, part_u, part_grid, vocab, chunk, num_splits, num_splits * n_groups,
-        NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
+        part_score, part_idx, part_z, part_u, part_grid, part_draw, vocab, chunk, num_splits, num_splits * n_groups,
+        chain_first, NL=n_groups, BLOCK_V=split_block, num_warps=8 if split_block >= 2048 else 4,
         enable_fp_fusion=False,
     )
     counts = out if reads is None else reads
+    # Rows without filters end here, chain rows (sampling_chain.py) wait for the rounds with their first
+    # candidate (or end here), the other filtered rows for the second read (_COLLECT).
+    c_rows = torch.empty((4, n_rows), **f32)  # C's bound, hi, the grid's lo_p and top-p's tail
+    _bounds_kernel[(n_rows,)](
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u, part_grid, part_draw,
+        cand, cand[1], row_m, row_z, row_b, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab, num_splits,
+        num_splits * n_groups, chain_first, BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8,
+        COUNT_READS=reads is not None, num_warps=4)
     row_program = dict(
         BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BLOCK_V=block_v, SMALL=min(block_v, 256),
         SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None, TIMES=times is not None, DEFER=defer,
@@ -451,19 +463,18 @@ def sample(
     row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
                 out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
                 row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
+    if not second_read:
+        if defer:
+            _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
+                          reads, buf_l, buf_i, block_v, chain_rounds, chain_block)
+        return out
     if collect_splits == 0:  # the second read by the row program alone
-        _sample_kernel[(n_rows,)](*row_args, GATE=False, **row_program)
+        _sample_kernel[(n_rows,)](*row_args, GATE=_COLLECT.value, **row_program)
         if defer:
             _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
                           reads, buf_l, buf_i, block_v, chain_rounds, chain_block)
         return out
     c_chunk, c_splits, region = _collect_splits(vocab, block_v, collect_splits)
-    c_rows = torch.empty((4, n_rows), **f32)  # C's bound, hi, the grid's lo_p and top-p's tail
-    _bounds_kernel[(n_rows,)](
-        temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u, part_grid, cand, cand[1],
-        row_m, row_z, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab, num_splits, num_splits * n_groups,
-        BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8, COUNT_READS=reads is not None,
-        num_warps=4)
     part_f = torch.empty((n_rows, c_splits * 3), **f32)
     part_i = torch.empty((n_rows, c_splits * 3), **i32)
     _collect_kernel[(n_rows, c_splits)](
@@ -477,7 +488,7 @@ def sample(
         chain_rounds, REGION=region, CAP=block_v, BLOCK_S=triton.next_power_of_2(c_splits), BLOCK_U=block_u,
         SMALL=min(block_v, 256), COUNT_READS=reads is not None, num_warps=8 if block_v >= 2048 else 4,
         enable_fp_fusion=False)
-    _sample_kernel[(n_rows,)](*row_args, GATE=True, **row_program)
+    _sample_kernel[(n_rows,)](*row_args, GATE=_SERIAL.value, **row_program)
     _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
                   buf_l, buf_i, block_v, chain_rounds, chain_block)
     return out
@@ -493,17 +504,34 @@ def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand
     part_idx = torch.empty((n_rows, splits), **i32)
     part_mass, part_score = torch.empty((n_rows, splits), **f32), torch.empty((n_rows, splits), **f32)
     counts = reads if reads is not None else out
-    for _ in range(rounds):
+    for r in range(rounds):
         _chain_round_kernel[(n_rows, splits)](
             logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand[0], cand[1], row_m, row_z,
             row_b,
             out, counts, part_mass, part_score, part_idx, vocab, chunk, splits, BLOCK=chain_block,
             BLOCK_S=triton.next_power_of_2(splits), COUNT_READS=reads is not None,
-            num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)
+            # The first round only weighs (sampling_chain.py) where chain rows exist (two rounds or
+            # more: the serial finish takes candidates, not bounds).
+            FIRST=r == 0 and rounds >= 2, num_warps=8 if chain_block >= 2048 else 4, enable_fp_fusion=False)
     _chain_finish_kernel[(n_rows,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, cand[0], row_m, row_z, out,
         counts, buf_l, buf_i, vocab, BLOCK_V=block_v, SMALL=min(block_v, 256), COUNT_READS=reads is not None,
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
+
+
+def launches_needed(temperature, top_k, top_p, min_p, vocab: int) -> tuple[bool, bool]:
+    """Which of sample()'s optional launches a batch needs, by its per-row parameters on the host
+    (sequences): (chain, second_read). chain: some row is a chain row (sampled, top-p or min-p, no
+    top-k: sampling_chain.py), so sample() needs its chain_rounds; without one, chain_rounds=0 skips
+    the rounds' launches (~4 µs each at B = 256 on an H100). second_read: some sampled row has top-k
+    (every other filtered row is a chain row when the rounds run); without one, second_read=False
+    skips that read's launches (~6 µs)."""
+    chain = second = False
+    for t, k, p, mp in zip(temperature, top_k, top_p, min_p):
+        if t > 0.0:
+            second |= 0 < k < vocab
+            chain |= (p < 1.0 or mp > 0.0) and not 0 < k < vocab
+    return chain, second
 
 
 def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -13,6 +13,18 @@ that of the set it was drawn from), so after CHAIN_ROUNDS rounds hardly any row 
 (_chain_finish_kernel, the row program's own chain). Top-k rows keep the serial chain: their links
 are kept with probability mass(top-k set) / mass(set), which can be small, and the buffer ends them.
 The launches are fixed in number and shape (CUDA graphs); rows without a candidate return at once.
+
+Chain rows (top-p or min-p, without top-k, when rounds run: _chain_row) skip the second read and
+the row program altogether. Pass 1 also draws each chunk's Gumbel winner over all of its tokens
+(_first_winner); the bounds launch takes the row's winner w as the chain's first candidate
+(_chain_start), or as the draw where min-p alone filters the row and w passes it, or as a bound (its
+l) to draw above where w lies below min-p. The first round (FIRST) only weighs the mass above a
+candidate, drawing nothing (no noise: half of a draw's arithmetic) since p or more of the candidates
+are kept there; a rejected one leaves its l as a bound that the next round draws above. Without
+top-p, the winner above a bound is the draw. (B = 256, H100, bf16: the broad mode's row program
+alone took 186 µs; this way the whole draw takes 194. Z summed in the first round rather than in
+pass 1 made pass 1 20 µs faster and the rounds 25 slower: that round then takes an exp for every
+token, where above a candidate most tiles hold none.)
 A row whose first scan showed pass 1's estimate above the threshold waits with a sure bound instead
 of a candidate (-2): its first round draws the winner above that bound, which a row program would
 have read alone, serially.
@@ -26,9 +38,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.worker.kernels.sampling_scan import _NONE, _better, _finish, _row_key, _scan
+from services.worker.kernels.sampling_scan import _NONE, _better, _finish, _gumbel, _row_key, _scan
 
-CHAIN_ROUNDS = 3  # H100, B = 256, broad mode: 668 / 560 / 467 / 471 µs at 0 / 2 / 3 / 4 rounds
+CHAIN_ROUNDS = 5  # chain rows start here: a round keeps each candidate with probability >= p
 CHAIN_SPLITS = 16  # programs per row in a round (at most): a lone pending row is read 16 ways
 
 
@@ -38,6 +50,64 @@ def chain_splits(vocab: int, block: int) -> tuple[int, int]:
     blocks = triton.cdiv(vocab, block)
     per = triton.cdiv(blocks, min(blocks, CHAIN_SPLITS))
     return per * block, triton.cdiv(blocks, per)
+
+
+@triton.jit
+def _chain_row(use_k, use_p, min_p, chain_first):
+    """Whether a filtered row is a chain row: top-p or min-p without top-k, when the rounds run."""
+    return (use_p | (min_p > 0.0)) & (use_k == 0) & (chain_first != 0)
+
+
+@triton.jit
+def _first_tile(x, idx, end, inv_t, key, lane_max, lane_z, best, best_idx):
+    """One tile of a chain row's pass 1: the lanes' max and sum of exp(l - max) (one exp a token, as
+    sampling_grid._lane_update), and their Gumbel winners over every token (ties: the lane's first)."""
+    ok = idx < end
+    l = tl.where(ok, x.to(tl.float32) * inv_t, float("-inf"))
+    new_max = tl.maximum(lane_max, l)
+    ref = tl.where(new_max > float("-inf"), new_max, 0.0)
+    d = tl.exp(tl.minimum(lane_max, l) - ref)
+    lane_z = tl.where(l > lane_max, lane_z * d + 1.0, lane_z + d)
+    score = tl.where(ok, l + _gumbel(key, idx), float("-inf"))
+    better = score > best
+    return new_max, lane_z, tl.where(better, score, best), tl.where(better, idx, best_idx)
+
+
+@triton.jit
+def _first_winner(base, start, end, inv_t, key, BLOCK_V: tl.constexpr):
+    """A chain row's chunk [start, end) in pass 1: (max l, sum of exp(l - max), the Gumbel winner's
+    score and index, ties to the lowest index). Two tiles a step, both read before either is used."""
+    cols = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_z = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = start + cols
+    for v0 in range(start, end, 2 * BLOCK_V):
+        idx = v0 + cols
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
+        x2 = tl.load(base + idx + BLOCK_V, mask=idx + BLOCK_V < end, other=float("-inf"))
+        lane_max, lane_z, best, best_idx = _first_tile(x, idx, end, inv_t, key, lane_max, lane_z, best, best_idx)
+        lane_max, lane_z, best, best_idx = _first_tile(x2, idx + BLOCK_V, end, inv_t, key, lane_max, lane_z, best,
+                                                       best_idx)
+    m = tl.max(lane_max, axis=0)
+    z = tl.sum(tl.where(lane_max > float("-inf"), lane_z * tl.exp(lane_max - m), 0.0), axis=0)
+    s_max = tl.max(best, axis=0)
+    return m, z, s_max, tl.min(tl.where(best == s_max, best_idx, _NONE), axis=0)
+
+
+@triton.jit
+def _chain_start(part_score, part_z_ptr, part_draw_ptr, part_idx_ptr, num_splits, BLOCK_S: tl.constexpr):
+    """A chain row's pass-1 results reduced (part_score: its chunks' maxima, loaded; the others at their
+    row's start): m, Z and the row's Gumbel winner (_NONE if every l is -inf)."""
+    s = tl.arange(0, BLOCK_S)
+    ok = s < num_splits
+    m = tl.max(part_score, axis=0)
+    part_z = tl.load(part_z_ptr + s, mask=ok, other=0.0)
+    z = tl.sum(tl.where(part_score > float("-inf"), part_z * tl.exp(part_score - m), 0.0), axis=0)
+    draw = tl.load(part_draw_ptr + s, mask=ok, other=float("-inf"))
+    best_s = tl.max(draw, axis=0)
+    best = tl.min(tl.where(ok & (draw == best_s), tl.load(part_idx_ptr + s, mask=ok, other=_NONE), _NONE), axis=0)
+    return m, z, tl.where(best_s > float("-inf"), best, _NONE)
 
 
 @triton.jit
@@ -68,10 +138,12 @@ def _chain(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_p, key, m,
 
 
 @triton.jit
-def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr, part_idx_ptr,
-                splits, cand, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
+def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
+                part_idx_ptr, splits, cand, cand_ok, l_c, drew, BLOCK_S: tl.constexpr, COUNT_READS: tl.constexpr):
     """A pending row after its round: its candidate is kept (the draw), or the winner above it is
-    the next candidate; with none there, nothing is kept (index 0, as the serial chain). The
+    the next candidate; with none there, nothing is kept (index 0, as the serial chain). A round
+    that did not draw (drew 0: FIRST) leaves a rejected candidate's l as the bound to draw above;
+    without top-p, a winner above a bound is the draw. The
     chunks' results are read through L2 (.cg): other programs wrote them this round, and an L1 line
     of an earlier round's read may still be here."""
     s = tl.arange(0, BLOCK_S)
@@ -82,10 +154,19 @@ def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_p
     idx = tl.load(part_idx_ptr + at, mask=ok, other=_NONE, cache_modifier=".cg")
     best_s = tl.max(score, axis=0)
     best = tl.min(tl.where(score == best_s, idx, _NONE), axis=0)
-    # A row waiting at a sure bound (cand -2) has no candidate to keep: the winner above it is its first.
-    kept = (cand >= 0) & (mass < tl.load(top_p_ptr + row).to(tl.float32) * tl.load(z_ptr + row))
+    z = tl.load(z_ptr + row)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    # A row waiting at a sure bound (cand -2) has no candidate to keep: the winner above it is its first;
+    # nor has one whose candidate (a chain row's first) lies below min-p.
+    kept = (cand >= 0) & cand_ok & ((top_p >= 1.0) | (mass < top_p * z))
     if kept:
         tl.store(out_ptr + row, cand.to(tl.int64))
+        tl.store(cand_ptr + row, -1)
+    elif drew == 0:
+        tl.store(bound_ptr + row, l_c)
+        tl.store(cand_ptr + row, -2)
+    elif (top_p >= 1.0) & (best < _NONE):  # min-p alone: the winner above the bound is the draw
+        tl.store(out_ptr + row, best.to(tl.int64))
         tl.store(cand_ptr + row, -1)
     elif best == _NONE:
         tl.store(out_ptr + row, tl.zeros([], tl.int64))
@@ -97,13 +178,14 @@ def _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_p
 
 
 @triton.jit
-def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i):
-    """One tile of a round: the mass above the candidate, and the Gumbel winner there."""
+def _round_tile(l, idx, end, l_c, m, min_p, key, mass, best_s, best_i, draw):
+    """One tile of a round: the mass above the candidate, and (draw) the Gumbel winner there."""
     above = (idx < end) & (l > l_c)
     if tl.max(above.to(tl.int32), axis=0) > 0:  # most tiles hold none above a late candidate: no exp, no noise
         e = tl.exp(l - m)
         mass += tl.sum(tl.where(above, e, 0.0), axis=0)
-        best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
+        if draw:
+            best_s, best_i = _better(l, idx, above & (e >= min_p), key, best_s, best_i)
     return mass, best_s, best_i
 
 
@@ -115,10 +197,10 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_pt
                         cand_ptr,
                         arrived_ptr, m_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
                         part_idx_ptr, vocab, chunk, splits, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                        COUNT_READS: tl.constexpr):
+                        COUNT_READS: tl.constexpr, FIRST: tl.constexpr):
     """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
-    Gumbel winner among those at or above min-p (as the serial scan finds them). No count: a pending
-    row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
+    Gumbel winner among those at or above min-p (as the serial scan finds them; FIRST: only for rows
+    with no candidate to keep, see the top). No count: a pending row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
     it to 0) takes the row's step, so a round is one launch. (A few programs per SM walking the
     pairs instead cost twice as much a round: each waits for its rows' candidates one by one.)"""
     row = tl.program_id(0).to(tl.int64)
@@ -133,10 +215,13 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_pt
         m = tl.load(m_ptr + row)
         key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(offsets_ptr + row).to(tl.int64))
         base = logits_ptr + row * logits_stride
+        cand_ok = cand >= 0
         if cand >= 0:
             l_c = tl.load(base + cand).to(tl.float32) * inv_t
+            cand_ok = tl.exp(l_c - m) >= min_p  # a chain row's first winner may lie below min-p
         else:
             l_c = tl.load(bound_ptr + row)
+        drew = (FIRST == 0) | (cand_ok == 0)
         cols = tl.arange(0, BLOCK)
         mass = tl.zeros([], tl.float32)
         best_s = tl.full([], float("-inf"), tl.float32)
@@ -148,9 +233,9 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_pt
             x = tl.load(base + idx, mask=idx < end, other=float("-inf"))
             x2 = tl.load(base + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
             mass, best_s, best_i = _round_tile(x.to(tl.float32) * inv_t, idx, end, l_c, m, min_p, key, mass, best_s,
-                                               best_i)
+                                               best_i, drew)
             mass, best_s, best_i = _round_tile(x2.to(tl.float32) * inv_t, idx + BLOCK, end, l_c, m, min_p, key, mass,
-                                               best_s, best_i)
+                                               best_s, best_i, drew)
         at = row * splits + split
         tl.store(part_mass_ptr + at, mass)
         tl.store(part_score_ptr + at, best_s)
@@ -158,8 +243,8 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_pt
         # Release: this chunk's results before its arrival; acquire: the others' before the step.
         if tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") == splits - 1:
             tl.store(arrived_ptr + row, 0)
-            _chain_step(row, top_p_ptr, cand_ptr, z_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
-                        part_idx_ptr, splits, cand, BLOCK_S, COUNT_READS)
+            _chain_step(row, top_p_ptr, cand_ptr, z_ptr, bound_ptr, out_ptr, reads_ptr, part_mass_ptr, part_score_ptr,
+                        part_idx_ptr, splits, cand, cand_ok, l_c, drew, BLOCK_S, COUNT_READS)
 
 
 @triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "offsets_ptr"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.sampling_chain import _chain_row, _chain_start
 from services.worker.kernels.sampling_grid import _c_bound, _plain_token, _row_start
 from services.worker.kernels.sampling_scan import (_NEG_INF_KEY, _NONE, _append, _better, _compact, _drain, _finish,
                                                    _float_key, _key_float, _load_u, _row_key, _row_params,
@@ -54,25 +55,49 @@ def collect_splits(vocab: int, block_v: int, want: int | None = None) -> tuple[i
 
 
 @triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "num_splits", "n_u", "arrived_ptr",
-                               "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr"])
+                               "bound_ptr", "beta_ptr", "hi_ptr", "lo_p_ptr", "tail_ptr", "chain_first"])
 def _bounds_kernel(
-    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr, part_idx_ptr, part_z_ptr,
-    part_u_ptr, part_grid_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab,
-    num_splits, n_u, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr,
-    COUNT_READS: tl.constexpr,
+    logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, reads_ptr, part_score_ptr,
+    part_idx_ptr, part_z_ptr, part_u_ptr, part_grid_ptr, part_draw_ptr, cand_ptr, arrived_ptr, m_ptr, z_ptr, bound_ptr,
+    beta_ptr, hi_ptr, lo_p_ptr, tail_ptr, vocab, num_splits, n_u, chain_first, BLOCK_S: tl.constexpr,
+    BLOCK_U: tl.constexpr, GRID_S: tl.constexpr, BAND: tl.constexpr, COUNT_READS: tl.constexpr,
 ):
-    """One program per row, after pass 1, before the chunked second read (below): rows
-    without filters take pass 1's draw; filtered rows get m, Z and C's bounds, and wait for that read
-    (or the row program's)."""
+    """One program per row, after pass 1, before the second read (the chunked one below, or the row
+    program's): rows without filters take pass 1's draw; chain rows get m, Z and their first candidate,
+    pass 1's winner w (sampling_chain.py), or w's l as a bound where w lies below min-p, or w as the
+    draw where min-p alone filters the row and w passes it; the other filtered rows m, Z and C's
+    bounds, and wait for that read (_COLLECT)."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0)
-    _, simple, _, top_k, top_p, _, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab)
+    _, simple, inv_t, top_k, top_p, min_p, use_k, use_p = _row_params(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
+                                                                      vocab)
     s = tl.arange(0, BLOCK_S)
     part_score = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     if simple:
         token = _plain_token(part_score, part_idx_ptr + row * num_splits, num_splits, vocab, BLOCK_S)
         tl.store(out_ptr + row, token.to(tl.int64))
         tl.store(cand_ptr + row, _DONE)
+        if COUNT_READS:
+            tl.store(reads_ptr + row, 1)
+    elif _chain_row(use_k, use_p, min_p, chain_first):
+        m, z, first = _chain_start(part_score, part_z_ptr + row * num_splits, part_draw_ptr + row * num_splits,
+                                   part_idx_ptr + row * num_splits, num_splits, BLOCK_S)
+        tl.store(m_ptr + row, m)
+        tl.store(z_ptr + row, z)
+        if first == _NONE:  # every l at -inf: nothing kept, index 0 (as the reference's argmax)
+            tl.store(out_ptr + row, tl.zeros([], tl.int64))
+            tl.store(cand_ptr + row, _DONE)
+        else:
+            l_w = tl.load(logits_ptr + row * logits_stride + first).to(tl.float32) * inv_t
+            if tl.exp(l_w - m) >= min_p:
+                if use_p:
+                    tl.store(cand_ptr + row, first)
+                else:  # min-p alone: the winner over all of the row, in its kept set, is the draw
+                    tl.store(out_ptr + row, first.to(tl.int64))
+                    tl.store(cand_ptr + row, _DONE)
+            else:  # every kept token lies above w: the first round draws there
+                tl.store(bound_ptr + row, l_w)
+                tl.store(cand_ptr + row, _BOUND)
         if COUNT_READS:
             tl.store(reads_ptr + row, 1)
     else:
