@@ -19,7 +19,7 @@ class _Recording(TorchOps):
         self.seen: list[torch.Tensor] = []
         self.one_shape: list[bool] = []
 
-    def sample(self, logits, *args, chain: bool = True, one_shape: bool = False):
+    def sample(self, logits, *args, chain: bool = True, second_read: bool = True, one_shape: bool = False):
         self.seen.append(logits)
         self.one_shape.append(one_shape)
         return super().sample(logits, *args)
