@@ -116,7 +116,7 @@ class Sampler:
             sizes = rows if dtype == self.logits_dtype else list(dict.fromkeys((rows[0], rows[-1])))
             logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
             jobs += [(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n]) for n in sizes]
-            # A batch without chain rows (top-p or min-p alone) skips the rounds: the row program's other variant.
+            # A batch without chain rows (top-p or min-p alone) skips the rounds: other variants.
             jobs += [(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
                      for n in dict.fromkeys((sizes[0], sizes[-1]))]
         self._warm_draws(jobs)

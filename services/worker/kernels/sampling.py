@@ -431,7 +431,7 @@ def sample(
     buf_l = torch.empty((n_rows, block_v), **f32)
     buf_i = torch.empty((n_rows, block_v), **i32)
     defer = chain_rounds > 0
-    # Chain rows (sampling_chain.py) need a first round that sums Z and one that draws after it.
+    # Chain rows (sampling_chain.py) need a first round that only weighs and one that draws after it.
     chain_first = int(chain_rounds >= 2)
     if collect_splits is None:
         collect_splits = None if _collects(n_rows, device) else 0
@@ -451,29 +451,41 @@ def sample(
     # candidate (or end here), the other filtered rows for the second read (_COLLECT).
     c_rows = torch.empty((4, n_rows), **f32)  # C's bound, hi, the grid's lo_p and top-p's tail
     _bounds_kernel[(n_rows,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u, part_grid, part_draw,
-        cand, cand[1], row_m, row_z, row_b, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab, num_splits,
-        num_splits * n_groups, chain_first, BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8,
+        logits, logits.stride(0), temperature, top_k, top_p, min_p, out, counts, part_score, part_idx, part_z, part_u,
+        part_grid, part_draw, cand, cand[1], row_m, row_z, row_b, c_rows[0], c_rows[1], c_rows[2], c_rows[3], vocab,
+        num_splits, num_splits * n_groups, chain_first, BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BAND=block_v * 5 // 8,
         COUNT_READS=reads is not None, num_warps=4)
+    if second_read:
+        _second_read(logits, temperature, top_k, top_p, min_p, seeds, offsets, out, counts, times, part_score,
+                      part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand, row_m, row_z, row_b, c_rows, n_groups,
+                      num_splits, block_v, collect_splits, chain_rounds, reads is not None)
+    # The rounds, then the serial finish, which also ends top-k's chains that the chunked read leaves.
+    if defer or (second_read and collect_splits != 0):
+        _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
+                      buf_l, buf_i, block_v, chain_rounds, chain_block)
+    return out
+
+
+def _second_read(logits, temperature, top_k, top_p, min_p, seeds, offsets, out, counts, times, part_score, part_idx,
+                 part_z, part_u, part_grid, buf_l, buf_i, cand, row_m, row_z, row_b, c_rows, n_groups, num_splits,
+                 block_v, collect_splits, chain_rounds, count_reads):
+    """The filtered rows that are not chain rows (_COLLECT): split over chunks of each row, then the row
+    program for those that read left it (_SERIAL); or (collect_splits 0) the row program alone."""
+    n_rows, vocab = logits.shape
+    device = logits.device
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    _, block_s, block_u, grid_s = launch_constants(vocab, block_v)
     row_program = dict(
         BLOCK_S=block_s, BLOCK_U=block_u, GRID_S=grid_s, BLOCK_V=block_v, SMALL=min(block_v, 256),
-        SCAN_ONLY=_SCAN_ONLY, COUNT_READS=reads is not None, TIMES=times is not None, DEFER=defer,
+        SCAN_ONLY=_SCAN_ONLY, COUNT_READS=count_reads, TIMES=times is not None, DEFER=chain_rounds > 0,
         # 128 registers at 8 warps: two programs per SM (ptxas would take ~180 with no need to).
         num_warps=8 if block_v >= 2048 else 4, maxnreg=128 if block_v >= 2048 else None, enable_fp_fusion=False)
     row_args = (logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out, counts,
                 out if times is None else times, part_score, part_idx, part_z, part_u, part_grid, buf_l, buf_i, cand,
                 row_m, row_z, row_b, vocab, num_splits, num_splits * n_groups)
-    if not second_read:
-        if defer:
-            _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
-                          reads, buf_l, buf_i, block_v, chain_rounds, chain_block)
-        return out
-    if collect_splits == 0:  # the second read by the row program alone
+    if collect_splits == 0:
         _sample_kernel[(n_rows,)](*row_args, GATE=_COLLECT.value, **row_program)
-        if defer:
-            _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out,
-                          reads, buf_l, buf_i, block_v, chain_rounds, chain_block)
-        return out
+        return
     c_chunk, c_splits, region = _collect_splits(vocab, block_v, collect_splits)
     part_f = torch.empty((n_rows, c_splits * 3), **f32)
     part_i = torch.empty((n_rows, c_splits * 3), **i32)
@@ -486,12 +498,9 @@ def sample(
         temperature, top_k, top_p, min_p, seeds, offsets, out, counts, cand, row_m, row_z, row_b, c_rows[0],
         c_rows[2], c_rows[3], part_f, part_i, part_u, buf_l, buf_i, vocab, c_splits, num_splits * n_groups,
         chain_rounds, REGION=region, CAP=block_v, BLOCK_S=triton.next_power_of_2(c_splits), BLOCK_U=block_u,
-        SMALL=min(block_v, 256), COUNT_READS=reads is not None, num_warps=8 if block_v >= 2048 else 4,
+        SMALL=min(block_v, 256), COUNT_READS=count_reads, num_warps=8 if block_v >= 2048 else 4,
         enable_fp_fusion=False)
     _sample_kernel[(n_rows,)](*row_args, GATE=_SERIAL.value, **row_program)
-    _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
-                  buf_l, buf_i, block_v, chain_rounds, chain_block)
-    return out
 
 
 def _chain_rounds(logits, temperature, top_k, top_p, min_p, seeds, offsets, cand, row_m, row_z, row_b, out, reads,
@@ -529,8 +538,12 @@ def launches_needed(temperature, top_k, top_p, min_p, vocab: int) -> tuple[bool,
     chain = second = False
     for t, k, p, mp in zip(temperature, top_k, top_p, min_p):
         if t > 0.0:
-            second |= 0 < k < vocab
-            chain |= (p < 1.0 or mp > 0.0) and not 0 < k < vocab
+            if 0 < k < vocab:
+                second = True
+            elif p < 1.0 or mp > 0.0:
+                chain = True
+            if chain and second:
+                break
     return chain, second
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.kernels.sampling_grid import _lane_update
 from services.worker.kernels.sampling_scan import _NONE, _better, _finish, _gumbel, _row_key, _scan
 
 CHAIN_ROUNDS = 5  # chain rows start here: a round keeps each candidate with probability >= p
@@ -60,17 +61,14 @@ def _chain_row(use_k, use_p, min_p, chain_first):
 
 @triton.jit
 def _first_tile(x, idx, end, inv_t, key, lane_max, lane_z, best, best_idx):
-    """One tile of a chain row's pass 1: the lanes' max and sum of exp(l - max) (one exp a token, as
-    sampling_grid._lane_update), and their Gumbel winners over every token (ties: the lane's first)."""
+    """One tile of a chain row's pass 1: the lanes' max and sum of exp(l - max) (_lane_update), and
+    their Gumbel winners over every token (ties: the lane's first)."""
     ok = idx < end
     l = tl.where(ok, x.to(tl.float32) * inv_t, float("-inf"))
-    new_max = tl.maximum(lane_max, l)
-    ref = tl.where(new_max > float("-inf"), new_max, 0.0)
-    d = tl.exp(tl.minimum(lane_max, l) - ref)
-    lane_z = tl.where(l > lane_max, lane_z * d + 1.0, lane_z + d)
     score = tl.where(ok, l + _gumbel(key, idx), float("-inf"))
     better = score > best
-    return new_max, lane_z, tl.where(better, score, best), tl.where(better, idx, best_idx)
+    lane_max, _, _, _, lane_z = _lane_update(l, lane_max, lane_max, lane_max, lane_max, lane_z, False)
+    return lane_max, lane_z, tl.where(better, score, best), tl.where(better, idx, best_idx)
 
 
 @triton.jit
@@ -200,8 +198,9 @@ def _chain_round_kernel(logits_ptr, logits_stride, temp_ptr, top_k_ptr, top_p_pt
                         COUNT_READS: tl.constexpr, FIRST: tl.constexpr):
     """One chunk of a pending row: the mass of the tokens strictly above the candidate's l, and the
     Gumbel winner among those at or above min-p (as the serial scan finds them; FIRST: only for rows
-    with no candidate to keep, see the top). No count: a pending row has no top-k. The row's last chunk to finish (arrived_ptr counts them; the row program set
-    it to 0) takes the row's step, so a round is one launch. (A few programs per SM walking the
+    with no candidate to keep, see the top). No count: a pending row has no top-k. The row's last
+    chunk to finish (arrived_ptr counts them; the bounds launch set it to 0) takes the row's step, so
+    a round is one launch. (A few programs per SM walking the
     pairs instead cost twice as much a round: each waits for its rows' candidates one by one.)"""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
