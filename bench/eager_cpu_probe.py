@@ -1,0 +1,133 @@
+"""CPU cost of an eager prompt step (W2's 8,192-token steps run outside the graphs) and the KV
+sizing's activation peak, for several sizes of the MLP's pieces (model.MLP_CHUNK_TOKENS).
+
+For each piece size: the dry run's activation peak (gpu_memory.dry_run_peak_bytes), then the
+step thread's CPU time (time.thread_time) to launch one forward of TOKENS tokens through every
+layer, its wall time to return, and its GPU time (to the synchronize), medians of REPEATS.
+Then the CPU time of one launch of each op the eager forward calls, at the same token count.
+
+Usage: python3 bench/eager_cpu_probe.py MODEL [TOKENS] [CHUNKS]   (CHUNKS: comma-separated, 0 = none)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from services.worker.engine import model as model_module
+from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.gpu_memory import dry_run_peak_bytes
+from services.worker.kernels.extend_attention import query_tiles
+
+REPEATS = 7
+
+
+def prompt_meta(engine, tokens: int) -> AttentionMetadata:
+    device, bs = engine.device, engine.config.block_size
+    n_blocks = math.ceil(tokens / bs)
+    return AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device),
+        block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        max_query_len=tokens, max_seq_len=tokens,
+        tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
+
+
+@torch.inference_mode()
+def forward_costs(engine, tokens: int) -> dict:
+    device = engine.device
+    meta = prompt_meta(engine, tokens)
+    ids = torch.randint(0, engine.model_config.vocab_size, (tokens,), device=device)
+    pos = torch.arange(tokens, device=device)
+    cpu, wall, gpu, queued = [], [], [], []
+    for i in range(REPEATS + 1):
+        torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        engine.model(ids, pos, engine.kv_cache.layers, meta)
+        c1, t1 = time.thread_time(), time.perf_counter()
+        # A second forward launched behind the first, as an overlapped step is behind the one in
+        # flight: its launches queue up while the GPU works, and may wait for room in the queue.
+        engine.model(ids, pos, engine.kv_cache.layers, meta)
+        c2 = time.thread_time()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i:  # the first pays for first launches
+            cpu.append(c1 - c0)
+            queued.append(c2 - c1)
+            wall.append(t1 - t0)
+            gpu.append((t2 - t0) / 2)
+    layers = engine.model_config.num_hidden_layers
+    return {"cpu_ms": 1e3 * statistics.median(cpu), "cpu_us_per_layer": 1e6 * statistics.median(cpu) / layers,
+            "cpu_ms_behind_a_step": 1e3 * statistics.median(queued),
+            "return_ms": 1e3 * statistics.median(wall), "gpu_ms": 1e3 * statistics.median(gpu)}
+
+
+@torch.inference_mode()
+def op_costs(engine, tokens: int, n: int = 20) -> dict:
+    """CPU µs of one launch of each op of the eager forward (queued behind each other on the GPU)."""
+    layer = engine.model.layers[0]
+    ops, mc, device = engine.ops, engine.model_config, engine.device
+    dtype = engine.dtype
+    x = torch.randn(tokens, mc.hidden_size, device=device, dtype=dtype)
+    res = torch.randn_like(x)
+    attn = layer.self_attn
+    qkv = attn.qkv_proj(x)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(tokens, attn.num_heads, attn.head_dim)
+    k = k.reshape(tokens, attn.num_kv_heads, attn.head_dim)
+    v = v.reshape(tokens, attn.num_kv_heads, attn.head_dim)
+    k_cache, v_cache = engine.kv_cache.layers[0]
+    meta = prompt_meta(engine, tokens)
+    pos = torch.arange(tokens, device=device)
+    gate_up = layer.mlp.gate_up_proj(x[:2048])
+    cases = {
+        "add_rmsnorm": lambda: ops.add_rmsnorm(x, res, layer.input_layernorm, 1e-5),
+        "qkv_proj (cuBLAS)": lambda: attn.qkv_proj(x),
+        "rope_kv_write": lambda: ops.rope_kv_write(q, k, v, pos, engine.model.cos_sin, k_cache, v_cache,
+                                                   meta.slot_mapping),
+        "attention (extend)": lambda: ops.attention(q, k_cache, v_cache, meta, attn.scale),
+        "silu_mul (2048 rows)": lambda: ops.silu_mul(gate_up),
+        "down_proj of 2048 rows": lambda: layer.mlp.down_proj(gate_up),
+    }
+    out = {}
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize()
+        c0 = time.thread_time()
+        for _ in range(n):
+            fn()
+        out[name] = 1e6 * (time.thread_time() - c0) / n
+        torch.cuda.synchronize()
+    return out
+
+
+def main() -> int:
+    model = sys.argv[1]
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    chunks = [int(c) for c in (sys.argv[3] if len(sys.argv) > 3 else "0,4096,2048").split(",")]
+    engine = LLMEngine(EngineConfig(model_dir=model, device="cuda", max_num_batched_tokens=tokens, max_num_seqs=1024,
+                                    cuda_graphs=False, mixed_graphs=False))
+    rows = []
+    for chunk in chunks:
+        model_module.MLP_CHUNK_TOKENS = chunk or (1 << 30)
+        peak = dry_run_peak_bytes(engine)
+        row = {"mlp_chunk": chunk or "none", "activation_peak_gib": round(peak / 2**30, 3)}
+        row.update({k: round(v, 2) for k, v in forward_costs(engine, tokens).items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"op_cpu_us": {k: round(v, 1) for k, v in op_costs(engine, tokens).items()}}), flush=True)
+    print("memory report:", json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                        for k, v in engine.memory_report.items()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
