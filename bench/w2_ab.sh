@@ -13,4 +13,5 @@ for name in $ORDER; do
   cache=/tmp/triton-cache; [ "${COLD:-0}" = 1 ] && cache=/tmp/triton-cache-${t%%:*}
   (cd "${t#*:}" && TRITON_CACHE_DIR=$cache OUT=$OUT/${t%%:*} SKIP_SETUP=1 W2_RUNS=${W2_RUNS:-1} STAGES="w2" \
     bash bench/gpu_bench.sh 2>&1 | tail -4 | sed "s/^/${t%%:*}: /")
+  grep -h "kv pool sized" /tmp/inferno-run/worker-0.log > "$OUT/${t%%:*}/kv_pool.log" 2>/dev/null  # the next tree's run removes it
 done
