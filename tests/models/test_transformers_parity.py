@@ -41,22 +41,6 @@ def test_prefill_logits_match(arch, model_dirs, hf_models):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_prefill_logits_match_with_the_mlp_in_pieces(arch, model_dirs, hf_models, monkeypatch):
-    """A long step's MLP runs MLP_CHUNK_TOKENS rows at a time (the KV pool gets the memory):
-    with pieces of 8 rows, a 45-token prompt goes through six, the last one short."""
-    from services.worker.engine import model as model_module
-
-    monkeypatch.setattr(model_module, "MLP_CHUNK_TOKENS", 8)
-    engine = make_engine(model_dirs[arch])
-    prompt = random_prompt(45, engine.model_config.vocab_size, seed=4)
-    ours = engine_prefill_logits(engine, prompt)
-    with torch.no_grad():
-        ref = hf_models(arch)(torch.tensor([prompt])).logits[0].float()
-    rel = (ours - ref).norm() / ref.norm()
-    assert rel < 1e-4, f"{arch}: relative error {rel:.2e}"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_generate(arch, model_dirs, hf_models):
     engine = make_engine(model_dirs[arch])

@@ -90,13 +90,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
-# A long step's MLP runs in pieces of this many tokens. Its [gate | up] output (2 x 14,336 columns at
-# 8B) and their SiLU product are a forward's largest activations, 0.66 GiB at 8,192 tokens: in pieces
-# they take a quarter of that, which the KV pool gets (the pool is sized from the largest step's peak),
-# and each GEMM is still as tall as a mixed graph's largest (2,048 rows keep the tensor cores busy).
-MLP_CHUNK_TOKENS = 2048
-
-
 class MLP(nn.Module):
     """gate_up_proj's [gate | up] of the normed input (DecoderLayer makes it), then down_proj."""
 
@@ -105,17 +98,6 @@ class MLP(nn.Module):
         # gate and up in one GEMM: rows [gate | up].
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, ops)
         self.down_proj = SiluMulLinear(cfg.intermediate_size, cfg.hidden_size, ops)
-
-    def forward(self, x):
-        """down_proj(silu(gate) * up) of the normed input x, MLP_CHUNK_TOKENS rows at a time."""
-        n = x.shape[0]
-        if n <= MLP_CHUNK_TOKENS:
-            return self.down_proj(self.gate_up_proj(x))
-        out = x.new_empty(n, self.down_proj.weight.shape[0])
-        for start in range(0, n, MLP_CHUNK_TOKENS):
-            end = min(start + MLP_CHUNK_TOKENS, n)
-            out[start:end] = self.down_proj(self.gate_up_proj(x[start:end]))
-        return out
 
 
 class DecoderLayer(nn.Module):
@@ -136,9 +118,6 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj)
         h = self.self_attn(qkv, positions, cos_sin, kv_cache, meta, ops)
-        if h.shape[0] > MLP_CHUNK_TOKENS:  # a long prompt step: the MLP in pieces (MLP_CHUNK_TOKENS)
-            h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-            return self.mlp(h), residual
         gate_up, residual = ops.add_rmsnorm_linear(h, residual, self.post_attention_layernorm, self.eps, gate_up_proj)
         return self.mlp.down_proj(gate_up), residual
 
