@@ -1,12 +1,16 @@
-"""CPU cost of an eager prompt step (W2's 8,192-token steps run outside the graphs) and the KV
-sizing's activation peak, for several sizes of the MLP's pieces (model.MLP_CHUNK_TOKENS).
+"""CPU cost of an eager prompt step (W2's 8,192-token steps run outside the graphs).
 
-For each piece size: the dry run's activation peak (gpu_memory.dry_run_peak_bytes), then the
-step thread's CPU time (time.thread_time) to launch one forward of TOKENS tokens through every
-layer, its wall time to return, and its GPU time (to the synchronize), medians of REPEATS.
-Then the CPU time of one launch of each op the eager forward calls, at the same token count.
+The step thread's CPU time (time.thread_time) to launch one forward of TOKENS tokens through every
+layer, alone and behind another one in flight, its wall time to return, and its GPU time (to the
+synchronize), medians of REPEATS; the dry run's activation peak (gpu_memory.dry_run_peak_bytes).
+Then the CPU time of one launch of each op the eager forward calls, at TOKENS tokens and at 16
+(where the GPU's work is too small to hold anything up).
 
-Usage: python3 bench/eager_cpu_probe.py MODEL [TOKENS] [CHUNKS]   (CHUNKS: comma-separated, 0 = none)
+(Measured with it on 2026-11-28: the MLP in 2,048- or 4,096-token pieces lowers the peak from 1.06
+to 0.68 / 0.77 GiB, but its extra launches fill the launch queue behind a step in flight, where
+the host then waits: 22.5 ms of CPU per step became 75 / 202 ms. Not kept.)
+
+Usage: python3 bench/eager_cpu_probe.py MODEL [TOKENS]
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import time
 
 import torch
 
-from services.worker.engine import model as model_module
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
@@ -71,7 +74,7 @@ def forward_costs(engine, tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def op_costs(engine, tokens: int, n: int = 20) -> dict:
+def op_costs(engine, tokens: int, n: int = 50) -> dict:
     """CPU µs of one launch of each op of the eager forward (queued behind each other on the GPU)."""
     layer = engine.model.layers[0]
     ops, mc, device = engine.ops, engine.model_config, engine.device
@@ -87,15 +90,15 @@ def op_costs(engine, tokens: int, n: int = 20) -> dict:
     k_cache, v_cache = engine.kv_cache.layers[0]
     meta = prompt_meta(engine, tokens)
     pos = torch.arange(tokens, device=device)
-    gate_up = layer.mlp.gate_up_proj(x[:2048])
+    gate_up = layer.mlp.gate_up_proj(x[:min(tokens, 2048)])
     cases = {
         "add_rmsnorm": lambda: ops.add_rmsnorm(x, res, layer.input_layernorm, 1e-5),
         "qkv_proj (cuBLAS)": lambda: attn.qkv_proj(x),
         "rope_kv_write": lambda: ops.rope_kv_write(q, k, v, pos, engine.model.cos_sin, k_cache, v_cache,
                                                    meta.slot_mapping),
         "attention (extend)": lambda: ops.attention(q, k_cache, v_cache, meta, attn.scale),
-        "silu_mul (2048 rows)": lambda: ops.silu_mul(gate_up),
-        "down_proj of 2048 rows": lambda: layer.mlp.down_proj(gate_up),
+        "silu_mul (<= 2048 rows)": lambda: ops.silu_mul(gate_up),
+        "down_proj (<= 2048 rows)": lambda: layer.mlp.down_proj(gate_up),
     }
     out = {}
     for name, fn in cases.items():
@@ -112,18 +115,14 @@ def op_costs(engine, tokens: int, n: int = 20) -> dict:
 def main() -> int:
     model = sys.argv[1]
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-    chunks = [int(c) for c in (sys.argv[3] if len(sys.argv) > 3 else "0,4096,2048").split(",")]
     engine = LLMEngine(EngineConfig(model_dir=model, device="cuda", max_num_batched_tokens=tokens, max_num_seqs=1024,
                                     cuda_graphs=False, mixed_graphs=False))
-    rows = []
-    for chunk in chunks:
-        model_module.MLP_CHUNK_TOKENS = chunk or (1 << 30)
-        peak = dry_run_peak_bytes(engine)
-        row = {"mlp_chunk": chunk or "none", "activation_peak_gib": round(peak / 2**30, 3)}
-        row.update({k: round(v, 2) for k, v in forward_costs(engine, tokens).items()})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    print(json.dumps({"op_cpu_us": {k: round(v, 1) for k, v in op_costs(engine, tokens).items()}}), flush=True)
+    row = {"activation_peak_gib": round(dry_run_peak_bytes(engine) / 2**30, 3)}
+    row.update({k: round(v, 2) for k, v in forward_costs(engine, tokens).items()})
+    print(json.dumps(row), flush=True)
+    for n in (tokens, 16):
+        print(json.dumps({"tokens": n, "op_cpu_us": {k: round(v, 1) for k, v in op_costs(engine, n).items()}}),
+              flush=True)
     print("memory report:", json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                         for k, v in engine.memory_report.items()}), flush=True)
     return 0

@@ -91,13 +91,17 @@ def profile_kv_blocks(engine) -> int:
     activation_peak = dry_run_peak_bytes(engine, seconds)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
+    # What torch's allocator holds (the weights, the rope table); the rest of in_use is outside it:
+    # the CUDA context, cuBLAS workspaces, loaded kernels, and any other process on the GPU.
+    reserved = torch.cuda.memory_reserved(device)
     budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
               - mixed_graph_bytes(engine))
     per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.kv_dtype)
     handoff = handoff_buffer_blocks(engine.config) * per_block
     blocks = max(0, (budget - handoff) // per_block)
     engine.memory_report = {
-        "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "activation_peak_gib": activation_peak / 2**30,
+        "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "torch_reserved_gib": reserved / 2**30,
+        "outside_torch_gib": (in_use - reserved) / 2**30, "activation_peak_gib": activation_peak / 2**30,
         "handoff_buffer_gib": handoff / 2**30,
         "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
         **seconds,
