@@ -29,14 +29,20 @@ def breakdown(engine, label: str) -> dict:
     tensors = list(engine.model.parameters()) + list(engine.model.buffers())
     ptrs = {t.untyped_storage().data_ptr() for t in tensors}
     own = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
-    others, segments = [], Counter()
+    others, segments, partly_free = [], Counter(), []
     for seg in torch.cuda.memory_snapshot():
         segments[(seg["stream"], seg["segment_type"])] += seg["total_size"]
         addr = seg["address"]
+        mine = []
         for block in seg["blocks"]:
             if block["state"] == "active_allocated" and addr not in ptrs:
                 others.append((addr, block["size"]))
+                mine.append(round(block["size"] / 2**20, 2))
             addr += block["size"]
+        if seg["allocated_size"] < seg["total_size"] or mine:  # a segment with free room, or a non-weight block
+            partly_free.append({"segment_mib": round(seg["total_size"] / 2**20, 2),
+                                "allocated_mib": round(seg["allocated_size"] / 2**20, 2),
+                                "blocks": [(b["state"][:6], round(b["size"] / 2**20, 2)) for b in seg["blocks"]][:8]})
     others.sort(key=lambda b: -b[1])
     out = {
         "at": label, "in_use_gib": (total - free) / GIB,
@@ -46,6 +52,7 @@ def breakdown(engine, label: str) -> dict:
         "largest_other_allocations_mib": [round(s / 2**20, 2) for _, s in others[:15]],
         "n_other_allocations": len(others),
         "segments_gib_by_stream": {f"{k[0]}/{k[1]}": round(v / GIB, 3) for k, v in segments.items()},
+        "segments_with_free_room_or_other_blocks": partly_free[:12],
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
     return out
@@ -59,6 +66,8 @@ def main() -> int:
 
     def probed(engine):
         breakdown(engine, "before the dry run")
+        gpu_memory.workspaces_first(engine)
+        breakdown(engine, "after workspaces_first")
         blocks = sizing(engine)
         breakdown(engine, "after the dry run")
         return blocks
