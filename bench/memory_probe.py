@@ -66,8 +66,6 @@ def main() -> int:
 
     def probed(engine):
         breakdown(engine, "before the dry run")
-        gpu_memory.workspaces_first(engine)
-        breakdown(engine, "after workspaces_first")
         blocks = sizing(engine)
         breakdown(engine, "after the dry run")
         return blocks

@@ -68,7 +68,9 @@ def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
     torch.cuda.synchronize()
     seconds["dry_head_s"] = time.perf_counter() - t0 - seconds["dry_forward_s"]
     peak = torch.cuda.max_memory_allocated(device) - base
-    del scratch, hidden, meta
+    # Every reference to the scratch pool goes before the cache is emptied: `layers` (views of its
+    # one buffer) kept the whole of it (1 GiB at 8B) cached, lost to the KV pool (H100, 2026-11-28).
+    del scratch, layers, hidden, meta, ids
     torch.cuda.empty_cache()
     return peak
 
@@ -85,21 +87,9 @@ def mixed_graph_bytes(engine) -> int:
     return tokens * per_token * engine.dtype.itemsize
 
 
-def workspaces_first(engine) -> None:
-    """Make this thread's cuBLAS workspace (32 MiB on the H100, held for the thread's life) before
-    the dry run: made by the dry run's first GEMM, it lands inside one of the activations' cached
-    segments, which then cannot go back to the driver, and the pool lost that whole segment (1.0 GiB
-    at 8B: torch held 16.06 GiB with 15.05 allocated when the pool was sized; H100, 2026-11-28)."""
-    x = torch.zeros(16, 16, dtype=engine.dtype, device=engine.device)
-    torch.mm(x, x)
-    torch.nn.functional.linear(x, x)
-    torch.cuda.synchronize(engine.device)
-
-
 def profile_kv_blocks(engine) -> int:
     device = engine.device
     seconds: dict = {}
-    workspaces_first(engine)
     activation_peak = dry_run_peak_bytes(engine, seconds)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # CUDA context, weights, allocator cache
