@@ -20,8 +20,10 @@ log = structlog.get_logger("worker.memory")
 # The decode graphs' pool and allocator slack (the mixed graphs share that pool: mixed_graph_bytes).
 # Measured at 8B on the H100 (2026-11-27, the "graphs captured" log): with 512 MiB here, 2.57 GiB free
 # and 0.61 cached once every graph was captured, i.e. ~0.54 GiB beyond the utilisation's share and the
-# largest eager step's activations; 384 MiB hands 0.125 of it to the KV pool.
-GRAPH_RESERVE_BYTES = 384 << 20
+# largest eager step's activations; 384 MiB hands 0.125 of it to the KV pool. With 384 MiB and 1,024
+# sequences (42 graphs; 2026-11-28): 2.24 GiB free and 0.77 cached, 0.66 GiB beyond the share; 320 MiB
+# hands 0.0625 more to the pool.
+GRAPH_RESERVE_BYTES = 320 << 20
 
 
 @torch.inference_mode()
