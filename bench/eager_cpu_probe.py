@@ -10,7 +10,7 @@ Then the CPU time of one launch of each op the eager forward calls, at TOKENS to
 to 0.68 / 0.77 GiB, but its extra launches fill the launch queue behind a step in flight, where
 the host then waits: 22.5 ms of CPU per step became 75 / 202 ms. Not kept.)
 
-Usage: python3 bench/eager_cpu_probe.py MODEL [TOKENS]
+Usage: python3 bench/eager_cpu_probe.py MODEL [TOKENS] [--profile]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def op_costs(engine, tokens: int, n: int = 50) -> dict:
 
 def main() -> int:
     model = sys.argv[1]
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 8192
     engine = LLMEngine(EngineConfig(model_dir=model, device="cuda", max_num_batched_tokens=tokens, max_num_seqs=1024,
                                     cuda_graphs=False, mixed_graphs=False))
     row = {"activation_peak_gib": round(dry_run_peak_bytes(engine) / 2**30, 3)}
@@ -123,6 +123,14 @@ def main() -> int:
     for n in (tokens, 16):
         print(json.dumps({"tokens": n, "op_cpu_us": {k: round(v, 1) for k, v in op_costs(engine, n).items()}}),
               flush=True)
+    if "--profile" in sys.argv:  # where a forward's launch CPU goes, by function (cProfile's own time)
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        forward_costs(engine, tokens)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     print("memory report:", json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                         for k, v in engine.memory_report.items()}), flush=True)
     return 0
