@@ -26,22 +26,13 @@ import torch
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.gpu_memory import dry_run_peak_bytes
-from services.worker.kernels.extend_attention import query_tiles
+from services.worker.engine.gpu_memory import dry_run_peak_bytes, one_prompt_metadata
 
 REPEATS = 7
 
 
 def prompt_meta(engine, tokens: int) -> AttentionMetadata:
-    device, bs = engine.device, engine.config.block_size
-    n_blocks = math.ceil(tokens / bs)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(tokens, device=device),
-        block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        max_query_len=tokens, max_seq_len=tokens,
-        tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
+    return one_prompt_metadata(tokens, math.ceil(tokens / engine.config.block_size), engine.device)
 
 
 @torch.inference_mode()

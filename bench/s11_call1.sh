@@ -1,14 +1,9 @@
 #!/usr/bin/env bash
 # Session 11, call 1: the eager step's CPU and the MLP pieces, then W2 A/B (session start vs this tree), W5b memory.
 set -u
-OUT=${OUT:-/tmp/inferno-out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
+source bench/s11_env.sh
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee $OUT/apps_start.txt
-SECONDS=0
-python3 -m services.cli make-model /tmp/llama-3.1-8b --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
-echo "make-model ${SECONDS}s"
 timeout 300 python3 bench/eager_cpu_probe.py /tmp/llama-3.1-8b 8192 0,4096,2048 2>&1 | grep -v '\[info\|\[debug' | tee $OUT/eager_cpu_probe.txt
 echo "probe done ${SECONDS}s"
 BASE=515e603 W2_RUNS=2 ORDER="new base" timeout 420 bash bench/w2_ab.sh 2>&1 | tail -12

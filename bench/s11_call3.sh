@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Session 11, call 3: the memory probe after the workspace fix, then W5b (KV), W1, W2 x2, W3 at this commit.
 set -u
-OUT=${OUT:-/tmp/inferno-out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
-SECONDS=0
-python3 -m services.cli make-model /tmp/llama-3.1-8b --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
-echo "make-model ${SECONDS}s"
+source bench/s11_env.sh
 timeout 200 python3 bench/memory_probe.py /tmp/llama-3.1-8b 1024 8192 2>&1 | grep -v '\[info\|\[debug' | tee $OUT/memory_probe.txt
 echo "memory probe ${SECONDS}s"
 SKIP_SETUP=1 W5_COLD=0 W2_RUNS=2 STAGES="w5 w1 w2 w3" timeout 420 bash bench/gpu_bench.sh > $OUT/gpu_bench.log 2>&1

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Session 11, call 5 (warm machine): the memory probe after the fix; W1 A/B of 1bfbff1 (ninth, 178.1) against this tree.
 set -u
-OUT=${OUT:-/tmp/inferno-out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
-[ -f /tmp/llama-3.1-8b/config.json ] || python3 -m services.cli make-model /tmp/llama-3.1-8b --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
+source bench/s11_env.sh
 timeout 200 python3 bench/memory_probe.py /tmp/llama-3.1-8b 1024 8192 2>&1 | grep -v '\[info\|\[debug' | cut -c1-420 | tee $OUT/memory_probe.txt
 rm -rf /tmp/tree-old; git worktree prune; git worktree add -f /tmp/tree-old ${OLD:-1bfbff1} >/dev/null 2>&1
 for i in 1 2; do for t in old:/tmp/tree-old new:$PWD; do

@@ -26,6 +26,19 @@ log = structlog.get_logger("worker.memory")
 GRAPH_RESERVE_BYTES = 320 << 20
 
 
+def one_prompt_metadata(tokens: int, n_blocks: int, device) -> AttentionMetadata:
+    """A step of one prompt of `tokens` tokens whose KV fills blocks 0, 1, ... in order."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device),
+        block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        max_query_len=tokens, max_seq_len=tokens,
+        # The tiled launch, as every eager step has (step_inputs.py): its kernel variant is
+        # compiled by the dry run, before ready, not by the first request's step.
+        tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
+
+
 @torch.inference_mode()
 def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
     """Activation bytes of the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows.
@@ -40,15 +53,7 @@ def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(tokens, device=device),
-        block_tables=torch.arange(n_blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        max_query_len=tokens, max_seq_len=tokens,
-        # The tiled launch, as every eager step has (step_inputs.py): its kernel variant is
-        # compiled here, before ready, not by the first request's step.
-        tiles=torch.from_numpy(query_tiles([tokens])).to(device=device, dtype=torch.int32))
+    meta = one_prompt_metadata(tokens, n_blocks, device)
     ids = torch.randint(0, mc.vocab_size, (tokens,), device=device)
     # Two layers (the model's forward stops with the caches it is given): activations live within a
     # layer, only the residual stream crosses, so the first two (the first has no residual yet) peak
