@@ -6,8 +6,10 @@ The worker starts without --model-dir and warms up (torch, CUDA, cuBLAS, pinned 
 the clock starts; the load request goes over its admin subject (as `inferno load-model` sends it);
 the first token is that of a 128-token prompt sent straight to the worker once the load is answered.
 Prints one JSON object: first_token_s (the W5a figure), ready_s, the worker's breakdown of each load.
+--drop-caches empties the page cache (root) once the worker is warm, just before the first load:
+its weights then come from the drive (W5a's second figure, against the drive's floor).
 
-  python bench/hot_load.py MODEL_DIR [--device cuda] [worker flags ...]
+  python bench/hot_load.py MODEL_DIR [--device cuda] [--drop-caches] [worker flags ...]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cold_start import drop_caches  # noqa: E402
 from bench.worker_probe import Probe  # noqa: E402
 from services.worker.admin_client import AdminClient  # noqa: E402
 
@@ -57,6 +60,8 @@ async def measure(args, extra: list[str]) -> dict:
                 pass
             await asyncio.sleep(0.05)
         warm_s = time.time() - t_spawn
+        if args.drop_caches:
+            drop_caches()
         first = await load_and_serve(probe, admin, args.model_dir, "first")
         await asyncio.sleep(args.settle)  # the graphs left after ready are captured meanwhile
         t_first, t_last = await probe.first_token("hot", max_tokens=32)
@@ -69,7 +74,7 @@ async def measure(args, extra: list[str]) -> dict:
         await probe.close()
     return {"first_token_s": first["first_token_s"], "ready_s": first["ready_s"],
             "replace_first_token_s": replace["first_token_s"], "replace_ready_s": replace["ready_s"],
-            "worker_warm_s": warm_s, "first": first, "replace": replace, "log": lines}
+            "worker_warm_s": warm_s, "page_cache": "dropped" if args.drop_caches else "warm", "first": first, "replace": replace, "log": lines}
 
 
 def main() -> int:
@@ -77,6 +82,7 @@ def main() -> int:
     ap.add_argument("model_dir")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds between the load and the replace")
+    ap.add_argument("--drop-caches", action="store_true", help="the first load reads the drive (root)")
     args, extra = ap.parse_known_args()
     print(json.dumps(asyncio.run(measure(args, extra))))
     return 0
