@@ -225,8 +225,13 @@ async def run(args) -> dict:
         hand_over(outputs)
         t1 = now()
         worker_s += t1 - t0
-        out_tokens += sum(len(o.new_token_ids) for o in outputs)
-        finished = sum(1 for o in outputs if o.finished)
+        if hasattr(outputs, "token_counts"):  # StepOutputs (columns)
+            out_tokens += int(outputs.token_counts.sum())
+            finished = sum(1 for o in outputs.special.values() if o.finished)
+        else:  # a list of RequestOutputs (commits before 2026-11-28)
+            out_tokens += sum(len(o.new_token_ids) for o in outputs)
+            finished = sum(1 for o in outputs if o.finished)
+        t1 = now()
         batches, published[:] = list(published), []
         for subject, data in batches:
             gw.router.on_batch(decode(TokenBatch, data))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from services.worker.engine.engine import EngineStats, RequestOutput
+from services.worker.engine.engine import EngineStats
+from services.worker.engine.step_outputs import RequestOutput, StepOutputs
 from shared.sampling_params import SamplingParams
 
 
@@ -34,7 +35,7 @@ class TokenEmitter:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.steps += 1
@@ -49,7 +50,7 @@ class TokenEmitter:
             else:
                 self.running[rid] = (prompt, params, n)
             outputs.append(out)
-        return outputs
+        return StepOutputs.of(outputs)
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.running), num_waiting=0, queued_prefill_tokens=0,

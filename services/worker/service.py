@@ -13,6 +13,7 @@ import structlog
 from services.worker.compile_watch import CompileWatch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
+from services.worker.engine.step_outputs import StepOutputs
 from services.worker.handoff import HandoffReceiver, HandoffSender
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, StepLoop
 from services.worker.token_batches import token_batches
@@ -287,7 +288,7 @@ class WorkerService:
             await self.sender.on_ready(msg)
 
     # -- outputs (called on the step thread) ------------------------------------------------------
-    def _on_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
+    def _on_outputs(self, outputs, routes: list[str], finished: bool) -> None:
         """`finished`: some request ended this step, freeing load the scheduler should know of."""
         # Packed on the event loop: it runs while the step thread waits on the GPU (GIL released).
         self._loop.call_soon_threadsafe(self._publish_outputs, outputs, routes, finished)
@@ -303,14 +304,15 @@ class WorkerService:
     def _on_kv_events(self, stored: list, removed: list) -> None:
         self._loop.call_soon_threadsafe(self._queue_kv_events, stored, removed)
 
-    def _publish_outputs(self, outputs, routes: dict[str, str], finished: bool) -> None:
-        if self.on_first_token is not None and any(getattr(o, "new_token_ids", None) for o in outputs):
+    def _publish_outputs(self, outputs, routes: list[str], finished: bool) -> None:
+        """`outputs`: a step's StepOutputs, or a list of Rejected adds; `routes`: each row's inbox."""
+        if self.on_first_token is not None and isinstance(outputs, StepOutputs) and outputs.any_tokens:
             self.on_first_token, first = None, self.on_first_token
             first()
         if finished:
             self._load_changed()
             if self.sender is not None and self.sender.pending:
-                done = [o.request_id for o in outputs if o.finished]
+                done = [o.request_id for o in outputs.ended() if o.finished]
                 if done:
                     asyncio.ensure_future(self.sender.finished_here(done))
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):

@@ -11,7 +11,6 @@ import threading
 import time
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 from typing import Callable
 
 import structlog
@@ -29,7 +28,6 @@ STATS_INTERVAL = 0.2  # seconds between load snapshots while busy
 BACKGROUND_GRACE = 0.2
 BACKGROUND_PERIOD = 0.2
 FINISH_STATS_GAP = 0.01  # ... but a step that finished requests refreshes it sooner
-_REQUEST_ID = attrgetter("request_id")
 
 
 @dataclass(slots=True)
@@ -90,7 +88,7 @@ class Rejected:
 
 
 class StepLoop(threading.Thread):
-    def __init__(self, engine, on_outputs: Callable[[list, dict[str, str], bool], None], eos_token_ids=(),
+    def __init__(self, engine, on_outputs: Callable[[object, list[str], bool], None], eos_token_ids=(),
                  on_kv_events: Callable[[list, list], None] | None = None,
                  on_handoff: Callable[[object], None] | None = None):
         super().__init__(name="step-loop", daemon=True)
@@ -137,7 +135,7 @@ class StepLoop(threading.Thread):
                 timeout = max(0.0, min(timeout, background_due - time.monotonic()))
             rejected = self._drain(block=idle, timeout=timeout)
             if rejected:
-                self.on_outputs(rejected, {}, False)
+                self.on_outputs(rejected, [r.reply_to for r in rejected], False)
             if self._waiting_reserves:
                 self._retry_reserves()
             if not self.engine.has_unfinished():
@@ -164,14 +162,14 @@ class StepLoop(threading.Thread):
         self.trace.record(seconds, getattr(engine, "last_step_tokens", 0), getattr(engine, "last_step_rows", 0),
                           len(self.reply_to))
 
-    def hand_over(self, outputs: list) -> None:
-        """A step's outputs (and the KV events and hand-offs behind them) to the service."""
+    def hand_over(self, outputs) -> None:
+        """A step's outputs (StepOutputs, and the KV events and hand-offs behind them) to the service,
+        with each row's gateway inbox."""
         reply_to = self.reply_to
-        rids = list(map(_REQUEST_ID, outputs))
-        routes = dict(zip(rids, map(reply_to.get, rids, repeat(""))))
-        handoffs = []
-        ended = [o for o in outputs if o.finish_reason is not None or o.handoff is not None]
+        routes = list(map(reply_to.get, outputs.request_ids, repeat("")))
+        ended = outputs.ended()
         finished = bool(ended)
+        handoffs = []
         for o in ended:
             reply_to.pop(o.request_id, None)
             if o.handoff is not None:

@@ -34,6 +34,9 @@ class BatchPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    sampling: list[Request] = field(default_factory=list)  # the requests of the rows that sample, in order
+    plain: bool = False  # every unfinished request is Request.plain: the draw is one argmax
+    handoffs: bool = False  # some unfinished request hands its KV on after its first token
 
     @property
     def is_empty(self) -> bool:
@@ -59,6 +62,10 @@ class Batcher:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the last is preempted first
         self._reserved: dict[str, Request] = {}  # blocks held for KV arriving from another worker
+        # Unfinished requests that are not Request.plain, and that hand off: a step asks these
+        # counts, not each of its thousand rows.
+        self._num_not_plain = 0
+        self._num_handoff = 0
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -66,8 +73,18 @@ class Batcher:
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected if it could never run even alone."""
         self._check_fits(request)
-        self._requests[request.request_id] = request
+        self._track(request)
         self._waiting.append(request)
+
+    def _track(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._num_not_plain += not request.plain
+        self._num_handoff += request.handoff
+
+    def _untrack(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._num_not_plain -= not request.plain
+        self._num_handoff -= request.handoff
 
     def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager
@@ -113,7 +130,7 @@ class Batcher:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self._running.append(request)
-        self._requests[request_id] = request
+        self._track(request)
         self.block_manager.cache_full_blocks(request)
         return request
 
@@ -133,9 +150,10 @@ class Batcher:
         return self._finish_early(request_id, RequestStatus.FINISHED_ERROR, message)
 
     def _finish_early(self, request_id: str, status: RequestStatus, error: str | None) -> Request | None:
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return None
+        self._untrack(request)
         if request.status == RequestStatus.RUNNING:
             self._running.remove(request)
         else:
@@ -156,6 +174,11 @@ class Batcher:
 
     def waiting_requests(self) -> list[Request]:
         return list(self._waiting)
+
+    @property
+    def all_plain(self) -> bool:
+        """Every unfinished request is Request.plain (greedy, no logprobs or logits processors)."""
+        return not self._num_not_plain
 
     @property
     def num_running(self) -> int:
@@ -226,7 +249,7 @@ class Batcher:
         # request that does not fit blocks those behind it, so long prompts are not starved.
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         if plan.preempted:
-            return plan
+            return self._sealed(plan)
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
             if request.num_pending_tokens:
@@ -244,6 +267,12 @@ class Batcher:
             budget -= num_new
             self._add_to_plan(scheduled, request, num_cached, num_new)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return self._sealed(plan)
+
+    def _sealed(self, plan: BatchPlan) -> BatchPlan:
+        plan.sampling = [s.request for s in plan.scheduled if s.samples]
+        plan.plain = self.all_plain
+        plan.handoffs = self._num_handoff > 0
         return plan
 
     @staticmethod
@@ -268,20 +297,24 @@ class Batcher:
 
     # ------------------------------------------------------------------ after the step
 
-    def update_from_output(self, plan: BatchPlan, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request by its chunk, append the sampled tokens, and return
-        the requests that finished this step (their blocks are already freed). Steps are
-        updated in the order they were scheduled."""
+    def update_from_output(self, plan: BatchPlan, sampled: list[int] | dict[str, int]) -> list[Request]:
+        """Advance every scheduled request by its chunk, append the sampled tokens (one per
+        plan.sampling row, in order; or by request id), and return the requests that finished
+        this step (their blocks are already freed). Steps are updated in the order they were
+        scheduled."""
+        if isinstance(sampled, dict):
+            sampled = [sampled.get(r.request_id) for r in plan.sampling]
         finished: list[Request] = []
         block_size = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         max_model_len = self.config.max_model_len
-        get = sampled.get
+        next_token = iter(sampled).__next__
         for item in plan.scheduled:
             request = item.request
             status = request.status
             samples = item.samples
+            token = next_token() if samples else None
             if status is running:
                 n = item.num_new_tokens
                 request.num_inflight_tokens -= n
@@ -291,7 +324,6 @@ class Batcher:
                 continue  # aborted, failed, or finished by the token of an earlier step
             if samples:
                 request.num_pending_tokens -= 1
-                token = get(request.request_id)
                 if token is None:
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = "the engine returned no sampled token for this request"
@@ -300,7 +332,7 @@ class Batcher:
                     tokens.append(token)
                     known = len(tokens)
                     if token in request.stop_ids and (
-                            known - len(request.prompt_token_ids) >= request.sampling_params.min_tokens):
+                            known - request.num_prompt_tokens >= request.sampling_params.min_tokens):
                         request.status = RequestStatus.FINISHED_STOPPED
                     elif known >= request.token_limit or known >= max_model_len:
                         request.status = RequestStatus.FINISHED_LENGTH
@@ -317,5 +349,5 @@ class Batcher:
             self._running = [r for r in self._running if r.status is running]
             for request in finished:
                 self.block_manager.free(request)
-                del self._requests[request.request_id]
+                self._untrack(request)
         return finished

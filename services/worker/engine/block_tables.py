@@ -11,7 +11,11 @@ gather of rows is the zero-padded table the kernels expect.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
+
+_TABLE_ROW = attrgetter("table_row")
 
 
 class BlockTables:
@@ -40,7 +44,7 @@ class BlockTables:
             request.table_row = -1
 
     def rows(self, requests) -> np.ndarray:
-        return np.fromiter((r.table_row for r in requests), dtype=np.int64, count=len(requests))
+        return np.fromiter(map(_TABLE_ROW, requests), dtype=np.int64, count=len(requests))
 
     def _take_row(self) -> int:
         if not self._free_rows:

@@ -9,11 +9,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+
+_REQUEST = attrgetter("request")
+_START = attrgetter("start")
+_PENDING = attrgetter("pending_input")
+_RID = attrgetter("request_id")
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -56,7 +62,6 @@ class _HostStage:
         self.tokens, self.pos, self.slots = h64[:B], h64[B:2 * B], h64[2 * B:3 * B]
         self.feed_dst, self.feed_src = h64[3 * B:4 * B], h64[4 * B:]
         self.seq_lens, self.tables = h32[:B], h32[B:].reshape(B, W)
-        self.row_owners: list = [None] * B  # (request id, block count) whose table a row holds
 
 
 class CudaGraphRunner:
@@ -91,6 +96,7 @@ class CudaGraphRunner:
         self.d_seq_lens, self.d_tables = d32[:B], d32[B:].view(B, W)
         self.d_qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.row_ids = np.arange(B, dtype=np.int64)
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -124,48 +130,48 @@ class CudaGraphRunner:
     def covers(self, scheduled) -> bool:
         if len(scheduled) > self.max_seqs:
             return False
-        return all(s.start + 1 <= self.max_graph_len for s in scheduled)
+        return not scheduled or max(map(_START, scheduled)) + 1 <= self.max_graph_len
 
     def run(self, scheduled, last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None):
         return self.launch(self.stage(scheduled, last_rows), last_ids)
 
     def stage(self, scheduled, last_rows: dict[str, int] | None = None, block_tables=None) -> GraphStep:
         """Write a decode step's static inputs into the next host stage. block_tables: the block
-        manager's BlockTables, from which rewritten rows are gathered (else the lists are read)."""
+        manager's BlockTables, from which the rows' tables are gathered (else the lists are read).
+        Per row only C-level maps; the arithmetic is numpy's (a thousand rows a step)."""
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
         stage = self.stages[self.turn]
         self.turn ^= 1
-        reqs = [s.request for s in scheduled]
-        starts = [s.start for s in scheduled]
-        feed = [(i, last_rows[s.request.request_id]) for i, s in enumerate(scheduled) if s.pending_input]
-        if feed:
-            stage.tokens[:n] = [0 if s.pending_input else s.request.all_token_ids[s.start] for s in scheduled]
-            stage.feed_dst[:len(feed)], stage.feed_src[:len(feed)] = zip(*feed)
+        reqs = list(map(_REQUEST, scheduled))
+        pos = np.fromiter(map(_START, scheduled), dtype=np.int64, count=n)
+        fed = np.fromiter(map(_PENDING, scheduled), dtype=bool, count=n)
+        k = int(fed.sum())
+        if k == n:  # overlapped decode: every input is the token in flight
+            stage.tokens[:n] = 0
+            stage.feed_dst[:n] = self.row_ids[:n]
+            stage.feed_src[:n] = list(map(last_rows.__getitem__, map(_RID, reqs)))
         else:
-            stage.tokens[:n] = [r.all_token_ids[p] for r, p in zip(reqs, starts)]
-        stage.pos[:n] = starts
-        stage.slots[:n] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
-        stage.seq_lens[:n] = [p + 1 for p in starts]
-        # Block tables change only when a request gains a block or rows shift: rewrite those rows
-        # (after a request ends, every later row shifts: most rows, in one gather).
-        tables, owners = stage.tables, stage.row_owners
-        changed = []
-        for i, r in enumerate(reqs):
-            key = (r.request_id, len(r.block_ids))
-            if owners[i] != key:
-                owners[i] = key
-                changed.append(i)
-        if changed and block_tables is not None:
-            rows = block_tables.rows([reqs[i] for i in changed])
-            if rows.min() >= 0:
-                width = min(tables.shape[1], block_tables.ids.shape[1])
-                tables[changed, :width] = block_tables.ids[rows, :width]
-                changed = []
-        for i in changed:
-            tables[i, :len(reqs[i].block_ids)] = reqs[i].block_ids
-        return GraphStep(stage, n, b, len(feed))
+            stage.tokens[:n] = [0 if f else r.all_token_ids[p] for r, p, f in zip(reqs, pos.tolist(), fed.tolist())]
+            if k:
+                dst = np.flatnonzero(fed)
+                stage.feed_dst[:k] = dst
+                stage.feed_src[:k] = [last_rows[reqs[i].request_id] for i in dst.tolist()]
+        stage.pos[:n] = pos
+        stage.seq_lens[:n] = pos + 1
+        # The rows' tables as far as this step reads them (a row's blocks past its position are not
+        # read, so what the stage held there before may stay).
+        width = min(int(pos.max()) // bs + 1, stage.tables.shape[1]) if n else 0
+        tables = stage.tables
+        rows = block_tables.rows(reqs) if block_tables is not None else None
+        if rows is not None and (n == 0 or rows.min() >= 0) and width <= block_tables.ids.shape[1]:
+            tables[:n, :width] = block_tables.ids[rows, :width]
+        else:
+            for i, r in enumerate(reqs):
+                tables[i, :len(r.block_ids)] = r.block_ids
+        stage.slots[:n] = tables[self.row_ids[:n], pos // bs] * bs + pos % bs
+        return GraphStep(stage, n, b, k)
 
     def launch(self, step: GraphStep, last_ids: torch.Tensor | None = None):
         stage, n, b, k = step.stage, step.n, step.bucket, step.num_fed

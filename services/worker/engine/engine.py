@@ -12,9 +12,11 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from operator import attrgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
@@ -29,6 +31,8 @@ from services.worker.engine.ops import make_ops
 from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
 from services.worker.engine.request import FINISHED, Request, RequestStatus
+from services.worker.engine.request_output import RequestOutput
+from services.worker.engine.step_outputs import StepOutputs
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
 from services.worker.kernels import triton_setup
@@ -36,27 +40,6 @@ from shared.block_hash import request_block_key
 from shared.sampling_params import SamplingParams
 
 DEFAULT_CPU_BLOCKS = 1024
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request: new tokens (0 or 1), and the end if it came."""
-
-    request_id: str
-    new_token_ids: list[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_token_id: int | None = None
-    error: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    handoff: Handoff | None = None  # the request stops here; its KV goes to a decode worker
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class PromptSink:
@@ -90,6 +73,12 @@ class ImportReservation:
 
 
 _REASONS = {status: status.value for status in FINISHED if status is not RequestStatus.HANDED_OFF}
+# The columns of a step's outputs are read with C-level maps over its requests.
+_STATUS = attrgetter("status")
+_RID = attrgetter("request_id")
+_PROMPT = attrgetter("num_prompt_tokens")
+_CACHED = attrgetter("num_cached_tokens")
+_TOKENS = attrgetter("all_token_ids")
 
 
 @dataclass(slots=True)
@@ -309,7 +298,7 @@ class LLMEngine:
         return self.batcher.has_unfinished() or bool(self._inflight)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         """Run one step; returns the outputs of the step that finished (with overlap, the one
         launched by the previous call; with pipeline stages, the oldest in flight)."""
         inflight = self._inflight
@@ -320,34 +309,33 @@ class LLMEngine:
             inflight.append(self._launch(plan))
         elif inflight:  # nothing new to launch: read the oldest step
             return self._finish(inflight.popleft())
-        outputs = []
+        parts = []
         while len(inflight) > self._depth:
-            outputs += self._finish(inflight.popleft())
-        return outputs
+            parts.append(self._finish(inflight.popleft()))
+        return StepOutputs.join(parts) if parts else StepOutputs()
 
     def _may_overlap(self) -> bool:
         # Penalties need the values of every output token, so such a request cannot be
         # planned while its previous token is still on the device. (Pipeline micro-batches
         # never plan a request whose token is in flight.)
-        return self.layout.pp > 1 or (self.config.overlap and not any(
-            r.needs_token_history for r in self.batcher.running_requests()))
+        return self.layout.pp > 1 or (self.config.overlap and (self.batcher.all_plain or not any(
+            r.needs_token_history for r in self.batcher.running_requests())))
 
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
         try:
-            launched = LaunchedStep(plan, self.runner.execute(plan.scheduled))
+            launched = LaunchedStep(plan, self.runner.execute(plan.scheduled, plan.sampling, plan.plain))
         except Exception as e:  # a bad step fails its requests, never the engine
             if self.group is not None:  # ... but the other ranks may be inside its collectives now
                 from services.worker.engine.parallel.group import end_group
                 end_group(self.group, "a step failed on the driver", error=repr(e))
             return LaunchedStep(plan, None, e)
-        if self.device.type == "cuda" and (self.prompt_sink is not None
-                                           or any(s.request.handoff for s in plan.scheduled)):
+        if self.device.type == "cuda" and (self.prompt_sink is not None or plan.handoffs):
             launched.done = torch.cuda.Event()
             launched.done.record()
         return launched
 
-    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+    def _finish(self, launched: LaunchedStep) -> StepOutputs:
         plan = launched.plan
         try:
             if launched.error is not None:
@@ -355,31 +343,39 @@ class LLMEngine:
             result = launched.sample.result() if launched.sample is not None else None
         except Exception as e:
             return self._fail_step(plan, e)
+        reqs = plan.sampling
         # Rows of requests aborted, failed or stopped since the launch produce nothing.
-        sampling = [(row, s.request) for row, s in enumerate(s for s in plan.scheduled if s.samples)
-                    if s.request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)]
-        sampled = {r.request_id: result.token_ids[row] for row, r in sampling}
+        statuses = list(map(_STATUS, reqs))
+        live = None  # None: every row
+        if statuses.count(RequestStatus.RUNNING) != len(statuses):
+            live = [i for i, st in enumerate(statuses) if st is RequestStatus.RUNNING or st is RequestStatus.PREEMPTED]
         # Blocks of requests sampling their first token: a hand-off's and a finished one's are freed
         # by the update, but their content stays until the next schedule.
-        first_blocks = {r.request_id: list(r.block_ids) for _, r in sampling
-                        if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
-        finished = self.batcher.update_from_output(plan, sampled)
+        first_blocks = None
+        if plan.handoffs or self.prompt_sink is not None:
+            first_blocks = {r.request_id: list(r.block_ids) for r in (reqs if live is None else map(reqs.__getitem__, live))
+                            if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
+        tokens = result.token_ids if result is not None else []
+        finished = self.batcher.update_from_output(plan, tokens)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
-        outputs = self._outputs(sampling, result, bool(finished))
+        outputs = self._outputs(reqs, tokens, live, result, bool(finished))
         if first_blocks:
-            for out, (_, r) in zip(outputs, sampling):
-                blocks = first_blocks.get(r.request_id)
+            for row, rid in enumerate(outputs.request_ids):
+                blocks = first_blocks.get(rid)
                 if blocks is None:
                     continue
+                r = reqs[row if live is None else live[row]]
+                out = outputs.special.get(row)
                 if r.status is RequestStatus.HANDED_OFF:
+                    out = outputs.special[row] = outputs.row(row) if out is None else out
                     try:
                         out.handoff = self._export(r, blocks, launched.done)
                     except RuntimeError as e:  # no memory for the copy: the request ends here, cleanly
                         out.finish_reason, out.error = "error", f"the KV could not be copied for the hand-off: {e}"
                 if self.prompt_sink is not None:
                     try:
-                        self._share_prompt(r, blocks, out.handoff, launched.done)
+                        self._share_prompt(r, blocks, out.handoff if out is not None else None, launched.done)
                     except RuntimeError:  # sharing is an optimisation; a step's outputs must go out
                         pass
         return outputs
@@ -413,33 +409,41 @@ class LLMEngine:
         return self.exporter.export(blocks, r.seed, r.num_cached_tokens, after, shared=self.prompt_sink is not None)
 
     @staticmethod
-    def _outputs(sampling: list[tuple[int, Request]], result: SampleResult | None,
-                 any_finished: bool) -> list[RequestOutput]:
-        """One RequestOutput per sampled row: the token in one pass (a thousand rows a step on a GPU),
-        then, only in steps that have them, ends and logprobs. result is None when no row samples."""
-        if not sampling:
-            return []
-        outputs = []
-        append = outputs.append
-        for _, r in sampling:
-            tokens = r.all_token_ids
-            n_prompt = len(r.prompt_token_ids)
-            append(RequestOutput(r.request_id, [tokens[-1]], n_prompt, r.num_cached_tokens, len(tokens) - n_prompt))
+    def _outputs(reqs: list[Request], tokens: list[int], live: list[int] | None, result: SampleResult | None,
+                 any_finished: bool) -> StepOutputs:
+        """The sampled rows' columns, made by C-level maps (a thousand rows a step on a GPU); whole
+        RequestOutputs only for the rows that end or carry logprobs. `live`: the rows that produce
+        a token (None: all)."""
+        if live is not None:
+            reqs, tokens = [reqs[i] for i in live], [tokens[i] for i in live]
+        n = len(reqs)
+        if not n:
+            return StepOutputs()
+        n_prompt = np.fromiter(map(_PROMPT, reqs), dtype=np.int32, count=n)
+        outputs = StepOutputs(list(map(_RID, reqs)), np.array(tokens, dtype=np.int32), np.ones(n, dtype=np.int32),
+                              n_prompt, np.fromiter(map(_CACHED, reqs), dtype=np.int32, count=n),
+                              np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int32, count=n) - n_prompt)
         with_logprobs = result.logprobs is not None
-        if any_finished or with_logprobs:
-            for out, (row, r) in zip(outputs, sampling):
-                status = r.status
-                if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
-                    out.finish_reason = _REASONS[status]
-                    if status is RequestStatus.FINISHED_STOPPED:
-                        out.stop_token_id = out.new_token_ids[0]
-                k = r.sampling_params.logprobs if with_logprobs else None
-                if k is not None:
-                    out.logprobs = [result.logprobs[row]]
-                    out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
+        if not (any_finished or with_logprobs):
+            return outputs
+        special = outputs.special
+        for i, r in enumerate(reqs):
+            status = r.status
+            k = r.sampling_params.logprobs if with_logprobs else None
+            if status not in _REASONS and k is None:
+                continue
+            out = special[i] = outputs.row(i)
+            if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
+                out.finish_reason = _REASONS[status]
+                if status is RequestStatus.FINISHED_STOPPED:
+                    out.stop_token_id = out.new_token_ids[0]
+            if k is not None:
+                row = i if live is None else live[i]
+                out.logprobs = [result.logprobs[row]]
+                out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
         return outputs
 
-    def _fail_step(self, plan: BatchPlan, error: Exception) -> list[RequestOutput]:
+    def _fail_step(self, plan: BatchPlan, error: Exception) -> StepOutputs:
         outputs = []
         for s in plan.scheduled:
             r = s.request
@@ -448,7 +452,7 @@ class LLMEngine:
             self.batcher.finish_with_error(r.request_id, f"{type(error).__name__}: {error}")
             outputs.append(RequestOutput(r.request_id, [], r.num_prompt_tokens, r.num_cached_tokens,
                                          r.num_output_tokens, finish_reason="error", error=str(error)))
-        return outputs
+        return StepOutputs.of(outputs)
 
     @property
     def holds_whole_kv(self) -> bool:

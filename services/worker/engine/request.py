@@ -72,21 +72,23 @@ class Request:
     # benchmark's ignore_eos + min_tokens must not cost a pass over the logits per step).
     processes_logits: bool = False
     min_tokens_masked: int = 0
+    # Greedy, no logprobs, no logits processors: a step of only such rows draws with one argmax.
+    plain: bool = True
+    num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.token_limit = len(self.prompt_token_ids) + p.max_tokens
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         self.needs_token_history = (p.repetition_penalty != 1.0 or bool(p.presence_penalty)
                                     or bool(p.frequency_penalty))
         self.processes_logits = bool(p.logit_bias) or self.needs_token_history
         self.min_tokens_masked = p.min_tokens if self.stop_ids else 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.plain = (p.temperature == 0.0 and p.logprobs is None and not self.processes_logits
+                      and not self.min_tokens_masked)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ whose runners `follow` it: the same upload, the same forward (collectives inside
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from services.worker.engine.cuda_graphs import GraphStep
@@ -14,6 +16,10 @@ from services.worker.engine.model import DecoderLM
 from services.worker.engine.sampler import PendingSample, Sampler
 from services.worker.engine.step_inputs import NUM_FIELDS, HostStep, align_up, pack_step_inputs, upload_step_inputs
 from services.worker.kernels.gemv import DISPATCH_MAX_ROWS
+
+_NUM_NEW = attrgetter("num_new_tokens")
+_PENDING = attrgetter("pending_input")
+_RID = attrgetter("request_id")
 
 
 def logits_rows(m: int) -> int:
@@ -45,24 +51,27 @@ class ModelRunner:
         self._last_sampling: list = []
 
     @torch.inference_mode()
-    def execute(self, scheduled) -> PendingSample | None:
-        """Launch one step; returns its draw still in flight (None when no request samples)."""
+    def execute(self, scheduled, sampling: list | None = None, plain: bool = False) -> PendingSample | None:
+        """Launch one step; returns its draw still in flight (None when no request samples).
+        `sampling`: the requests of the rows that sample (BatchPlan.sampling); `plain`: every one
+        is greedy with nothing else to do (the draw is one argmax)."""
         graphs = self.graphs
-        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        last_rows = ({r.request_id: row for row, r in enumerate(self._last_sampling)}
-                     if any(s.pending_input for s in scheduled) else None)
+        decode_only = sum(map(_NUM_NEW, scheduled)) == len(scheduled)
+        last_rows = (dict(zip(map(_RID, self._last_sampling), range(len(self._last_sampling))))
+                     if any(map(_PENDING, scheduled)) else None)
         if graphs is not None and decode_only and graphs.covers(scheduled):
             step = graphs.stage(scheduled, last_rows, self.block_tables)
         else:
             step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_tables)
-        sampling = [s.request for s in scheduled if s.samples]
+        if sampling is None:
+            sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
             self._send(step, scheduled, len(sampling))
         hidden, rows = self._forward(step)
         if not sampling:
             return None
         logits = self._logits(hidden, rows)
-        pending = self.sampler(logits, sampling)
+        pending = self.sampler(logits, sampling, plain)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
         self._last_ids, self._last_sampling = pending.token_ids, sampling

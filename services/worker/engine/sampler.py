@@ -84,8 +84,11 @@ class Sampler:
         self._events = [torch.cuda.Event(blocking=True) for _ in range(2)] if self._cuda else None
         self._turn = 0
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
-        """Queue the draw for `requests` (one per logits row); nothing waits for the device."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request], plain: bool = False) -> PendingSample:
+        """Queue the draw for `requests` (one per logits row); nothing waits for the device.
+        `plain`: every request is Request.plain (greedy, nothing else), known without reading them."""
+        if plain:
+            return self._pending(logits.argmax(dim=-1), None)
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
