@@ -46,7 +46,12 @@ class FakeRunner:
         self.block_size = batcher.block_manager.block_size
         self.kv: dict[tuple[int, int], tuple] = {}
 
-    def execute(self, plan: BatchPlan) -> dict[str, int]:
+    def execute(self, plan: BatchPlan) -> list[int]:
+        """The sampled tokens, one per plan.sampling row (as the engine hands them over)."""
+        sampled = self.execute_by_id(plan)
+        return [sampled[r.request_id] for r in plan.sampling]
+
+    def execute_by_id(self, plan: BatchPlan) -> dict[str, int]:
         cfg = self.batcher.config
         assert plan.num_batched_tokens == sum(s.num_new_tokens for s in plan.scheduled)
         assert plan.num_batched_tokens <= cfg.max_num_batched_tokens
