@@ -6,6 +6,7 @@ whose runners `follow` it: the same upload, the same forward (collectives inside
 
 from __future__ import annotations
 
+import os
 from operator import attrgetter
 
 import torch
@@ -49,6 +50,16 @@ class ModelRunner:
         # overlapped step takes its inputs from there before the host has seen them.
         self._last_ids: torch.Tensor | None = None
         self._last_sampling: list = []
+        # An eager step launched behind another eager step in flight (a prompt step of thousands of
+        # tokens, ~400 launches, 170 ms on an H100 for the 8B shape) filled the driver's launch queue,
+        # and the step thread spun in cudaLaunchKernel until the first step drained: W2's prompt phase
+        # spent ~0.5 s of CPU there (py-spy, H100, 2026-11-28). It now sleeps on the first step's
+        # blocking event instead, then launches: the GPU waits only for the first kernel (tens of µs),
+        # since the launches outrun the kernels. INFERNO_EAGER_WAIT=0 turns it off (A/B runs). Not in a
+        # parallel group: a pipeline's micro-batches are meant to be in flight together.
+        self.wait_before_eager = group is None and os.environ.get("INFERNO_EAGER_WAIT", "1") != "0"
+        self._eager_done = None  # the CUDA event that ends the last step, when it ran eagerly
+        self._ran_eager = False
 
     @torch.inference_mode()
     def execute(self, scheduled, sampling: list | None = None, plain: bool = False) -> PendingSample | None:
@@ -67,14 +78,17 @@ class ModelRunner:
             sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
             self._send(step, scheduled, len(sampling))
+        self._ran_eager = False
         hidden, rows = self._forward(step)
         if not sampling:
+            self._eager_done = None
             return None
         logits = self._logits(hidden, rows)
         pending = self.sampler(logits, sampling, plain)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
         self._last_ids, self._last_sampling = pending.token_ids, sampling
+        self._eager_done = pending.done if self._ran_eager else None
         return pending
 
     def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
@@ -118,6 +132,9 @@ class ModelRunner:
         inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
         if inputs.feed_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.feed_dst, self._last_ids.index_select(0, inputs.feed_src))
+        if self._eager_done is not None and self.wait_before_eager:
+            self._eager_done.synchronize()  # a blocking event: the thread sleeps
+        self._ran_eager = True
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
         return hidden, inputs.logits_indices
 
