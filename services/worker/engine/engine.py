@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from operator import attrgetter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -32,9 +32,9 @@ from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
 from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.request_output import RequestOutput
-from services.worker.engine.step_outputs import StepOutputs
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
+from services.worker.engine.step_outputs import StepOutputs
 from services.worker.kernels import triton_setup
 from shared.block_hash import request_block_key
 from shared.sampling_params import SamplingParams
@@ -350,26 +350,27 @@ class LLMEngine:
         live = None  # None: every row
         if statuses.count(RequestStatus.RUNNING) != len(statuses):
             live = [i for i, st in enumerate(statuses) if st is RequestStatus.RUNNING or st is RequestStatus.PREEMPTED]
+        live_reqs = reqs if live is None else [reqs[i] for i in live]
         # Blocks of requests sampling their first token: a hand-off's and a finished one's are freed
         # by the update, but their content stays until the next schedule.
         first_blocks = None
         if plan.handoffs or self.prompt_sink is not None:
-            first_blocks = {r.request_id: list(r.block_ids) for r in (reqs if live is None else map(reqs.__getitem__, live))
+            first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         tokens = result.token_ids if result is not None else []
         finished = self.batcher.update_from_output(plan, tokens)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
-        outputs = self._outputs(reqs, tokens, live, result, bool(finished))
+        outputs = self._outputs(live_reqs, tokens, live, result, bool(finished))
         if first_blocks:
             for row, rid in enumerate(outputs.request_ids):
                 blocks = first_blocks.get(rid)
                 if blocks is None:
                     continue
-                r = reqs[row if live is None else live[row]]
+                r = live_reqs[row]
                 out = outputs.special.get(row)
                 if r.status is RequestStatus.HANDED_OFF:
-                    out = outputs.special[row] = outputs.row(row) if out is None else out
+                    out = outputs.special[row] = outputs.row(row)
                     try:
                         out.handoff = self._export(r, blocks, launched.done)
                     except RuntimeError as e:  # no memory for the copy: the request ends here, cleanly
@@ -413,10 +414,10 @@ class LLMEngine:
     def _outputs(reqs: list[Request], tokens: list[int], live: list[int] | None, result: SampleResult | None,
                  any_finished: bool) -> StepOutputs:
         """The sampled rows' columns, made by C-level maps (a thousand rows a step on a GPU); whole
-        RequestOutputs only for the rows that end or carry logprobs. `live`: the rows that produce
-        a token (None: all)."""
+        RequestOutputs only for the rows that end or carry logprobs. `reqs`: the requests of the rows
+        that produce a token, which are rows `live` of the step's draw (None: all of them)."""
         if live is not None:
-            reqs, tokens = [reqs[i] for i in live], [tokens[i] for i in live]
+            tokens = [tokens[i] for i in live]
         n = len(reqs)
         if not n:
             return StepOutputs()

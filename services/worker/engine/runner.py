@@ -58,8 +58,7 @@ class ModelRunner:
         # since the launches outrun the kernels. INFERNO_EAGER_WAIT=0 turns it off (A/B runs). Not in a
         # parallel group: a pipeline's micro-batches are meant to be in flight together.
         self.wait_before_eager = group is None and os.environ.get("INFERNO_EAGER_WAIT", "1") != "0"
-        self._eager_done = None  # the CUDA event that ends the last step, when it ran eagerly
-        self._ran_eager = False
+        self._eager_done: torch.cuda.Event | None = None  # after the last eager forward's kernels
 
     @torch.inference_mode()
     def execute(self, scheduled, sampling: list | None = None, plain: bool = False) -> PendingSample | None:
@@ -78,17 +77,14 @@ class ModelRunner:
             sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
             self._send(step, scheduled, len(sampling))
-        self._ran_eager = False
         hidden, rows = self._forward(step)
         if not sampling:
-            self._eager_done = None
             return None
         logits = self._logits(hidden, rows)
         pending = self.sampler(logits, sampling, plain)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
         self._last_ids, self._last_sampling = pending.token_ids, sampling
-        self._eager_done = pending.done if self._ran_eager else None
         return pending
 
     def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
@@ -132,10 +128,13 @@ class ModelRunner:
         inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
         if inputs.feed_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.feed_dst, self._last_ids.index_select(0, inputs.feed_src))
-        if self._eager_done is not None and self.wait_before_eager:
+        wait = self.wait_before_eager and self.device.type == "cuda"
+        if wait and self._eager_done is not None:
             self._eager_done.synchronize()  # a blocking event: the thread sleeps
-        self._ran_eager = True
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        if wait:
+            self._eager_done = torch.cuda.Event(blocking=True)
+            self._eager_done.record()
         return hidden, inputs.logits_indices
 
     # -- parallel groups ---------------------------------------------------------------------
