@@ -3,7 +3,7 @@
 # kernel on the GPU, runs W1, W5, an offline batch sweep, W2 and W3 through HTTP, and the CPU
 # cost per output token; prints one table at the end.
 # Needs the wheels the image lacks in .whl/ (WITH_UCX=0 ../shared/tools/gpu-wheels.sh).
-# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: probe, w1x, w4, smol, w5a)
+# Usage: STAGES="kernels w1 w5 sweep w2 w3" bash bench/gpu_bench.sh  (also: w1x, w5a, w4, pd, tp, x4, smol, gemv)
 # w5: process start → first token (bench/cold_start.py; W5_COLD=0 skips the run with the page cache dropped);
 # w5a: a model loaded on a running worker → first token, and a replace (bench/hot_load.py).
 # smol: the real demo model (SMOL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf), check + W1 + W2 shapes.
@@ -14,11 +14,11 @@
 # x4: issue 11 on four GPUs (70B TP=4 / TP=2×PP=2, 2 prefill + 2 decode vs 4 mixed, W2 scaling 1/2/4).
 # WORKER_ARGS overrides the W2/W3 worker flags (default: the worker's own defaults); BENCH_ARGS adds
 # load-generator flags to W2 (e.g. "--temperature 0.8": sampled, not greedy, requests).
-# mixed: bench/mixed_step_probe.py (why W3's steps with a prefill are slow). gemv: bench/gemv_probe.py.
+# gemv: bench/gemv_probe.py (the batch-1 GEMV's block sizes against cuBLAS; retune on a new GPU).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
-STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}  # also: probe
+STAGES=${STAGES:-"kernels w1 w5 sweep w2 w3"}
 MODEL=${MODEL:-/tmp/llama-3.1-8b}
 DEV=${DEVICE:-cuda}
 VOCAB=${VOCAB:-128000}  # random prompts' token ids (the pd/tp/x4 stages)  # cpu: a dry run of the pd/tp/x4 stages' commands with a small model (MODEL, M70)
@@ -43,17 +43,6 @@ if [ ! -f "$MODEL/config.json" ] && [ "$STAGES" != "smol" ]; then
   echo "make-model 8B: ${SECONDS} s"; du -sh "$MODEL"
 fi
 
-if has decodeprobe; then  # W1's gap to the roofline: graph replay vs the sum of its kernels
-  python3 bench/decode_probe.py "$MODEL" 1 2>&1 | grep -v '\[info' | tee "$OUT/decode_probe_b1.txt"
-fi
-if has mixed; then  # W3's slow steps: decode-only vs decode + one prompt, and the mixed step's kernels
-  python3 bench/mixed_step_probe.py "$MODEL" 64 220 2>&1 | grep -v '\[info' | tee "$OUT/mixed_probe.txt"
-fi
-if has probe; then
-  python3 bench/load_probe.py "$MODEL" 2>&1 | grep -v '\[info' | tee "$OUT/load_probe.txt"
-  for b in 256 1; do python3 bench/step_profile.py "$MODEL" $b 2>&1 | grep -v '\[info' | head -14; done
-  python3 bench/step_profile.py "$MODEL" 64 0 mixed 2>&1 | grep -v '\[info' | head -30
-fi
 if has gemv; then  # the batch-1 GEMV against cuBLAS on the 8B shapes (W1's weight reads)
   python3 bench/gemv_probe.py 2>&1 | grep -v '\[info' | tee "$OUT/gemv_probe.txt" | tail -40
 fi

@@ -1,4 +1,4 @@
-# Sourced by the GPU A/B scripts (w1_ab.sh, fused_norm_ab.sh, tp_allreduce_ab.sh): the wheels the
+# Sourced by bench/w1_ab.sh (and any GPU A/B script of the same kind): the wheels the
 # image lacks (.whl/, ../shared/tools/gpu-wheels.sh), the environment, and the benchmark models:
 # $MODEL (8B shape, random weights on disk) and $M70 (70B shape, config only: --load-format dummy).
 # MODELS="70b" makes only the second.

@@ -96,7 +96,7 @@ class IpcImporter:
     memory allocated even after its owner freed it (CUDA IPC), so an owner's new storage (a
     restart, a model reload) replaces its old mapping at once. One copy at a time: in chunks on
     2-8 streams (several copy engines) a 362 MiB pull was no faster (four H100s, 2026-11-27:
-    1.00 ms on one, 1.01-1.05 ms on more; bench/ipc_copy_probe.py)."""
+    1.00 ms on one, 1.01-1.05 ms on more; bench/ipc_copy_probe.py at db19122)."""
 
     def __init__(self, keep: int = 8):
         self.keep = keep

@@ -41,7 +41,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages the layers are split into, one per process group
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs), else NCCL
     # The one-shot all-reduce does the residual add and RMSNorm after it too (one kernel for two):
-    # W1 +3.5 % with 8B TP=2, +1.7 % with 70B TP=4 (four H100s, 2026-11-27, bench/fused_norm_ab.sh).
+    # W1 +3.5 % with 8B TP=2, +1.7 % with 70B TP=4 (four H100s, 2026-11-27, bench/fused_norm_ab.sh at 9243543).
     fused_all_reduce_norm: bool = True
     # KV tokens of GPU memory kept out of the pool for hand-off buffers (a prefill worker's pages
     # on their way out, a decode worker's on their way in); 0: none (mixed workers).

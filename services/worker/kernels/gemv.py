@@ -89,7 +89,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     vec = _vector(dtype)
     small_n = n <= 8192
     # fp8 weights (16 to a vector) at K = 4096: steps of 512 columns (one warp a program) beat
-    # 1,024 by 4-6 % (bench/gemv_fp8_probe.py, H100: qkv 18.8 -> 17.4 us, o_proj 14.6 -> 13.7).
+    # 1,024 by 4-6 % (bench/gemv_fp8_probe.py at bfb45c8, H100: qkv 18.8 -> 17.4 us, o_proj 14.6 -> 13.7).
     per_thread = 32 if dtype.itemsize == 1 and small_n and k <= 4096 else 64 if small_n else 128
     block_k = per_thread * vec
     block_k = min(block_k, max(32 * vec, triton.next_power_of_2(k)))

@@ -179,7 +179,7 @@ def _filtered_draw(base, buf_l, buf_i, vocab, inv_t, top_k, top_p, min_p, use_k,
         base, buf_l, buf_i, vocab, inv_t, m, key, beta, (beta == float("-inf")).to(tl.int32), hi,
         tl.where(z_from_buf, 0.0, min_p), min_p, BLOCK_V)
     reads = tl.full([], 2, tl.int32)
-    if SCAN_ONLY:  # probes: the cost of the first scan alone (bench/sampling_probe.py); wrong draws
+    if SCAN_ONLY:  # probes: the cost of the first scan alone (bench/sampling_probe.py at aeec1a8); wrong draws
         return tl.where(best < _NONE, best, 0), reads, tl.full([], -1, tl.int32), tl.full([], float("-inf"), tl.float32)
     # The grid's lo_p is an estimate: if C holds less than p of the mass, and min-p leaves tokens below
     # it, T may lie below: read again from a sure bound (where u holds p of the mass, or the tail's).

@@ -2,7 +2,7 @@
 
 The first launch of any Triton kernel in a process pays ~0.5 s of setup that later kernels do not
 (Triton's driver helpers and launcher, loaded once): on the H100 with a warm cache, 525-540 ms for
-the first kernel, then 2-5 ms for each further one (bench/triton_first_launch_probe.py,
+the first kernel, then 2-5 ms for each further one (bench/triton_first_launch_probe.py at 937136b,
 2026-11-27). A worker's start paid it in the KV sizing's dry run, after the weights had loaded;
 warm_device now starts it on a thread beside the load, and the engine waits for it (`wait`) once
 its weights are in, before its first kernel."""
