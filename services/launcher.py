@@ -1,5 +1,7 @@
 """`inferno up`: starts nats-server, the scheduler, the kvstore, the workers and the gateway as child
-processes, restarts any that dies (services/supervisor.py), and stops them all cleanly on Ctrl-C."""
+processes, each with its own GPUs (services/gpu_placement.py) and its log in the run dir
+(services/children.py), restarts any that dies (services/supervisor.py), and stops them all cleanly
+on Ctrl-C, or at once when one cannot start."""
 
 from __future__ import annotations
 
@@ -17,21 +19,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.children import Child, LogEcho
+from services.gpu_placement import NO_GPU, visible_gpus, worker_placement
 from services.supervisor import Supervisor
+from shared.config import CONFIG_ERROR_EXIT
 
 RANDOM_DEMO_MODEL = Path("models/demo")
-
-
-def visible_gpus() -> int:
-    """GPUs a child process will see: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return max(1, len([d for d in env.split(",") if d.strip()]))
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 1
-    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
 
 
 def free_port() -> int:
@@ -83,15 +76,6 @@ class StackConfig:
     env: dict = field(default_factory=dict)
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    critical: bool  # the stack cannot serve without it
-    argv: list[str] = field(default_factory=list)  # kept, so a restart is the same process again
-    started: float = field(default_factory=time.monotonic)
-
-
 class Stack:
     """The processes of one stack; tests drive it through the same code as `inferno up`."""
 
@@ -104,44 +88,54 @@ class Stack:
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
         self._restart_lock = threading.Lock()  # a restart and stop() never interleave
         self._workers_started = 0
+        self._gpus: list[str] | None = None  # the GPUs to hand out, read at the first GPU worker
+        self.envs: dict[str, dict[str, str]] = {}  # each child's own environment (its GPUs), by name
+        # The logs are the children's only output; in the console format they are echoed here too.
+        self.echo = LogEcho(sys.stderr) if cfg.log_format == "console" else None
 
     # -- process management ---------------------------------------------------------------------
+    def _log(self, name: str) -> tuple[Path, int]:
+        """The child's log and its size now: what follows is the run about to start."""
+        path = self.cfg.run_dir / f"{name}.log"
+        return path, path.stat().st_size if path.exists() else 0
+
     def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env, **self.envs.get(name, NO_GPU)}
         with open(self.cfg.run_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-            return subprocess.Popen(argv, stdout=log if self.cfg.log_format == "json" else None,
-                                    stderr=subprocess.STDOUT if self.cfg.log_format == "json" else None,
-                                    env=env, start_new_session=True)
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def _spawn(self, name: str, argv: list[str], critical: bool) -> Child:
-        child = Child(name, self._popen(name, argv), critical, argv)
+    def _spawn(self, name: str, argv: list[str], critical: bool, env: dict[str, str] = NO_GPU) -> Child:
+        """Start a child; `env`: what it sees on top of the launcher's environment (by default no GPU)."""
+        self.envs[name] = env
+        log, log_from = self._log(name)
+        child = Child(name, self._popen(name, argv), critical, argv, log=log, log_from=log_from)
         self.children.append(child)
+        if self.echo is not None:
+            self.echo.follow(log, log_from)
         return child
 
     def restart(self, child: Child) -> None:
-        """Start an exited child again with the same argv: same name, worker id, port and device."""
+        """Start an exited child again with the same argv and GPUs: same name, worker id, port and device."""
         with self._restart_lock:
             if self.stopping:
                 raise RuntimeError("the stack is stopping")
             if child.proc.poll() is None:
                 raise RuntimeError(f"{child.name} is still running")
+            child.log, child.log_from = self._log(child.name)
             child.proc = self._popen(child.name, child.argv)
             child.started = time.monotonic()
             self.reported.discard(child.name)
             self.write_pids()
 
-    def _next_device(self) -> str:
-        """`cuda` spreads the workers over the visible GPUs in turn, each taking as many GPUs as
-        its group has ranks (it is given the first); anything else as given."""
-        if self.cfg.device != "cuda":
-            return self.cfg.device
-        n = visible_gpus()
+    def _next_placement(self) -> tuple[str, dict[str, str]]:
+        """The next worker's --device and environment: its own GPUs only (gpu_placement.py)."""
+        if self._gpus is None and self.cfg.device.startswith("cuda"):
+            self._gpus = visible_gpus()
         ranks = self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size
-        slots = max(1, n // ranks)
-        device = f"cuda:{(self._workers_started % slots) * ranks}" if n > 1 else "cuda"
+        placed = worker_placement(self.cfg.device, self._workers_started, ranks, self._gpus or [])
         self._workers_started += 1
-        return device
+        return placed
 
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
@@ -156,22 +150,25 @@ class Stack:
                                                   *self.cfg.scheduler_args], critical=index == 0)
 
     def start_kvstore(self) -> Child:
+        # It sees the GPUs (UCX moves the workers' GPU pages only where CUDA is) and makes no
+        # context on them (kvstore/main.py).
         return self._spawn("kvstore", [sys.executable, "-m", "services.kvstore", *self._common(),
                                        "--capacity-gb", str(self.cfg.kvstore_capacity_gb),
-                                       "--http-port", str(free_port())], critical=False)
+                                       "--http-port", str(free_port())], critical=False, env={})
 
     def start_worker(self, index: int, role: str = "mixed") -> Child:
         name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
+        device, env = self._next_placement()
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
                 "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
-                "--device", self._next_device(), *self.cfg.worker_args,
+                "--device", device, *self.cfg.worker_args,
                 *{"prefill": self.cfg.prefill_worker_args, "decode": self.cfg.decode_worker_args}.get(role, ())]
         if self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
                      "--pipeline-parallel-size", str(self.cfg.pipeline_parallel_size)]
         if self.cfg.emit_only:
             argv.append("--emit-only")
-        return self._spawn(name, argv, critical=False)
+        return self._spawn(name, argv, critical=False, env=env)
 
     def start_gateway(self) -> Child:
         argv = [sys.executable, "-m", "services.gateway", *self._common(), "--host", self.cfg.host,
@@ -206,12 +203,20 @@ class Stack:
         return next(c for c in self.children if c.name == name)
 
     def wait_ready(self, timeout: float = 120.0, path: str = "/ready") -> None:
-        """Until the gateway answers 200 on `path`: /ready needs a worker, /health only the gateway."""
+        """Until the gateway answers 200 on `path`: /ready needs a worker, /health only the gateway.
+        RuntimeError, with the end of its log, as soon as a child exits that the stack cannot start
+        without: a critical one, one with a configuration error (starting it again would fail
+        again), or the last of the workers that /ready waits for."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = self.check_children()
-            if any(c.critical for c in dead):
-                raise RuntimeError(f"{', '.join(c.name for c in dead)} exited during start-up")
+            fatal = [c for c in dead if c.critical or c.proc.poll() == CONFIG_ERROR_EXIT]
+            if dead and not fatal and path == "/ready" and self._workers_gone():
+                fatal = dead
+            if fatal:
+                raise RuntimeError("\n".join(c.exit_report(" during start-up") for c in fatal))
+            for c in dead:  # the stack can start without it (`inferno up` starts it again once up)
+                print(f"inferno: {c.exit_report(' during start-up')}", file=sys.stderr, flush=True)
             try:
                 headers = {"Authorization": f"Bearer {self.cfg.api_keys[0]}"} if self.cfg.api_keys else {}
                 req = urllib.request.Request(self.url + path, headers=headers)
@@ -223,15 +228,15 @@ class Stack:
             time.sleep(0.2)
         raise TimeoutError(f"the stack was not ready within {timeout:.0f} s (logs in {self.cfg.run_dir})")
 
+    def _workers_gone(self) -> bool:
+        """The stack has workers, and none of them is running."""
+        workers = [c for c in self.children if is_worker(c.name)]
+        return bool(workers) and all(c.proc.poll() is not None for c in workers)
+
     def check_children(self) -> list[Child]:
-        """Children that exited since the last look; each is reported once."""
-        dead = []
-        for c in self.children:
-            code = c.proc.poll()
-            if code is not None and c.name not in self.reported:
-                self.reported.add(c.name)
-                print(f"inferno: {c.name} exited with code {code}", file=sys.stderr, flush=True)
-                dead.append(c)
+        """Children that exited since the last look, each once."""
+        dead = [c for c in self.children if c.proc.poll() is not None and c.name not in self.reported]
+        self.reported.update(c.name for c in dead)
         return dead
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -252,6 +257,8 @@ class Stack:
                     c.proc.kill()
                     c.proc.wait()
                 self.reported.add(c.name)
+        if self.echo is not None:
+            self.echo.stop()
 
 
 def is_worker(name: str) -> bool:
@@ -424,11 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         stack.wait_ready(path="/ready" if own_workers else "/health")
         print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n", flush=True)
-        # Any child that dies is started again (the gateway answers 503 meanwhile); with --workers 0
-        # the control plane waits for workers started elsewhere.
+        # Any child that dies is started again (the gateway answers 503 meanwhile), but one that
+        # exits with a configuration error; with --workers 0 the control plane waits for workers
+        # started elsewhere.
         supervisor = Supervisor(stack)
         while not stopping:
             supervisor.poll()
+            if any(stack.child(name).critical for name in supervisor.failed):
+                raise RuntimeError("a child the stack needs cannot start again (see above)")
             time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as e:

@@ -1,5 +1,6 @@
 """Restarts the stack's children that exit (workers, scheduler, kvstore, nats-server, gateway), each
-with its own exponential backoff, while the others keep running."""
+with its own exponential backoff, while the others keep running; one that exits with a
+configuration error is left down, as starting it again would fail again."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from services.launcher import Child, Stack
+from services.children import Child
+from shared.config import CONFIG_ERROR_EXIT
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a stack (services/launcher.py's Stack)."""
+
+    children: list[Child]
+    stopping: bool  # set once it is being stopped: nothing is restarted then
+    reported: set[str]  # children whose exit has been told
+
+    def restart(self, child: Child) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +48,13 @@ class Supervisor:
     calls it). A dead child is restarted with the same argv after its backoff; the delay doubles
     while it keeps dying young and is forgotten once it has run for `reset_after`."""
 
-    def __init__(self, stack: Stack, backoff: Backoff = Backoff(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, stack: Supervised, backoff: Backoff = Backoff(),
+                 clock: Callable[[], float] = time.monotonic):
         self.stack = stack
         self.backoff = backoff
         self.clock = clock
         self.restarts: dict[str, int] = {}  # child name → restarts so far
+        self.failed: set[str] = set()  # children left down: they exited with a configuration error
         self._delay: dict[str, float] = {}  # child name → the backoff of its last restart
         self._pending: dict[str, _Pending] = {}
         self._thread: threading.Thread | None = None
@@ -55,7 +68,13 @@ class Supervisor:
         restarted = []
         for child in list(self.stack.children):
             code = child.proc.poll()
-            if code is None:
+            if code is None or child.name in self.failed:
+                continue
+            if code == CONFIG_ERROR_EXIT:
+                self.failed.add(child.name)
+                self.stack.reported.add(child.name)
+                print(f"inferno: {child.exit_report()}\ninferno: {child.name} is not restarted: it would fail "
+                      "the same way", file=sys.stderr, flush=True)
                 continue
             pending = self._pending.get(child.name)
             if pending is None:

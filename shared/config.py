@@ -17,6 +17,10 @@ from shared.subjects import DEFAULT_PREFIX, check_id, check_prefix
 
 T = TypeVar("T")
 
+# A service's exit status when its flags (or the model they name) cannot work, as argparse's for bad
+# flags: starting it again would fail again, so the launcher stops instead of restarting it.
+CONFIG_ERROR_EXIT = 2
+
 WORKER_ROLES = ("mixed", "prefill", "decode")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -9,8 +9,8 @@ learnt, which the file names in `tokenizer.ggml.pre`; the table below follows ll
 
 from __future__ import annotations
 
+from shared.byte_alphabet import byte_alphabet
 from shared.gguf_file import GGUFError, GGUFFile
-from shared.tokenizer import byte_alphabet
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 

@@ -38,6 +38,14 @@ def _ucxx():
     return ucxx
 
 
+def init_ucx(progress_mode: str) -> None:
+    """Start this process's UCX with `progress_mode`, before its first listener or endpoint (else
+    ucxx starts it in "thread" mode). "blocking" progresses UCX on the event loop; "thread" runs
+    ucxx's progress thread, which makes GPU 0's CUDA context current as it starts (ucxx's
+    _create_context): right for a worker, whose GPU 0 is its own (services/gpu_placement.py)."""
+    _ucxx().init(progress_mode=progress_mode)
+
+
 def as_buffer(x: Buffer) -> Buffer:
     """A flat byte view UCXX can send or receive into: numpy for host memory, the tensor itself on a GPU."""
     if isinstance(x, np.ndarray):

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from shared.byte_alphabet import byte_translation
 from shared.chat_template import ChatTemplateError, render_chat_template
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -72,38 +72,6 @@ def _id_list(value) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-@lru_cache(maxsize=1)
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte: the spelling of byte-level vocabularies."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: printable character -> byte."""
-    return {c: b for b, c in byte_alphabet().items()}
-
-
-@lru_cache(maxsize=1)
-def _byte_translation() -> dict[int, int]:
-    """str.translate's table from the byte-level alphabet to latin-1 (character n is byte n), so a
-    token's bytes are token.translate(t).encode("latin-1"). Characters of 0-255 outside the
-    alphabet map to U+0100, which latin-1 cannot encode, as it cannot any other character outside
-    it: such a token (an added one) is taken as UTF-8 text."""
-    table = {ord(c): b for c, b in _byte_decoder().items()}
-    for n in range(256):
-        table.setdefault(n, 0x100)
-    return table
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -237,7 +205,7 @@ class Tokenizer:
             return tok.encode("utf-8")
         if self._byte_level:
             try:
-                return tok.translate(_byte_translation()).encode("latin-1")
+                return tok.translate(byte_translation()).encode("latin-1")
             except UnicodeEncodeError:
                 return tok.encode("utf-8")  # an added token outside the byte alphabet
         m = _BYTE_FALLBACK.match(tok)

@@ -2,17 +2,15 @@
 core (at W2 on four H100 workers it used 89 % of one while the gateway used 88 %, 2026-11-27), so a
 run whose server outpaces it measures the client. Process i of n sends requests i, i + n, ... on
 the parent's clock (time.perf_counter is the system's monotonic clock, one for every process),
-and hands back its records and CPU time; the parent merges them as if it had sent them all."""
+and hands back its records and CPU time; the parent merges them as if it had sent them all.
+This module splits and merges the run and starts the pool; each child runs client.run_shard."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import multiprocessing
 import time
-
-import aiohttp
 
 from inferno.loadgen.stats import RequestRecord
 
@@ -42,25 +40,6 @@ def merge(records: list[RequestRecord], shards: list[list[RequestRecord]]) -> No
     n = len(shards)
     for i, shard in enumerate(shards):
         records[i::n] = shard
-
-
-def run_shard(shard: Shard) -> tuple[list[RequestRecord], float]:
-    """A child process: send the shard's requests, return its records and its CPU seconds."""
-    from inferno.loadgen.client import _send_all  # the child imports the client after spawn
-
-    async def go() -> None:
-        connector = aiohttp.TCPConnector(limit=shard.concurrency or 0)
-        async with aiohttp.ClientSession(connector=connector, headers=shard.headers,
-                                         timeout=aiohttp.ClientTimeout(total=shard.timeout)) as session:
-            try:
-                await asyncio.wait_for(_send_all(session, shard.url, shard.bodies, shard.offsets, shard.records,
-                                                 shard.concurrency, shard.t0), shard.max_duration)
-            except asyncio.TimeoutError:
-                pass
-
-    cpu0 = time.process_time()
-    asyncio.run(go())
-    return shard.records, time.process_time() - cpu0
 
 
 def pool(n: int) -> concurrent.futures.ProcessPoolExecutor:

@@ -14,7 +14,7 @@ from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
 from services.gateway.tenants import TenantsFile
 from services.worker.engine.model_config import ModelConfig
-from shared.config import GatewayConfig, NatsConfig, env_default, parse_bool, parse_csv
+from shared.config import CONFIG_ERROR_EXIT, GatewayConfig, NatsConfig, env_default, parse_bool, parse_csv
 from shared.gc_tuning import tune_gc
 from shared.logging import get_logger, setup_logging
 from shared.nats_client import connect_nats
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants = load_tenants(args)
     except ValueError as e:
         print(f"inferno gateway: {e}")
-        return 2
+        return CONFIG_ERROR_EXIT
     setup_logging("gateway", json=json_logs, level=args.log_level)
     try:
         tokenizer = Tokenizer.from_path(cfg.model_dir)
@@ -161,6 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         model_config = ModelConfig.from_path(cfg.model_dir)
     except (OSError, ValueError) as e:
         log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))
-        return 2
+        return CONFIG_ERROR_EXIT
     _run(serve(cfg, nats_cfg, tokenizer, model_config, args.drain_timeout, tenants))
     return 0

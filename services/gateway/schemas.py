@@ -351,7 +351,7 @@ MODEL = Model("model", doc="The served model's id (default: the served model).")
 INCLUDE_USAGE = Boolean("include_usage", False, "Send a last chunk with the usage of the whole request.")
 N = Integer("n", 1, 1, lambda limits: limits.max_n, "Choices to generate.")
 STREAM = Boolean("stream", False, "Answer with server-sent events.")
-STREAM_OPTIONS = StreamOptions("stream_options", False)
+STREAM_OPTIONS = StreamOptions("stream_options", None, "Only with 'stream': true.")  # None: not given
 STOP = Stop("stop", (), "Strings that end a choice (not included in its text).")
 MAX_TOKENS = Integer("max_tokens", None, 1, lambda limits: limits.max_model_len,
                      "Most tokens to generate (default: the rest of the context window).")
@@ -435,8 +435,10 @@ def _spec(v: dict[str, Any], limits: Limits, max_tokens: int | None, logprobs: i
         params.validate(limits.vocab_size)
     except SamplingParamsError as e:
         raise from_sampling_error(e) from None
+    if v["stream_options"] is not None and not v["stream"]:  # as OpenAI and vLLM answer
+        raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return GenerationSpec(model=limits.model_name, n=v["n"], stream=v["stream"],
-                          include_usage=v["stream_options"] and v["stream"], stop=v["stop"], params=params,
+                          include_usage=bool(v["stream_options"]), stop=v["stop"], params=params,
                           max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=v["skip_special_tokens"],
                           cache_salt=v["cache_salt"], **prompt)
 

@@ -6,7 +6,8 @@ import argparse
 import asyncio
 
 from services.kvstore.config import GIB, KvStoreConfig
-from shared.config import NatsConfig, env_default
+from shared.config import CONFIG_ERROR_EXIT, NatsConfig, env_default
+from shared.kv_transfer import init_ucx
 from shared.logging import get_logger, setup_logging
 from shared.service_run import run_service
 
@@ -33,8 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--http-host", default=d["http_host"].default)
     ap.add_argument("--http-port", type=int, default=d["http_port"].default,
                     help="/health and /metrics; 0: no HTTP server")
-    ap.add_argument("--pin-memory", choices=list(PIN_CHOICES), default="auto",
-                    help="pinned host pages (auto: when a CUDA device is present)")
+    # Pinned pages need a CUDA context (518 MiB of GPU 0 on an H200) and moved no faster: put and get,
+    # host and GPU pages, 16-376 MiB, two H200s, 2026-11-28 (bench/kvstore_bench.py).
+    ap.add_argument("--pin-memory", choices=list(PIN_CHOICES), default="off",
+                    help="page-locked host pages (auto: when a CUDA device is present); they cost a CUDA context")
     ap.add_argument("--log-format", choices=["console", "json"], default=env_default("INFERNO_LOG_FORMAT", "console"))
     ap.add_argument("--log-level", default=env_default("INFERNO_LOG_LEVEL", "INFO"))
     return ap.parse_args(argv)
@@ -43,6 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def serve(cfg: KvStoreConfig, nats_cfg: NatsConfig) -> int:
     from services.kvstore.service import KvStore
 
+    # UCX progresses on the event loop: the kvstore computes on no GPU, and ucxx's progress thread
+    # would make a CUDA context on GPU 0. (It must still see the GPUs: with none visible UCX found
+    # no protocol for a worker's GPU pages.) Two H200s, 2026-11-28, one run each, against the thread
+    # with pinned pages: put 1.7-2.6 GB/s from host pages (1.3-1.4), 0.35-0.40 from GPU pages (the
+    # same); get 1.9-2.7 into host pages (1.8-2.0), 0.7-0.8 into GPU pages (0.6-0.7).
+    init_ucx("blocking")
     return await run_service(nats_cfg, "kvstore", lambda conn: KvStore(cfg, conn))
 
 
@@ -59,5 +68,5 @@ def main(argv: list[str] | None = None) -> int:
         nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
     except ValueError as e:
         log.error("bad_config", error=str(e))
-        return 2
+        return CONFIG_ERROR_EXIT
     return asyncio.run(serve(cfg, nats_cfg))

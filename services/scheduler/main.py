@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from shared.config import NatsConfig, RouterConfig, env_default
+from shared.config import CONFIG_ERROR_EXIT, NatsConfig, RouterConfig, env_default
 from shared.logging import get_logger, setup_logging
 from shared.service_run import run_service
 
@@ -67,5 +67,5 @@ def main(argv: list[str] | None = None) -> int:
         nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
     except ValueError as e:
         log.error("bad_config", error=str(e))
-        return 2
+        return CONFIG_ERROR_EXIT
     return asyncio.run(serve(cfg, nats_cfg))

@@ -16,7 +16,7 @@ import time
 
 import structlog
 
-from shared.config import NatsConfig, WorkerServiceConfig, env_default, parse_bool
+from shared.config import CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, env_default, parse_bool
 from shared.logging import setup_logging
 from shared.nats_client import connect_nats
 
@@ -126,9 +126,11 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
         load = asyncio.ensure_future(manager.load(spec, started or time.time(), at_start=True, prefetch=prefetch))
         await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if load.done() and not load.result().ok:
-            log.error("cannot serve the model", model_dir=cfg.model_dir, error=load.result().error)
+            reply = load.result()
+            log.error("cannot serve the model", model_dir=cfg.model_dir, error=reply.error)
             stop.set()
-            code = 1
+            # A model its flags cannot serve (ModelCheckError): starting again would fail again.
+            code = CONFIG_ERROR_EXIT if reply.code == "bad_request" else 1
     await stop.wait()
     log.info("draining", timeout=cfg.drain_timeout)
     await service.drain(cfg.drain_timeout)
@@ -139,6 +141,20 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging("worker", json=args.log_format == "json", level=args.log_level)
+    try:
+        cfg = service_config(args)
+        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+        if args.gil_switch_interval_ms is not None and not args.gil_switch_interval_ms > 0:
+            raise ValueError("--gil-switch-interval-ms must be above 0")
+        if cfg.model_dir and cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
+            from services.worker.engine.model_config import ModelConfig
+            from services.worker.model_build import check_parallel
+            # From the model's config alone, before NATS, torch or any rank: a shape that does not split.
+            check_parallel(ModelConfig.from_path(cfg.model_dir), cfg)
+    except ValueError as e:  # the config's own checks, the model's config and ModelCheckError alike
+        structlog.get_logger("worker").error("bad_config", error=str(e))
+        return CONFIG_ERROR_EXIT
     prefetch = None
     if args.model_dir and args.load_format == "auto" and not args.emit_only:
         from services.worker.prefetch import start_prefetch
@@ -150,27 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.model_build import staging_count
         # The driver makes the context and the loader's pinned buffers while torch is imported.
         early = start_early_device(args.device, staging_count(), STAGING_BYTES)
-    setup_logging("worker", json=args.log_format == "json", level=args.log_level)
     if args.gil_switch_interval_ms is not None:
-        if not args.gil_switch_interval_ms > 0:
-            raise SystemExit("--gil-switch-interval-ms must be above 0")
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
-    kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
-                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                  num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                  block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
-                  emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
-                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
-                  handoff_push=args.handoff_push, kvstore=args.kvstore,
-                  load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
-                  pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
-                  fused_all_reduce_norm=args.fused_all_reduce_norm)
-    if args.worker_id:
-        kwargs["worker_id"] = args.worker_id
-    cfg = WorkerServiceConfig(**kwargs)
-    nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
     try:
         import uvloop
         uvloop.install()
@@ -186,6 +183,25 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def service_config(args) -> WorkerServiceConfig:
+    """The flags as the worker's config (ValueError when they cannot work together)."""
+    kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                  num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                  block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
+                  emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
+                  transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
+                  handoff_push=args.handoff_push, kvstore=args.kvstore,
+                  load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
+                  pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
+                  fused_all_reduce_norm=args.fused_all_reduce_norm)
+    if args.worker_id:
+        kwargs["worker_id"] = args.worker_id
+    return WorkerServiceConfig(**kwargs)
 
 
 def process_started_at() -> float | None:

@@ -82,10 +82,24 @@ def check_model(spec: ModelSpec, cfg: WorkerServiceConfig) -> CheckedModel:
         raise
     except Exception as e:  # each reader raises its own kind; all mean "not this model"
         raise ModelCheckError(f"{path}: {e}") from e
+    check_parallel(model_config, cfg)
     dtype = serving_dtype(spec, model_config, cfg.device)
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn"
     shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, kv_dtype)
     return CheckedModel(spec, model_config, eos, shape, _weight_bytes(model_config, dtype))
+
+
+def check_parallel(model_config, cfg: WorkerServiceConfig) -> None:
+    """The model splits over the worker's group (its heads, KV heads and MLP over the tensor-parallel
+    ranks, its layers over the stages); ModelCheckError saying why not."""
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1:
+        return
+    from services.worker.engine.parallel.layout import ParallelConfigError, ParallelLayout
+
+    try:
+        ParallelLayout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size).check(model_config)
+    except ParallelConfigError as e:
+        raise ModelCheckError(str(e)) from None
 
 
 def serving_dtype(spec: ModelSpec, model_config, device: str) -> str:

@@ -239,6 +239,17 @@ def test_min_tokens_over_the_room_left():
     assert (info.value.status, info.value.param) == (400, "min_tokens")
 
 
+@pytest.mark.parametrize("parse, body", [(parse_completion, completion), (parse_chat, chat)])
+def test_stream_options_without_stream_is_a_400(parse, body):
+    for unstreamed in ({}, {"stream": False}, {"stream": None}):
+        for options in ({"include_usage": True}, {"include_usage": False}, {}):
+            e = error_of(parse, body(stream_options=options, **unstreamed))
+            assert (e.status, e.param, e.type) == (400, "stream_options", "invalid_request_error")
+            assert e.message == "'stream_options' is only allowed when 'stream' is true"
+    assert not parse(body(stream_options=None), LIMITS).include_usage  # null: not given
+    assert parse(body(stream=True, stream_options={"include_usage": True}), LIMITS).include_usage
+
+
 def test_stop_strings_deduplicated_and_empty_dropped():
     assert parse_completion(completion(stop=["a", "", "a", "b"]), LIMITS).stop == ("a", "b")
     assert parse_completion(completion(stop="x"), LIMITS).stop == ("x",)

@@ -106,3 +106,18 @@ def test_backoff_is_checked():
         Backoff(first=0)
     with pytest.raises(ValueError):
         Backoff(first=5, cap=1)
+
+
+def test_a_child_that_exits_with_a_configuration_error_is_not_restarted(stack, capsys):
+    from shared.config import CONFIG_ERROR_EXIT
+
+    sup = Supervisor(stack, Backoff(first=0.5), clock=clock)
+    worker = die(stack, "worker-0", CONFIG_ERROR_EXIT)  # its flags or model cannot work: again would fail again
+    die(stack, "scheduler-0", -9)
+    for now in (1.0, 2.0, 60.0):
+        clock.now = now
+        restarted = sup.poll()
+        assert "worker-0" not in restarted
+    assert sup.failed == {"worker-0"} and worker.proc.poll() == CONFIG_ERROR_EXIT
+    assert sup.restarts == {"scheduler-0": 1}
+    assert capsys.readouterr().err.count("worker-0 exited with code 2 (a configuration error)") == 1
