@@ -14,6 +14,13 @@ import torch
 
 from services.launcher import find_nats_server, free_port
 
+# One compute thread per process: the tests share 2 cores with the stacks they start (and with
+# each other under xdist), and torch's OpenMP pool on an oversubscribed machine spins at its
+# barriers: SmolLM2's 40-token forward took 4.8 s with 2 threads beside one busy process, 0.3 s
+# with 1. Children (the stacks' workers) inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 # Triton decides at import whether it interprets; on a machine without a GPU every test runs the
 # kernels under the interpreter, whichever test directory happens to import triton first.
 if not torch.cuda.is_available():
@@ -166,3 +173,23 @@ def smollm2_hf(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32,
                                                  attn_implementation="eager", **kwargs).eval()
     return tok, model
+
+
+# Modules that share a session fixture costing tens of seconds run on one xdist worker, so it is
+# built once: transformers' own GGUF loading of SmolLM2 (~40 s), and the e2e suite's plain stack.
+SHARED_WORKER = {"tests/models/test_gguf_smollm2.py": "smollm2", "tests/e2e/test_real_model.py": "smollm2"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with --dist loadgroup (`make test`): a module's tests stay on one worker,
+    so its module-scoped stacks and engines start once; the modules of SHARED_WORKER and those
+    using the e2e `stack` share one worker each. Without xdist the marks change nothing."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for path, members in modules.items():
+        group = SHARED_WORKER.get(path) or (
+            "e2e-stack" if any("stack" in item.fixturenames for item in members) else path)
+        for item in members:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -20,10 +20,9 @@ PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 3,
 
 
 @pytest.fixture(scope="module")
-def aggregated(tiny_model, tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("agg"), tiny_model)
-    yield s
-    s.stop()
+def aggregated(stack):
+    """The session's plain stack: one mixed worker with the same model."""
+    return stack
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1P+1D", "1P+2D"])
@@ -34,7 +33,7 @@ def pd_stack(request, tiny_model, tmp_path_factory):
     s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1,
                     decode_workers=request.param,
                     scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
-                    gateway_args=("--heartbeat-ttl", "10"))
+                    gateway_args=("--heartbeat-ttl", "10"), decode_worker_args=("--num-blocks", "128"))
     yield s
     s.stop()
 
@@ -137,11 +136,11 @@ def test_decode_workers_queue_hand_offs_until_blocks_free(pd_stack):
 
     def one(i):
         return client(pd_stack).completions.create(
-            model=MODEL_NAME, prompt=f"request {i}: " + PROMPTS[1], max_tokens=400, temperature=0,
+            model=MODEL_NAME, prompt=f"request {i}: " + PROMPTS[1], max_tokens=200, temperature=0,
             extra_body={"ignore_eos": True}).usage.completion_tokens
 
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:
-        assert list(pool.map(one, range(20))) == [400] * 20  # 20 × 32 blocks > the decode pools' 256 each
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:  # 20 × 15 blocks > the decode pools' 128 (or 2 × 128)
+        assert list(pool.map(one, range(20))) == [200] * 20
     wait_blocks_free(pd_stack)
 
 
@@ -167,9 +166,11 @@ def stream_until_killed(stack, victim: str, prompt: str, kill_after_chunks: int)
     return outcome, time.monotonic() - (killed_at or time.monotonic())
 
 
-@pytest.fixture
-def fault_stack(tiny_model, tmp_path):
-    s = start_stack(tmp_path, tiny_model, workers=0, prefill_workers=2, decode_workers=2,
+@pytest.fixture(scope="module")
+def fault_stack(tiny_model, tmp_path_factory):
+    """One stack for both fault tests, in this order: the first kills a decode worker, the second
+    both prefill workers (the remaining decode worker then prefills for itself)."""
+    s = start_stack(tmp_path_factory.mktemp("faults"), tiny_model, workers=0, prefill_workers=2, decode_workers=2,
                     scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "1.5"),
                     worker_args=("--handoff-timeout", "3"))
     yield s
