@@ -185,6 +185,7 @@ def test_killed_decode_worker_ends_its_request_cleanly_and_the_rest_serve(fault_
     c = client(fault_stack)
     stream = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=1500, temperature=0,
                                   stream=True, extra_body={"ignore_eos": True})
+    killed_at = None
     try:
         for i, _ in enumerate(stream):
             if i == 10:
@@ -195,6 +196,7 @@ def test_killed_decode_worker_ends_its_request_cleanly_and_the_rest_serve(fault_
         outcome = "ok"
     except (openai.APIError, openai.APIConnectionError) as e:
         outcome = f"error: {type(e).__name__}"
+    assert killed_at is not None, f"the stream ended before any worker was killed: {outcome}"
     seconds = time.monotonic() - killed_at
     assert outcome.startswith("error") and seconds < 5, (outcome, seconds)
     # The other decode worker takes the next requests; nothing is left held anywhere.
