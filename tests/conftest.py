@@ -182,14 +182,32 @@ SHARED_WORKER = {"tests/models/test_gguf_smollm2.py": "smollm2", "tests/e2e/test
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with --dist loadgroup (`make test`): a module's tests stay on one worker,
-    so its module-scoped stacks and engines start once; the modules of SHARED_WORKER and those
-    using the e2e `stack` share one worker each. Without xdist the marks change nothing."""
+    """Under pytest-xdist with --dist loadgroup (`make test`): a module with module-scoped fixtures
+    (stacks, engines) stays on one worker, so they start once; the modules of SHARED_WORKER and
+    those using the e2e `stack` share one worker each; every other test goes wherever a worker is
+    free. Without xdist the marks change nothing."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     for path, members in modules.items():
-        group = SHARED_WORKER.get(path) or (
-            "e2e-stack" if any("stack" in item.fixturenames for item in members) else path)
+        if path.startswith("tests/e2e/") and any("stack" in item.fixturenames for item in members):
+            group = "e2e-stack"
+        elif path in SHARED_WORKER:
+            group = SHARED_WORKER[path]
+        elif any(fixture_scope(item) == "module" for item in members):
+            group = path
+        else:
+            continue  # tests of their own: spread over both workers
         for item in members:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def fixture_scope(item) -> str:
+    """The widest scope among the item's fixtures defined in tests/ below session scope: module if
+    any of them is module-scoped (a stack, an engine), else function."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return "function"
+    scopes = {d.scope for fixturedefs in defs.name2fixturedefs.values() for d in fixturedefs
+              if "tests" in str(getattr(d, "baseid", "tests"))}
+    return "module" if scopes & {"module", "class", "package"} else "function"
