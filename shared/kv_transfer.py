@@ -38,12 +38,20 @@ def _ucxx():
     return ucxx
 
 
-def init_ucx(progress_mode: str) -> None:
-    """Start this process's UCX with `progress_mode`, before its first listener or endpoint (else
-    ucxx starts it in "thread" mode). "blocking" progresses UCX on the event loop; "thread" runs
-    ucxx's progress thread, which makes GPU 0's CUDA context current as it starts (ucxx's
-    _create_context): right for a worker, whose GPU 0 is its own (services/gpu_placement.py)."""
-    _ucxx().init(progress_mode=progress_mode)
+def init_ucx(cuda_context: bool = True) -> None:
+    """Start this process's UCX before its first listener or endpoint, progressed by ucxx's own
+    thread. That thread makes GPU 0's CUDA context current as it starts (ucxx's _create_context):
+    right for a worker, whose GPU 0 is its own (services/gpu_placement.py); a process that computes
+    on no GPU (the kvstore) passes cuda_context=False and makes none (UCX still moves GPU pages: it
+    takes the context of the memory it is handed). The event loop's "blocking" mode makes none
+    either, but spins: ~25 % of a core per kvstore once workers had connected (2-core VM,
+    2026-11-28)."""
+    ucxx = _ucxx()
+    if not cuda_context:
+        from ucxx._lib_async import continuous_ucx_progress
+
+        continuous_ucx_progress._create_context = lambda: None
+    ucxx.init(progress_mode="thread")
 
 
 def as_buffer(x: Buffer) -> Buffer:

@@ -46,12 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def serve(cfg: KvStoreConfig, nats_cfg: NatsConfig) -> int:
     from services.kvstore.service import KvStore
 
-    # UCX progresses on the event loop: the kvstore computes on no GPU, and ucxx's progress thread
-    # would make a CUDA context on GPU 0. (It must still see the GPUs: with none visible UCX found
-    # no protocol for a worker's GPU pages.) Two H200s, 2026-11-28, one run each, against the thread
-    # with pinned pages: put 1.7-2.6 GB/s from host pages (1.3-1.4), 0.35-0.40 from GPU pages (the
-    # same); get 1.9-2.7 into host pages (1.8-2.0), 0.7-0.8 into GPU pages (0.6-0.7).
-    init_ucx("blocking")
+    # The kvstore computes on no GPU: its UCX progress thread makes no CUDA context on GPU 0 (it
+    # must still see the GPUs: with none visible UCX found no protocol for a worker's GPU pages).
+    init_ucx(cuda_context=False)
     return await run_service(nats_cfg, "kvstore", lambda conn: KvStore(cfg, conn))
 
 

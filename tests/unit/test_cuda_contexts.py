@@ -134,7 +134,7 @@ made = []  # the devices ucxx's progress thread makes a CUDA context current on 
 ucxx._cuda_context.ensure_cuda_context = lambda device_id=0: made.append(device_id)
 from shared.kv_transfer import TransferServer, init_ucx
 if sys.argv[1] != "default":
-    init_ucx(sys.argv[1])
+    init_ucx(cuda_context=sys.argv[1] == "context")
 
 async def listen():
     server = TransferServer(lambda header, payload: None, lambda header: None).start()
@@ -146,15 +146,15 @@ print(made)
 """
 
 
-@pytest.mark.parametrize("mode, made", [("blocking", "[]"), ("default", "[0]")])
-def test_ucx_in_blocking_mode_makes_no_cuda_context(mode, made):
-    """No progress thread, so no context on GPU 0 (by default ucxx's thread makes one)."""
+@pytest.mark.parametrize("mode, made", [("no-context", "[]"), ("context", "[0]"), ("default", "[0]")])
+def test_ucx_without_a_cuda_context_makes_none(mode, made):
+    """ucxx's progress thread makes a context on GPU 0 as it starts, unless told not to."""
     out = subprocess.run([sys.executable, "-c", LISTEN, mode], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == made
 
 
-def test_the_kvstore_starts_ucx_in_blocking_mode_and_pins_no_pages(monkeypatch):
+def test_the_kvstore_starts_ucx_without_a_cuda_context_and_pins_no_pages(monkeypatch):
     from services.kvstore import main as kvstore_main
     from services.kvstore.config import KvStoreConfig
     from shared.config import NatsConfig
@@ -165,8 +165,8 @@ def test_the_kvstore_starts_ucx_in_blocking_mode_and_pins_no_pages(monkeypatch):
         started.append(name)
         return 0
 
-    monkeypatch.setattr(kvstore_main, "init_ucx", started.append)
+    monkeypatch.setattr(kvstore_main, "init_ucx", lambda cuda_context=True: started.append(cuda_context))
     monkeypatch.setattr(kvstore_main, "run_service", run_service)
     assert asyncio.run(kvstore_main.serve(KvStoreConfig(), NatsConfig())) == 0
-    assert started == ["blocking", "kvstore"]  # UCX's mode first, before any listener
+    assert started == [False, "kvstore"]  # UCX first, before any listener, with no context
     assert kvstore_main.PIN_CHOICES[kvstore_main.parse_args([]).pin_memory] is False  # pinning needs a context
