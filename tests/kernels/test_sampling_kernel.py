@@ -8,11 +8,14 @@ import torch
 from services.worker.kernels import sampling as K
 
 
-@pytest.fixture(params=["rows", "chunks"], autouse=True)
-def second_read(request, monkeypatch):
-    """Every draw both ways: the row program reads the row alone (large batches), or the read is
-    split over chunks of the row (small ones, sampling_collect.py); which one follows the batch size
-    and the SM count, so both are forced here."""
+@pytest.fixture(params=["rows", "chunks"])
+def read_way(request, monkeypatch):
+    """The second read both ways, for the tests whose rows reach it: the row program reads the row
+    alone (large batches), or the read is split over chunks of the row (small ones,
+    sampling_collect.py); which one follows the batch size and the SM count, so both are forced
+    here. Rows without filters, greedy rows and chain rows (top-p or min-p without top-k, when the
+    rounds run) never reach it, and a test that passes collect_splits picks the chunks itself:
+    those run once, the chunked way (the default, _collects)."""
     monkeypatch.setattr(K, "_collects", lambda n_rows, device: request.param == "chunks")
     return request.param
 
@@ -75,7 +78,7 @@ def test_greedy_rows_are_exact_argmax(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets), want)
 
 
-def test_top_k_one_is_greedy(device):
+def test_top_k_one_is_greedy(read_way, device):
     logits = torch.randn(5, 400, device=device) * 2
     t, k, p, mp = _params(5, device, temperature=1.3, top_k=1)
     seeds, offsets = _seeds(5, device), torch.arange(5, device=device)
@@ -96,20 +99,18 @@ def _mixed_batch(device, n=12, vocab=1000):
 
 
 @pytest.mark.parametrize("block_v,num_splits", [(None, None), (128, None), (64, 3)])
-def test_triton_matches_reference_row_for_row(block_v, num_splits, device):
+def test_triton_matches_reference_row_for_row(block_v, num_splits, read_way, device):
     """Default launch, small tiles (multi-tile passes, candidate compaction), a forced vocab split."""
     logits, t, k, p, mp = _mixed_batch(device)
-    seeds = _seeds(len(t), device)
-    for step in range(2):
-        offsets = torch.full((len(t),), step, dtype=torch.int64, device=device) + torch.arange(len(t), device=device)
-        want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
-        got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits)
-        assert got.dtype == torch.int64
-        assert torch.equal(got, want), (step, got, want)
+    seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
+    want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
+    got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, want), (got, want)
 
 
 @pytest.mark.parametrize("block_v,num_splits", [(None, None), (64, 3)])
-def test_bf16_logits_match_the_reference(block_v, num_splits, device):
+def test_bf16_logits_match_the_reference(block_v, num_splits, read_way, device):
     """The engine's logits are bf16 (the LM head's dtype): 8 bits of mantissa, so ties at nearly
     every threshold. The kernels widen each value as the reference does, so the draws are the same."""
     logits, t, k, p, mp = _mixed_batch(device)
@@ -123,30 +124,33 @@ def test_bf16_logits_match_the_reference(block_v, num_splits, device):
 def test_bf16_top_p_chain_in_rounds(device):
     """A flat bf16 row under top-p keeps far more than the buffer: the chunked rounds' chain on
     widened bf16 values, from pass 1's winner (kept: two reads; else a bound, a draw above it, ...)."""
-    got, want, reads = _draws(_flat(1024).to(torch.bfloat16), 12, device, block_v=32, num_splits=2, top_p=0.9)
+    got, want, (reads,) = _draws(_flat(1024).to(torch.bfloat16), device, 32, 2, [(dict(top_p=0.9), (0, 4))])
     assert torch.equal(got, want)
     assert min(reads) == 2 and 3 not in reads and max(reads) >= 4
 
 
 @pytest.mark.parametrize("block_v", [None, 16])
-@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25),
-                                                 (9, 0.9, 0.1)])
-def test_triton_kept_set_matches_reference_on_a_tiny_vocab(top_k, top_p, min_p, block_v, device):
+def test_triton_kept_set_matches_reference_on_a_tiny_vocab(block_v, read_way, device):
     """Many draws from one row: boundary tokens win often, so a threshold off by one token shows.
-    block_v=16 cuts the 24 tokens into two tiles, so the candidate compaction runs too."""
+    block_v=16 cuts the 24 tokens into two tiles, so the candidate compaction runs too. Each filter
+    set's draws are rows of one launch; top-p and min-p alone (chain rows) never reach the second
+    read, so they are drawn the chunked way only."""
     n = 48
     row = (torch.randn(24, device=device) * 1.5).round()  # ties at the thresholds
     row[[3, 11, 20]] = row.max()  # at least three tokens survive every filter
-    t, k, p, mp = _params(n, device, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
-    seeds = torch.full((n,), 77, dtype=torch.int64, device=device)
-    offsets = torch.arange(n, device=device)
-    want = K.sample_ref(row.expand(n, -1), t, k, p, mp, seeds, offsets)
-    got = K.sample(row.expand(n, -1).contiguous(), t, k, p, mp, seeds, offsets, block_v=block_v)
+    filters = [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25), (9, 0.9, 0.1)]
+    filters = [f for f in filters if f[0] > 0 or read_way == "chunks"]
+    t, k, p, mp = (torch.cat(x) for x in zip(*(_params(n, device, 1.0, *f) for f in filters)))
+    seeds = torch.full((len(t),), 77, dtype=torch.int64, device=device)
+    offsets = torch.arange(n, device=device).repeat(len(filters))
+    logits = row.expand(len(t), -1)
+    want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
+    got = K.sample(logits.contiguous(), t, k, p, mp, seeds, offsets, block_v=block_v)
     assert torch.equal(got, want)
-    assert len(set(want.tolist())) > 1
+    assert all(len(set(draws.tolist())) > 1 for draws in want.split(n))
 
 
-def test_a_row_does_not_depend_on_its_batch(device):
+def test_a_row_does_not_depend_on_its_batch(read_way, device):
     logits, t, k, p, mp = _mixed_batch(device)
     seeds = _seeds(len(t), device)
     offsets = torch.randint(0, 10_000, (len(t),), device=device)
@@ -202,7 +206,7 @@ def test_reference_top_p_frequencies_are_renormalised():
     assert (freq - want).abs().max().item() < 0.015
 
 
-def test_large_vocab_multi_tile(device):
+def test_large_vocab_multi_tile(read_way, device):
     """5000 tokens: three 2048 tiles per read, simple rows split over the vocabulary, kept sets both
     small enough for the buffer (top-k 100, top-p on peaked rows) and too large for it (top-k 4500)."""
     logits = torch.randn(6, 5000, device=device) * 4
@@ -217,20 +221,25 @@ def test_large_vocab_multi_tile(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=1), want)
 
 
-def _draws(row, n, device, block_v, num_splits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-           chain_rounds=K.CHAIN_ROUNDS):
-    """n draws from one row (one seed, offsets 0..n-1: only the noise changes), kernel and reference;
-    also how many times the kernel read each row. The launch shape is explicit: its default depends
-    on the device's SM count, and a row's path depends on it (through pass 1's chunks). chain_rounds
-    0: top-p's chain runs serially in the row program (with its buffer finish), as top-k's does."""
-    t, k, p, mp = _params(n, device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+def _draws(row, device, block_v, num_splits, cases, temperature=1.0, chain_rounds=K.CHAIN_ROUNDS, **launch):
+    """Draws from one row, kernel and reference, in one launch: per case (filters, offsets), one row
+    per offset (one seed: only the noise changes); also how many times the kernel read each row, per
+    case. The launch shape is explicit: its default depends on the device's SM count, and a row's
+    path depends on it (through pass 1's chunks). chain_rounds 0: top-p's chain runs serially in the
+    row program (with its buffer finish), as top-k's does. The offsets are those whose draws take
+    the paths a test names (a kept winner, a rejected one, ...): the other draws of the row repeat
+    them."""
+    rows = [(filters, offset) for filters, offsets in cases for offset in offsets]
+    n = len(rows)
+    t, k, p, mp = (torch.cat(x) for x in zip(*(_params(1, device, temperature, **f) for f, _ in rows)))
     seeds = torch.full((n,), 77, dtype=torch.int64, device=device)
-    offsets = torch.arange(n, device=device)
+    offsets = torch.tensor([offset for _, offset in rows], device=device)
     logits = row.to(device).expand(n, -1).contiguous()
     reads = torch.zeros(n, dtype=torch.int32, device=device)
     got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits, reads=reads,
-                   chain_rounds=chain_rounds, chain_block=min(block_v, 64))
-    return got, K.sample_ref(logits, t, k, p, mp, seeds, offsets), reads.tolist()
+                   chain_rounds=chain_rounds, chain_block=min(block_v, 64), **launch)
+    per_case = reads.split([len(offsets) for _, offsets in cases])
+    return got, K.sample_ref(logits, t, k, p, mp, seeds, offsets), [r.tolist() for r in per_case]
 
 
 def _peaked(vocab, seed=0):
@@ -241,69 +250,81 @@ def _flat(vocab, seed=0):
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 0.5
 
 
-@pytest.mark.parametrize("filters", [dict(top_k=5), dict(min_p=0.3), dict(top_k=20, top_p=0.8),
-                                     dict(top_k=5, top_p=0.9, min_p=0.1), dict(top_p=0.5, min_p=0.02)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_bound_from_pass_one_fits_the_buffer(filters, num_splits, device):
+def test_bound_from_pass_one_fits_the_buffer(num_splits, read_way, device):
     """The usual case: the group maxima of pass 1 bound the kept set from below tightly enough that
     one more read puts every token above the bound in the buffer (64 here), where all is exact.
     (Without rounds: with them, top-p rows without top-k take the chain from pass 1's winner.)"""
-    got, want, reads = _draws(_peaked(1000), 12, device, block_v=64, num_splits=num_splits, chain_rounds=0,
-                              **filters)
+    filters = [dict(top_k=5), dict(min_p=0.3), dict(top_k=20, top_p=0.8), dict(top_k=5, top_p=0.9, min_p=0.1),
+               dict(top_p=0.5, min_p=0.02)]
+    got, want, reads = _draws(_peaked(1000), device, 64, num_splits, [(f, (0, 1)) for f in filters], chain_rounds=0)
     assert torch.equal(got, want)
-    assert reads == [2] * 12
+    assert reads == [[2, 2]] * len(filters)
 
 
 @pytest.mark.parametrize("chain_rounds", [0, K.CHAIN_ROUNDS, 1])
-@pytest.mark.parametrize("filters,longest", [(dict(top_p=0.9), 4), (dict(top_p=0.3), 3), (dict(top_k=150), 3),
-                                             (dict(min_p=0.1, top_p=0.3), 3)])
-def test_chain_of_gumbel_winners_on_flat_rows(filters, longest, chain_rounds, device):
+def test_chain_of_gumbel_winners_on_flat_rows(chain_rounds, read_way, device):
     """Flat rows keep far more than the buffer: the bound's set yields its Gumbel winner, accepted
     (3 reads) or rejected, and the next read checks the winner above it (tiles both dense and sparse
     in the set, so noise is drawn in place and through the buffer, with refills). Top-p's links run in
     the row program (chain_rounds 0), in one round and then serially for the rows it left pending,
     or, from pass 1's winner (chain rows, from two rounds on: its first link is a round, so a kept
-    one takes two reads), in chunked rounds: the same draws. (Pass 1's four samples a lane bound these sets closely
-    enough that most chains end at their first link; top-p 0.9 still needs two.)"""
-    got, want, reads = _draws(_flat(1024), 12, device, block_v=32, num_splits=2, chain_rounds=chain_rounds, **filters)
+    one takes two reads), in chunked rounds: the same draws. (Pass 1's four samples a lane bound these
+    sets closely enough that most chains end at their first link; top-p 0.9 still needs two: offset 4.
+    Chain rows never reach the second read: they are drawn the chunked way only.)"""
+    cases = [(dict(top_p=0.9), (0, 4), 4), (dict(top_p=0.3), (0, 4), 3), (dict(top_k=150), (0,), 3),
+             (dict(min_p=0.1, top_p=0.3), (0, 4), 3)]
+    chain_row = [chain_rounds >= 2 and "top_k" not in f for f, _, _ in cases]
+    cases = [c for c, chain in zip(cases, chain_row) if read_way == "chunks" or not chain]
+    got, want, reads = _draws(_flat(1024), device, 32, 2, [c[:2] for c in cases], chain_rounds=chain_rounds)
     assert torch.equal(got, want)
-    chain_row = chain_rounds >= 2 and "top_k" not in filters
-    assert min(reads) == (2 if chain_row else 3) and max(reads) >= longest
+    for (filters, _, longest), r in zip(cases, reads):
+        chain = chain_rounds >= 2 and "top_k" not in filters
+        assert min(r) == (2 if chain else 3) and max(r) >= longest, (filters, r)
 
 
-def test_chain_ends_in_the_buffer_after_rejections(device):
+_TEN_ABOVE = torch.full((512,), -3.0)
+_TEN_ABOVE[1:41] = 1.5
+_TEN_ABOVE[0:160:16] = 3.0
+
+
+def test_chain_ends_in_the_buffer_after_rejections(read_way, device):
     """Ten tokens at +3, all in one lane (pass 1's group maxima see one of them), 38 at +1.5 and the
     rest at -3: top-p 0.4 keeps the ten, but neither bound from pass 1 excludes the 38 (the groups
     hold too little mass; the -3s, not the +1.5s, fall below m + log((1 - p) Z / V)). A winner at +1.5
     (about half of the draws) is rejected, and the ten above it fit: the buffer finishes the row."""
-    row = torch.full((512,), -3.0)
-    row[1:41] = 1.5
-    row[0:160:16] = 3.0
-    got, want, reads = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4, chain_rounds=0)
+    got, want, (reads,) = _draws(_TEN_ABOVE, device, 16, 1, [(dict(top_p=0.4), (0, 1, 4, 5))], chain_rounds=0)
     assert torch.equal(got, want)
     assert set(want.tolist()) <= set(range(0, 160, 16)) and len(set(want.tolist())) > 3
-    assert reads == [3] * 12
-    # In chunked rounds there is no buffer, nor a scan: pass 1's winner is kept (2 reads) or leaves a
-    # bound, the next round draws above it and the one after weighs that winner (4, or 5 after a winner
-    # at +1.5): more reads, never a wrong draw.
-    got, _, chunked = _draws(row, 12, device, block_v=16, num_splits=1, top_p=0.4)
-    assert torch.equal(got, want) and set(chunked) <= {2, 4, 5}
+    assert reads == [3] * 4
 
 
-def test_loose_min_p_is_the_only_filter(device):
+def test_chain_of_rounds_needs_no_buffer(device):
+    """The row of test_chain_ends_in_the_buffer_after_rejections in chunked rounds: there is no buffer,
+    nor a scan: pass 1's winner is kept (2 reads) or leaves a bound, the next round draws above it and
+    the one after weighs that winner (4, or 5 after a winner at +1.5): more reads, never a wrong draw."""
+    got, want, (reads,) = _draws(_TEN_ABOVE, device, 16, 1, [(dict(top_p=0.4), (0, 6))])
+    assert torch.equal(got, want) and set(reads) <= {2, 4, 5} and len(set(reads)) == 2
+
+
+def test_loose_min_p_is_the_only_filter(read_way, device):
     """min-p alone keeping more than the buffer: its set is exact from the first scan, so that scan's
-    Gumbel winner is the draw, with no read to check it. As a chain row (with rounds): pass 1's winner
-    is the draw where it passes min-p (one read), else the first round's winner above it (two)."""
-    got, want, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2, chain_rounds=0)
+    Gumbel winner is the draw, with no read to check it."""
+    got, want, reads = _draws(_flat(1024), device, 32, 2, [(dict(min_p=0.2), (0, 1))], chain_rounds=0)
     assert torch.equal(got, want)
-    assert reads == [2] * 8
-    got, _, reads = _draws(_flat(1024), 8, device, block_v=32, num_splits=2, min_p=0.2)
+    assert reads == [[2, 2]]
+
+
+def test_loose_min_p_as_a_chain_row(device):
+    """As a chain row (with rounds), min-p alone: pass 1's winner is the draw where it passes min-p
+    (one read), else the first round's winner above it (two)."""
+    got, want, (reads,) = _draws(_flat(1024), device, 32, 2, [(dict(min_p=0.2), (0, 1))])
     assert torch.equal(got, want)
     assert set(reads) == {1, 2}
 
 
 @pytest.mark.parametrize("vocab,block_v", [(1024, 32), (256, 16)])
-def test_top_k_with_top_p_beyond_the_bound(vocab, block_v, device):
+def test_top_k_with_top_p_beyond_the_bound(vocab, block_v, read_way, device):
     """Top-k and top-p with a top-k set the bounds leave larger than the buffer: 30 tokens just above
     40 others, all in one bin of pass 1's grid, so both bounds lie at or below the 40. t_k by
     bisection over the row, until the set fits (k 30 <= 32 tokens) or exactly (k 30 > 16), then the
@@ -312,7 +333,7 @@ def test_top_k_with_top_p_beyond_the_bound(vocab, block_v, device):
     at = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:70]
     row[at[:30]] = 2.1 + torch.arange(30) * 1e-3
     row[at[30:]] = 2.01
-    got, want, reads = _draws(row, 12, device, block_v=block_v, num_splits=1, top_k=30, top_p=0.8)
+    got, want, (reads,) = _draws(row, device, block_v, 1, [(dict(top_k=30, top_p=0.8), (0, 1))])
     assert torch.equal(got, want)
     assert min(reads) > 3
 
@@ -325,19 +346,19 @@ def _spiked(vocab, spikes, boost, seed=0):
     return row
 
 
-@pytest.mark.parametrize("min_p", [0.0, 1e-4])
-def test_top_p_set_larger_than_the_buffer_splits_at_hi(min_p, device):
+def test_top_p_set_larger_than_the_buffer_splits_at_hi(read_way, device):
     """Top-p keeping 182 tokens, a buffer of 64: pass 1's grid (8 chunks of 64 lanes, 1,024 samples)
     bounds the threshold within a band of about 32 samples, the scan keeps the band and only draws
-    the tokens above it, and their mass tells that every one of them is kept: one scan."""
-    got, want, reads = _draws(_spiked(4096, 8, 6.0), 8, device, block_v=64, num_splits=8, temperature=0.8,
-                              top_p=0.9, min_p=min_p, chain_rounds=0)
+    the tokens above it, and their mass tells that every one of them is kept: one scan. So with
+    min-p 1e-4 beside it (rows of the same launch)."""
+    cases = [(dict(top_p=0.9, min_p=min_p), (0, 2, 3, 4)) for min_p in (0.0, 1e-4)]
+    got, want, reads = _draws(_spiked(4096, 8, 6.0), device, 64, 8, cases, temperature=0.8, chain_rounds=0)
     assert torch.equal(got, want)
-    assert reads == [2] * 8
-    assert len(set(want.tolist())) > 3
+    assert reads == [[2] * 4] * 2
+    assert all(len(set(draws.tolist())) > 3 for draws in want.split(4))
 
 
-def test_split_below_the_threshold_falls_back_to_the_chain(device):
+def test_split_below_the_threshold_falls_back_to_the_chain(read_way, device):
     """128 tokens tied at 7.999, two in each lane: the lanes' second ones count in the grid at their
     bin's lower edge, 7.875, so the samples reach p of the mass only far down, and hi falls below
     the tied tokens. The drawn tokens then hold more than p * Z: the scan's winner over the whole set
@@ -345,16 +366,18 @@ def test_split_below_the_threshold_falls_back_to_the_chain(device):
     row = _peaked(4096)
     lanes = torch.arange(64)
     row[torch.cat([lanes, lanes + 64])] = 7.999
-    got, want, reads = _draws(row, 8, device, block_v=64, num_splits=8, top_p=0.9, chain_rounds=0)
+    got, want, reads = _draws(row, device, 64, 8, [(dict(top_p=0.9), (0, 1))], chain_rounds=0)
     assert torch.equal(got, want)
-    assert reads == [3] * 8
+    assert reads == [[3, 3]]
 
 
 def test_mixed_batch_at_full_vocabulary(device):
     """The benchmark's mixed batch (greedy, top-k 40, top-p 0.9, min-p 0.1 in turn; V = 128,256 with
     64 tokens lifted by 8; 3 chunks per row, as at B = 256 on an H100): every row in two reads at
     most but top-p's (chain rows, as min-p's: two where pass 1's winner is kept), whose kept sets
-    outgrow the buffer (2,048) in two rows."""
+    outgrow the buffer (2,048) in two rows. Drawn the way serving draws (the chunked second read),
+    one row of each kind and the top-p rows with the two largest sets: the batch's other rows take
+    the same paths."""
     n, vocab = 16, 128_256
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(n, vocab, generator=g) * 2.0
@@ -366,48 +389,54 @@ def test_mixed_batch_at_full_vocabulary(device):
     k[1::4] = 40
     p[2::4] = 0.9
     mp[3::4] = 0.1
-    args = [x.to(device) for x in (logits, t, k, p, mp, _seeds(n, "cpu"), torch.arange(n))]
-    reads = torch.zeros(n, dtype=torch.int32, device=device)
+    rows = torch.tensor([0, 1, 6, 14, 3])  # greedy, top-k, top-p (1,848 and 2,958 kept), min-p
+    args = [x[rows].to(device) for x in (logits, t, k, p, mp, _seeds(n, "cpu"), torch.arange(n))]
+    reads = torch.zeros(len(rows), dtype=torch.int32, device=device)
     got = K.sample(*args, num_splits=3, reads=reads)
     assert torch.equal(got, K.sample_ref(*args))
-    assert reads.tolist()[0::4] == [1] * 4 and reads.tolist()[1::4] == [2] * 4
-    assert min(reads.tolist()[2::4]) == 2 and set(reads.tolist()[3::4]) <= {1, 2}  # chain rows: top-p, min-p
+    assert reads.tolist()[:2] == [1, 2]
+    assert min(reads.tolist()[2:4]) == 2 and reads[4].item() in (1, 2)  # chain rows: top-p, min-p
 
 
 @pytest.mark.parametrize("collect_splits", [2, 4])
 def test_chunked_read_in_small_regions(collect_splits, device):
     """The chunked read with regions of 32 and 16 tokens (block_v 64): chunks whose part of C outgrows
     their region lower their own cut, draw in place what their far end cannot hold, and the merge
-    draws what regions kept above the row's cut; every path of the serial scan's draws is kept."""
+    draws what regions kept above the row's cut; every path of the serial scan's draws is kept.
+    The mixed batch's rows that reach that read (top-k; the others end before it or are chain rows)
+    on its own logits, on a flat row and on a spiked one."""
     logits, t, k, p, mp = _mixed_batch(device)
-    rows = [logits, _flat(1000).expand(12, -1).to(device), _spiked(1000, 8, 6.0).expand(12, -1).to(device)]
-    seeds, offsets = _seeds(12, device), torch.arange(12, device=device)
-    for x in rows:
-        x = x.contiguous()
-        for filters in ((t, k, p, mp), (t, torch.zeros_like(k), torch.full_like(p, 0.9), mp)):
-            got = K.sample(x, *filters, seeds, offsets, block_v=64, num_splits=2, collect_splits=collect_splits)
-            assert torch.equal(got, K.sample_ref(x, *filters, seeds, offsets))
+    top_k = torch.tensor([1, 3, 5, 6, 9, 10], device=device)
+    assert ((k[top_k] > 0) & (k[top_k] < 1000) & (t[top_k] > 0)).all()
+    params = [x[top_k] for x in (t, k, p, mp)]
+    seeds, offsets = _seeds(len(top_k), device), torch.arange(len(top_k), device=device)
+    for x in (logits[top_k], _flat(1000).expand(len(top_k), -1), _spiked(1000, 8, 6.0).expand(len(top_k), -1)):
+        x = x.to(device).contiguous()
+        got = K.sample(x, *params, seeds, offsets, block_v=64, num_splits=2, collect_splits=collect_splits)
+        assert torch.equal(got, K.sample_ref(x, *params, seeds, offsets))
 
 
-def test_large_buffer_finish(device):
+def test_large_buffer_finish(read_way, device):
     """More than 256 tokens in the buffer: the finish runs on the full tile, not the small one."""
-    got, want, reads = _draws(_peaked(2048), 6, device, block_v=512, num_splits=2, top_k=300, top_p=0.95)
+    got, want, reads = _draws(_peaked(2048), device, 512, 2, [(dict(top_k=300, top_p=0.95), (0, 1))])
     assert torch.equal(got, want)
-    assert reads == [2] * 6
+    assert reads == [[2, 2]]
 
 
-@pytest.mark.parametrize("filters", [dict(top_p=0.5), dict(top_k=40), dict(top_k=70, top_p=0.7, min_p=0.05)])
-def test_ties_and_masked_tokens_in_the_chain(filters, device):
+def test_ties_and_masked_tokens_in_the_chain(read_way, device):
     """Logits rounded to a few values (ties at every bound: counts and masses are of tokens strictly
-    above a winner) and a third of the vocabulary at -inf (never in a set, never drawn)."""
+    above a winner) and a third of the vocabulary at -inf (never in a set, never drawn). Top-p alone
+    (a chain row: drawn the chunked way only) at a draw whose chain is long."""
     row = (_flat(768) * 4).round() / 2
     row[::3] = float("-inf")
-    got, want, reads = _draws(row, 12, device, block_v=32, num_splits=2, **filters)
+    cases = [(dict(top_p=0.5), (0, 5)), (dict(top_k=40), (0,)), (dict(top_k=70, top_p=0.7, min_p=0.05), (0,))]
+    cases = [c for c in cases if read_way == "chunks" or "top_k" in c[0]]
+    got, want, reads = _draws(row, device, 32, 2, cases)
     assert torch.equal(got, want)
-    assert max(reads) >= 3
+    assert all(max(r) >= 3 for r in reads), reads
 
 
-def test_batch_of_every_path(device):
+def test_batch_of_every_path(read_way, device):
     """Rows taking every path in one launch (plain, greedy, the bound, the chain, the t_k bisection),
     each equal to the reference and to the same row drawn alone."""
     rows = torch.stack([_peaked(1024, 1), _peaked(1024, 2), _flat(1024, 3), _flat(1024, 4), _peaked(1024, 5),
@@ -423,7 +452,8 @@ def test_batch_of_every_path(device):
     # Row 5 (min-p alone) is a chain row: pass 1's winner is its draw where it passes min-p.
     assert reads[:2].tolist() == [1, 1] and min(reads[2:5].tolist()) >= 2 and reads[4].item() > 3
     assert reads[5].item() in (1, 2)
-    for i in range(6):
+    # The row program's way differs only for the rows that reach the second read (top-k).
+    for i in [i for i in range(6) if read_way == "chunks" or (t[i] > 0 and k[i] > 0)]:
         one = slice(i, i + 1)
         assert torch.equal(K.sample(rows[one], t[one], k[one], p[one], mp[one], seeds[one], offsets[one],
                                     block_v=32, num_splits=2), got[one])
@@ -460,7 +490,7 @@ def test_launch_shape_follows_the_vocabulary_not_the_batch(vocab, block_v, monke
     assert len(rows) == len(classes) <= 8
 
 
-def test_one_launch_shape_for_every_batch_size(device):
+def test_one_launch_shape_for_every_batch_size(read_way, device):
     """max_splits: the launch shape a caller fixes for a rare input type (fp32 logits widened for
     penalties), so one kernel variant serves every batch size; the draws are those of any shape."""
     logits, t, k, p, mp = _mixed_batch(device, vocab=5000)
@@ -470,14 +500,14 @@ def test_one_launch_shape_for_every_batch_size(device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets, num_splits=K.max_splits(5000)), want)
 
 
-@pytest.mark.parametrize("chain_rounds", [0])  # with rounds, top-p rows without top-k are chain rows
-def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(chain_rounds, device):
+def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(device):
     """2,000 tokens at 5.001 and 2,000 tied at 4.99 (the threshold), in neighbouring bins of pass 1's
     grid: the grid weighs the 5.001s at their bin's middle (5.0625), so their mass seems to reach p * Z
     and the band starts at 5.0, above T. The first scan's mass tells, and the row is read again from
-    a sure bound: serially in the row program (chain_rounds 0), or by the chunked rounds, where it
-    waits with that bound instead of a candidate. Either way the draws are the reference's."""
-    vocab, n = 128_256, 6
+    a sure bound, serially in the row program (chain_rounds 0: with rounds, top-p rows without top-k
+    are chain rows): after the chunked read, which hands it such rows (the row program's own read, the
+    other way, is the same scans). The draws are the reference's: a 5.001 at offset 0, a 4.99 at 3."""
+    vocab = 128_256
     g = torch.Generator().manual_seed(0)
     row = torch.full((vocab,), -5.0)
     at = torch.randperm(vocab, generator=g)
@@ -487,7 +517,7 @@ def test_estimate_above_the_threshold_reads_again_from_a_sure_bound(chain_rounds
     row[at[4008:24008]] = torch.rand(20000, generator=g) * 4.8
     z = torch.exp(row.double() - 10).sum().item()
     top_p = (8 + 1.002 * 2000 * torch.exp(torch.tensor(5.001 - 10, dtype=torch.float64)).item()) / z
-    got, want, reads = _draws(row, n, device, block_v=2048, num_splits=3, top_p=top_p, chain_rounds=chain_rounds)
+    got, want, (reads,) = _draws(row, device, 2048, 3, [(dict(top_p=top_p), (0, 3))], chain_rounds=0)
     assert torch.equal(got, want)
     assert min(reads) >= 4  # pass 1, the scan, the read from the bound, a link of the chain at least
     assert set(row[want.cpu()].tolist()) == {torch.tensor(5.001).item(), torch.tensor(4.99).item()}
