@@ -127,10 +127,8 @@ def wait_workers(stack: Stack, n: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{n} workers were not ready within {timeout} s")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    """One plain stack (a mixed worker, the tiny model) for every module that only asks it things:
-    started once per session; tests leave it as they found it (no request running, no block held)."""
     s = start_stack(tmp_path_factory.mktemp("stack"), tiny_model)
     yield s
     s.stop()

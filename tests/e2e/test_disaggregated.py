@@ -20,9 +20,10 @@ PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 3,
 
 
 @pytest.fixture(scope="module")
-def aggregated(stack):
-    """The session's plain stack: one mixed worker with the same model."""
-    return stack
+def aggregated(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("agg"), tiny_model)
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1P+1D", "1P+2D"])
@@ -33,7 +34,7 @@ def pd_stack(request, tiny_model, tmp_path_factory):
     s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1,
                     decode_workers=request.param,
                     scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
-                    gateway_args=("--heartbeat-ttl", "10"), decode_worker_args=("--num-blocks", "128"))
+                    gateway_args=("--heartbeat-ttl", "10"))
     yield s
     s.stop()
 
@@ -136,11 +137,11 @@ def test_decode_workers_queue_hand_offs_until_blocks_free(pd_stack):
 
     def one(i):
         return client(pd_stack).completions.create(
-            model=MODEL_NAME, prompt=f"request {i}: " + PROMPTS[1], max_tokens=200, temperature=0,
+            model=MODEL_NAME, prompt=f"request {i}: " + PROMPTS[1], max_tokens=400, temperature=0,
             extra_body={"ignore_eos": True}).usage.completion_tokens
 
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:  # 20 × 15 blocks > the decode pools' 128 (or 2 × 128)
-        assert list(pool.map(one, range(20))) == [200] * 20
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        assert list(pool.map(one, range(20))) == [400] * 20  # 20 × 32 blocks > the decode pools' 256 each
     wait_blocks_free(pd_stack)
 
 
@@ -166,11 +167,9 @@ def stream_until_killed(stack, victim: str, prompt: str, kill_after_chunks: int)
     return outcome, time.monotonic() - (killed_at or time.monotonic())
 
 
-@pytest.fixture(scope="module")
-def fault_stack(tiny_model, tmp_path_factory):
-    """One stack for both fault tests, in this order: the first kills a decode worker, the second
-    both prefill workers (the remaining decode worker then prefills for itself)."""
-    s = start_stack(tmp_path_factory.mktemp("faults"), tiny_model, workers=0, prefill_workers=2, decode_workers=2,
+@pytest.fixture
+def fault_stack(tiny_model, tmp_path):
+    s = start_stack(tmp_path, tiny_model, workers=0, prefill_workers=2, decode_workers=2,
                     scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "1.5"),
                     worker_args=("--handoff-timeout", "3"))
     yield s
@@ -185,7 +184,6 @@ def test_killed_decode_worker_ends_its_request_cleanly_and_the_rest_serve(fault_
     c = client(fault_stack)
     stream = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=1500, temperature=0,
                                   stream=True, extra_body={"ignore_eos": True})
-    killed_at = None
     try:
         for i, _ in enumerate(stream):
             if i == 10:
@@ -196,7 +194,6 @@ def test_killed_decode_worker_ends_its_request_cleanly_and_the_rest_serve(fault_
         outcome = "ok"
     except (openai.APIError, openai.APIConnectionError) as e:
         outcome = f"error: {type(e).__name__}"
-    assert killed_at is not None, f"the stream ended before any worker was killed: {outcome}"
     seconds = time.monotonic() - killed_at
     assert outcome.startswith("error") and seconds < 5, (outcome, seconds)
     # The other decode worker takes the next requests; nothing is left held anywhere.

@@ -1,6 +1,6 @@
 """Schema-driven fuzzing against the whole stack: schemathesis generates requests, valid and
 invalid, from the gateway's own /openapi.json (bench/fuzz_api.py; run it for 10,000+ cases), and
-not one of 400 may get a server error (each operation, valid and invalid bodies, ≥ 80 cases)."""
+not one of 1,000 may get a server error."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from bench.fuzz_api import fuzz
 from tests.e2e.conftest import metrics
 
 
-@pytest.mark.timeout(600)
-def test_no_server_error_in_400_schema_driven_cases(stack):
-    report = fuzz(stack.url, 400, seed=20261123, max_tokens=4, workers=4)
+@pytest.mark.timeout(900)
+def test_no_server_error_in_1000_schema_driven_cases(stack):
+    report = fuzz(stack.url, 1000, seed=20261123, max_tokens=4, workers=4)
     print(report.summary())
-    assert report.cases >= 400
+    assert report.cases >= 1000
     assert report.server_errors == [] and report.transport_errors == []
-    assert report.by_status[200] >= 120 and report.by_status[400] >= 120  # valid and invalid bodies both
+    assert report.by_status[200] >= 300 and report.by_status[400] >= 300  # valid and invalid bodies both
     for operation in ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "POST /detokenize"):
-        assert report.by_operation[operation] >= 80, operation
-    assert report.by_operation["GET /v1/models"] >= 8
+        assert report.by_operation[operation] >= 200, operation
+    assert report.by_operation["GET /v1/models"] >= 20
     deadline = time.monotonic() + 10  # and the stack is left as it was found
     while (m := metrics(stack))["inferno:num_requests_running"] or m["inferno:kv_cache_usage_perc"]:
         assert time.monotonic() < deadline

@@ -26,9 +26,10 @@ def tp_stack(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(stack):
-    """The session's plain stack: the same model in one process."""
-    return stack
+def single(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("tp1"), tiny_model)
+    yield s
+    s.stop()
 
 
 def client(stack):

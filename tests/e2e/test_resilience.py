@@ -49,7 +49,7 @@ def long_stream(stack, i):
     """Streams a long completion; returns ('ok' | 'error', seconds since the kill mark)."""
     client = make_client(stack)
     try:
-        for chunk in client.completions.create(model=MODEL_NAME, prompt=f"story {i}", max_tokens=600,
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=f"story {i}", max_tokens=1800,
                                                stream=True, extra_body={"ignore_eos": True}):
             pass
         return "ok", time.monotonic()

@@ -40,7 +40,7 @@ def client(stack, timeout=60.0):
 def stream_once(stack, i: int) -> str:
     """One long streamed completion: 'ok', or the error it ended with (a clean error event)."""
     try:
-        for _ in client(stack).completions.create(model=MODEL_NAME, prompt=f"story {i}", max_tokens=600,
+        for _ in client(stack).completions.create(model=MODEL_NAME, prompt=f"story {i}", max_tokens=1200,
                                                   stream=True, extra_body={"ignore_eos": True}):
             pass
         return "ok"

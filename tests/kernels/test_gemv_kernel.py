@@ -57,11 +57,12 @@ def test_linear_matches_reference(dtype, m, device):
 @pytest.mark.parametrize("m", [1, 4])
 def test_block_sizes_agree(dtype, config, m, device):
     """Every configuration the probe compares computes the same product, K a multiple of the
-    step or not, N a multiple of the rows per program or not."""
+    step or not, N a multiple of the rows per program or not (two programs each: the interpreter
+    runs one at a time)."""
     ring = (config.num_stages - 1) * (config.block_n + m) * config.block_k * dtype.itemsize
     if device.type == "cuda" and ring > 227 * 1024:  # the probe's 16-bit configuration, in fp32
         pytest.skip(f"a {ring // 1024} KB load ring is more shared memory than an H100 has")
-    for n, k in [(16, 1024), (19, 600)]:
+    for n, k in [(2 * config.block_n, 1024), (config.block_n + 3, 600)]:
         x = _nan_padded(m, k, dtype, device)
         w = _nan_padded(n, k, dtype, device, scale=0.05)
         out = K.linear(x, w, config=config)
@@ -74,7 +75,7 @@ def test_block_sizes_agree(dtype, config, m, device):
 def test_silu_mul_linear_equals_unfused_path(dtype, m, device):
     """The activation made inside the GEMV is silu_mul's, rounding for rounding: the fused
     result equals silu_mul followed by the GEMV bit for bit."""
-    inter, n = 150, 45
+    inter, n = 150, 9  # a partial last program
     x = _nan_padded(m, 2 * inter, dtype, device, scale=3.0)
     w = _nan_padded(n, inter, dtype, device, scale=0.05)
     bias = torch.randn(n, device=device).to(dtype) if m == 2 else None
@@ -137,7 +138,7 @@ def test_fp8_weights_with_per_row_scales(m, silu_mul, device):
     row times its scale after the sum, x unquantized; as the fp32 reference on the same values."""
     from services.worker.kernels.fp8_linear import quantize_weight
 
-    n, k = 80, 384
+    n, k = 18, 384  # a partial last program
     w = (torch.randn(n, k, device=device) * 0.05).to(torch.bfloat16)
     wq, scale = quantize_weight(w)
     bias = torch.randn(n, device=device).to(torch.bfloat16)
@@ -154,7 +155,7 @@ def test_add_rmsnorm_linear_matches_the_unfused_path(dtype, m, device):
     """The residual add and RMS norm made inside the GEMV: the new residual is the norm kernel's
     bit for bit; the product agrees with norm-then-GEMV to the dtype's tolerance (the normed input
     is not rounded before the product there)."""
-    n, k = 37, 300  # a partial last program and a partial last K step
+    n, k = 7, 300  # a partial last program and a partial last K step
     x = _nan_padded(m, k, dtype, device, scale=2.0)
     residual = _nan_padded(m, k, dtype, device, scale=2.0)
     norm_w = (1.0 + 0.1 * torch.randn(k, device=device)).to(dtype)
@@ -174,8 +175,9 @@ def test_add_rmsnorm_linear_matches_the_unfused_path(dtype, m, device):
     K.GemvConfig(block_n=8, block_k=512, num_stages=3),
 ])
 def test_add_rmsnorm_linear_block_sizes(config, device):
-    """K a multiple of the step or not; every program but the first leaves the residual alone."""
-    for n, k in [(16, 1024), (19, 600)]:
+    """K a multiple of the step or not; every program but the first leaves the residual alone (two
+    programs or more; the second one partial)."""
+    for n, k in [(2 * config.block_n, 1024), (config.block_n + 3, 600)]:
         x = _nan_padded(2, k, torch.bfloat16, device)
         residual = _nan_padded(2, k, torch.bfloat16, device)
         norm_w = torch.ones(k, device=device, dtype=torch.bfloat16)

@@ -87,7 +87,10 @@ def test_top_k_one_is_greedy(read_way, device):
     assert torch.equal(K.sample(logits, t, k, p, mp, seeds, offsets), want)
 
 
-def _mixed_batch(device, n=12, vocab=1000):
+def _mixed_batch(device, n=12, vocab=1000, read_way="chunks"):
+    """Twelve rows, every filter and its mixes. The row program's way (read_way "rows") only changes
+    the draws of rows that reach the second read, the sampled top-k rows: it takes those alone (the
+    same rows as the chunked way's)."""
     logits = torch.randn(n, vocab, device=device) * 2.5
     logits[3, :] = logits[3, :].round()  # many exact ties around every threshold
     logits[5, 100:] = float("-inf")  # masked tokens (logit_bias / min_tokens)
@@ -95,13 +98,17 @@ def _mixed_batch(device, n=12, vocab=1000):
     top_k = torch.tensor([0, 40, 0, 50, 3, 500, 7, 0, 1000, 999, 2, 0], dtype=torch.int32, device=device)
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 0.95, 0.5, 0.3, 0.99, 1.0, 1.0, 0.7], device=device)
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.01], device=device)
-    return logits[:n, :vocab], temperature[:n], top_k[:n], top_p[:n], min_p[:n]
+    batch = logits[:n, :vocab], temperature[:n], top_k[:n], top_p[:n], min_p[:n]
+    if read_way == "chunks":
+        return batch
+    top_k_rows = (batch[2] > 0) & (batch[2] < vocab) & (batch[1] > 0)
+    return tuple(x[top_k_rows] for x in batch)
 
 
 @pytest.mark.parametrize("block_v,num_splits", [(None, None), (128, None), (64, 3)])
 def test_triton_matches_reference_row_for_row(block_v, num_splits, read_way, device):
     """Default launch, small tiles (multi-tile passes, candidate compaction), a forced vocab split."""
-    logits, t, k, p, mp = _mixed_batch(device)
+    logits, t, k, p, mp = _mixed_batch(device, read_way=read_way)
     seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
     want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
     got = K.sample(logits, t, k, p, mp, seeds, offsets, block_v=block_v, num_splits=num_splits)
@@ -113,7 +120,7 @@ def test_triton_matches_reference_row_for_row(block_v, num_splits, read_way, dev
 def test_bf16_logits_match_the_reference(block_v, num_splits, read_way, device):
     """The engine's logits are bf16 (the LM head's dtype): 8 bits of mantissa, so ties at nearly
     every threshold. The kernels widen each value as the reference does, so the draws are the same."""
-    logits, t, k, p, mp = _mixed_batch(device)
+    logits, t, k, p, mp = _mixed_batch(device, read_way=read_way)
     logits = logits.to(torch.bfloat16)
     seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
     want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
@@ -493,7 +500,7 @@ def test_launch_shape_follows_the_vocabulary_not_the_batch(vocab, block_v, monke
 def test_one_launch_shape_for_every_batch_size(read_way, device):
     """max_splits: the launch shape a caller fixes for a rare input type (fp32 logits widened for
     penalties), so one kernel variant serves every batch size; the draws are those of any shape."""
-    logits, t, k, p, mp = _mixed_batch(device, vocab=5000)
+    logits, t, k, p, mp = _mixed_batch(device, vocab=5000, read_way=read_way)
     seeds, offsets = _seeds(len(t), device), torch.arange(len(t), device=device)
     assert K.max_splits(5000) == 3  # 2,048-token blocks
     want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
