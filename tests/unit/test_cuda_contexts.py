@@ -133,10 +133,12 @@ import ucxx._cuda_context
 made = []  # the devices ucxx's progress thread makes a CUDA context current on as it starts
 ucxx._cuda_context.ensure_cuda_context = lambda device_id=0: made.append(device_id)
 from shared.kv_transfer import TransferServer, init_ucx
-if sys.argv[1] != "default":
-    init_ucx(cuda_context=sys.argv[1] == "context")
 
 async def listen():
+    # In the running loop, as the kvstore does: begun before asyncio.run, ucxx's first progress
+    # thread belongs to a loop that never runs and never calls its start callback.
+    if sys.argv[1] != "default":
+        init_ucx(cuda_context=sys.argv[1] == "context")
     server = TransferServer(lambda header, payload: None, lambda header: None).start()
     await asyncio.sleep(0.3)
     await server.close()
