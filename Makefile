@@ -20,7 +20,7 @@ up: setup
 	$(VENV)/bin/inferno up $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests $(ARGS)
 
 bench-engine: setup
 	$(VENV)/bin/inferno bench-engine $(ARGS)

@@ -164,50 +164,42 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf):
-    """transformers' own GGUF loading of the same file (float32): the oracle for the real model."""
+def smollm2_hf(smollm2_gguf, tmp_path_factory):
+    """transformers' own GGUF loading of the same file (float32): the oracle for the real model.
+
+    Its GGUF dequantisation takes ~30 s. Under xdist the two modules that need it may run on both
+    workers: the first converts it and saves it as safetensors beside the workers' temp
+    directories, under a lock; the other loads that copy (~1 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(gguf_file=smollm2_gguf.name)
-    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32,
-                                                 attn_implementation="eager", **kwargs).eval()
-    return tok, model
+    def convert():
+        kwargs = dict(gguf_file=smollm2_gguf.name)
+        tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32,
+                                                     attn_implementation="eager", **kwargs)
+        return tok, model
 
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        tok, model = convert()
+        return tok, model.eval()
+    import fcntl
 
-# Modules that share a session fixture costing tens of seconds run on one xdist worker, so it is
-# built once: transformers' own GGUF loading of SmolLM2 (~40 s), and the e2e suite's plain stack.
-SHARED_WORKER = {"tests/models/test_gguf_smollm2.py": "smollm2", "tests/e2e/test_real_model.py": "smollm2"}
+    import safetensors.torch
+    from transformers import AutoConfig
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with --dist loadgroup (`make test`): a module with module-scoped fixtures
-    (stacks, engines) stays on one worker, so they start once; the modules of SHARED_WORKER and
-    those using the e2e `stack` share one worker each; every other test goes wherever a worker is
-    free. Without xdist the marks change nothing."""
-    modules: dict[str, list] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    for path, members in modules.items():
-        if path.startswith("tests/e2e/") and any("stack" in item.fixturenames for item in members):
-            group = "e2e-stack"
-        elif path in SHARED_WORKER:
-            group = SHARED_WORKER[path]
-        elif any(fixture_scope(item) == "module" for item in members):
-            group = path
-        else:
-            continue  # tests of their own: spread over both workers
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def fixture_scope(item) -> str:
-    """The widest scope among the item's fixtures defined in tests/ below session scope: module if
-    any of them is module-scoped (a stack, an engine), else function."""
-    defs = getattr(item, "_fixtureinfo", None)
-    if defs is None:
-        return "function"
-    scopes = {d.scope for fixturedefs in defs.name2fixturedefs.values() for d in fixturedefs
-              if "tests" in str(getattr(d, "baseid", "tests"))}
-    return "module" if scopes & {"module", "class", "package"} else "function"
+    saved = tmp_path_factory.getbasetemp().parent / "smollm2-hf"
+    with open(saved.parent / "smollm2-hf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (saved / "done").exists():
+            tok, model = convert()
+            tok.save_pretrained(saved)  # the model's save_pretrained refuses a GGUF-loaded model
+            model.config.to_json_file(saved / "config.json")
+            safetensors.torch.save_model(model, str(saved / "model.safetensors"))
+            (saved / "done").touch()
+            return tok, model.eval()
+    tok = AutoTokenizer.from_pretrained(saved)
+    config = AutoConfig.from_pretrained(saved)
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    safetensors.torch.load_model(model, str(saved / "model.safetensors"))
+    return tok, model.eval()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -40,27 +42,32 @@ def real_stack(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_answers(smollm2_hf):
+    """transformers' greedy answers, the twenty in one left-padded batch (one generate call, not twenty)."""
     tok, model = smollm2_hf
-    out = []
-    for question, _ in QUESTIONS:
-        ids = tok.apply_chat_template(messages(question), add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)
-        with torch.no_grad():
-            gen = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
-        out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-    return out
+    prompts = [tok.apply_chat_template(messages(q), add_generation_prompt=True, return_dict=True)["input_ids"]
+               for q, _ in QUESTIONS]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=2)
+    return [tok.decode(row[width:], skip_special_tokens=True) for row in gen]
 
 
 def test_twenty_questions_score_as_transformers(real_stack, hf_answers):
     from openai import OpenAI
 
     client = OpenAI(base_url=real_stack.url + "/v1", api_key="unused", max_retries=0)
-    ours = []
-    for question, _ in QUESTIONS:
+
+    def ask(question: str) -> str:
         r = client.chat.completions.create(model=MODEL_NAME, messages=messages(question), max_tokens=MAX_TOKENS,
                                            temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length")
-        ours.append(r.choices[0].message.content)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:  # at once: the worker batches them
+        ours = list(pool.map(ask, [q for q, _ in QUESTIONS]))
     ours_ok = [correct(a, e) for a, (_, e) in zip(ours, QUESTIONS)]
     hf_ok = [correct(a, e) for a, (_, e) in zip(hf_answers, QUESTIONS)]
     print(f"\nanswer check: inferno {sum(ours_ok)}/{len(QUESTIONS)}, transformers {sum(hf_ok)}/{len(QUESTIONS)}; "

@@ -140,21 +140,27 @@ def test_bf16_top_p_chain_in_rounds(device):
 def test_triton_kept_set_matches_reference_on_a_tiny_vocab(block_v, read_way, device):
     """Many draws from one row: boundary tokens win often, so a threshold off by one token shows.
     block_v=16 cuts the 24 tokens into two tiles, so the candidate compaction runs too. Each filter
-    set's draws are rows of one launch; top-p and min-p alone (chain rows) never reach the second
-    read, so they are drawn the chunked way only."""
-    n = 48
+    set's draws are rows of one launch, 48 of them over the launch shapes: 12 for each of top-k's
+    four (block_v and the way of the second read), 24 for each of the two of top-p alone and min-p
+    alone (chain rows: they never reach the second read, and are drawn the chunked way only)."""
     row = (torch.randn(24, device=device) * 1.5).round()  # ties at the thresholds
     row[[3, 11, 20]] = row.max()  # at least three tokens survive every filter
-    filters = [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25), (9, 0.9, 0.1)]
-    filters = [f for f in filters if f[0] > 0 or read_way == "chunks"]
-    t, k, p, mp = (torch.cat(x) for x in zip(*(_params(n, device, 1.0, *f) for f in filters)))
+    shape = [None, 16].index(block_v)
+    cases = []  # (top_k, top_p, min_p), offsets: each shape's own share of the 48
+    for f in [(5, 1.0, 0.0), (0, 0.6, 0.0), (6, 0.8, 0.0), (0, 1.0, 0.25), (9, 0.9, 0.1)]:
+        if f[0] > 0:
+            share = 2 * shape + ["rows", "chunks"].index(read_way)
+            cases.append((f, range(12 * share, 12 * share + 12)))
+        elif read_way == "chunks":
+            cases.append((f, range(24 * shape, 24 * shape + 24)))
+    t, k, p, mp = (torch.cat(x) for x in zip(*(_params(len(o), device, 1.0, *f) for f, o in cases)))
     seeds = torch.full((len(t),), 77, dtype=torch.int64, device=device)
-    offsets = torch.arange(n, device=device).repeat(len(filters))
+    offsets = torch.tensor([i for _, o in cases for i in o], device=device)
     logits = row.expand(len(t), -1)
     want = K.sample_ref(logits, t, k, p, mp, seeds, offsets)
     got = K.sample(logits.contiguous(), t, k, p, mp, seeds, offsets, block_v=block_v)
     assert torch.equal(got, want)
-    assert all(len(set(draws.tolist())) > 1 for draws in want.split(n))
+    assert all(len(set(draws.tolist())) > 1 for draws in want.split([len(o) for _, o in cases]))
 
 
 def test_a_row_does_not_depend_on_its_batch(read_way, device):
@@ -277,17 +283,22 @@ def test_chain_of_gumbel_winners_on_flat_rows(chain_rounds, read_way, device):
     the row program (chain_rounds 0), in one round and then serially for the rows it left pending,
     or, from pass 1's winner (chain rows, from two rounds on: its first link is a round, so a kept
     one takes two reads), in chunked rounds: the same draws. (Pass 1's four samples a lane bound these
-    sets closely enough that most chains end at their first link; top-p 0.9 still needs two: offset 4.
-    Chain rows never reach the second read: they are drawn the chunked way only.)"""
-    cases = [(dict(top_p=0.9), (0, 4), 4), (dict(top_p=0.3), (0, 4), 3), (dict(top_k=150), (0,), 3),
-             (dict(min_p=0.1, top_p=0.3), (0, 4), 3)]
-    chain_row = [chain_rounds >= 2 and "top_k" not in f for f, _, _ in cases]
-    cases = [c for c, chain in zip(cases, chain_row) if read_way == "chunks" or not chain]
+    sets closely enough that most chains end at their first link; top-p 0.9 still needs two, at offset
+    4, as do chain rows at offset 4.) Top-k's chain is the same whatever the rounds (they leave it
+    to the serial chain): drawn with the default rounds. Chain rows never reach the second read:
+    drawn the chunked way only. (Top-p 0.9 as a chain row: test_bf16_top_p_chain_in_rounds.)"""
+    if chain_rounds == 0:
+        cases = [(dict(top_p=0.9), (0, 4), 4), (dict(top_p=0.3), (0,), 3), (dict(min_p=0.1, top_p=0.3), (0,), 3)]
+    elif chain_rounds == 1:  # a kept candidate, and one rejected in the round, which the finish ends
+        cases = [(dict(top_p=0.9), (0, 4), 4), (dict(min_p=0.1, top_p=0.3), (0,), 3)]
+    else:
+        cases = [(dict(top_k=150), (0,), 3)] + (
+            [(dict(top_p=0.3), (0, 4), 3), (dict(min_p=0.1, top_p=0.3), (0, 4), 3)] if read_way == "chunks" else [])
     got, want, reads = _draws(_flat(1024), device, 32, 2, [c[:2] for c in cases], chain_rounds=chain_rounds)
     assert torch.equal(got, want)
     for (filters, _, longest), r in zip(cases, reads):
-        chain = chain_rounds >= 2 and "top_k" not in filters
-        assert min(r) == (2 if chain else 3) and max(r) >= longest, (filters, r)
+        chain_row = chain_rounds >= 2 and "top_k" not in filters
+        assert min(r) == (2 if chain_row else 3) and max(r) >= longest, (filters, r)
 
 
 _TEN_ABOVE = torch.full((512,), -3.0)

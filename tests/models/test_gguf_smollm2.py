@@ -97,15 +97,19 @@ def test_chat_template_rendered_identically(messages, ours, smollm2_hf):
         messages, add_generation_prompt=True, return_dict=False)
 
 
-def hf_generate(model, prompt: list[int], n: int):
-    """Greedy tokens and the log-probability of each, EOS suppressed for n tokens."""
-    ids = torch.tensor([prompt])
+def hf_generate(model, prompts: list[list[int]], n: int):
+    """Greedy tokens and the log-probability of each, EOS suppressed for n tokens: per prompt, all
+    prompts in one left-padded batch (one generate call; the padding is masked out)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=2)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=2)
+    logprobs = torch.stack(out.logits, 1).float().log_softmax(-1)  # [prompts, n, vocab]
+    tokens = out.sequences[:, width:]
+    picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return [(t.tolist(), lp.tolist()) for t, lp in zip(tokens, picked)]
 
 
 def _prompts(tok):
@@ -125,8 +129,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(engine, ours, smollm2_hf)
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             logprobs[out.request_id].extend(out.logprobs or [])
-    for rid, prompt in zip(ids, prompts):
-        want_tokens, want_logprobs = hf_generate(smollm2_hf[1], prompt, N_NEW)
+    for rid, (want_tokens, want_logprobs) in zip(ids, hf_generate(smollm2_hf[1], prompts, N_NEW)):
         assert tokens[rid] == want_tokens, rid
         assert len(logprobs[rid]) == N_NEW
         assert max(abs(a - b) for a, b in zip(logprobs[rid], want_logprobs)) < 1e-3, rid
