@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 42's CPU reproduction: two workers of the random demo model, a burst of 400 requests
+# (input 100-340, output 20-40), the cluster kvstore on (2 GB, the default with two workers) and
+# off. Prints each run's `inferno bench` table (tok/s, TTFT, CPU seconds per service).
+# SPY=1 also records 7 s of py-spy (raw, per thread) of worker-0 and the kvstore during the burst.
+# usage: bash bench/kvstore_burst_cpu.sh [OUT_DIR]   (default /tmp/kvstore-burst)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/kvstore-burst}
+mkdir -p "$OUT"
+PY=.venv/bin
+for GB in 2 0; do
+  TAG=kvstore-$GB
+  PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+  NATS=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+  RUN=$OUT/run-$TAG; rm -rf "$RUN"
+  $PY/inferno up --random-demo --workers 2 --kvstore-capacity-gb $GB --port $PORT --nats-port $NATS \
+    --run-dir "$RUN" > "$OUT/up-$TAG.log" 2>&1 &
+  UP=$!
+  for _ in $(seq 120); do curl -sf localhost:$PORT/ready >/dev/null 2>&1 && break; sleep 1; done
+  sleep 2  # the heartbeats of both workers
+  if [ -n "${SPY:-}" ]; then
+    for name in worker-0 kvstore; do
+      PID=$(python3 -c "import json; print(json.load(open('$RUN/pids.json')).get('$name', ''))")
+      [ -n "$PID" ] && $PY/py-spy record -p "$PID" -d 7 -r 250 --format raw -t -o "$OUT/spy-$name-$TAG.txt" \
+        >/dev/null 2>&1 &
+    done
+    sleep 0.5
+  fi
+  $PY/inferno bench --base-url "http://localhost:$PORT" --num-requests 400 --input-len 100:340 \
+    --output-len 20:40 --vocab-size 1000 --pids-file "$RUN/pids.json" --out "$OUT/bench-$TAG.json" \
+    > "$OUT/bench-$TAG.log" 2>&1
+  kill -INT $UP; wait $UP || true
+  echo "== kvstore-capacity-gb $GB"; tail -n 17 "$OUT/bench-$TAG.log"
+done
