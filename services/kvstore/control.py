@@ -10,6 +10,7 @@ between a decision and its reply.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import nats.errors
@@ -116,10 +117,12 @@ class Control:
         subs = []
         for verb in self.verbs:
             async def callback(msg: Msg, verb: str = verb) -> None:
+                started = time.perf_counter()
                 reply = self.answer(verb, msg.data, msg.subject, conn.bad_messages.record)
                 if msg.reply:
                     with contextlib.suppress(nats.errors.Error):  # the asker is gone or NATS is down
                         await nc.publish(msg.reply, encode(reply))
+                self.metrics.answered(verb, time.perf_counter() - started)
             subs.append(await nc.subscribe(subjects.kvstore(verb), cb=callback))
         await conn.flush()
         return subs

@@ -5,19 +5,26 @@ service's own events (requests by verb and outcome, bad messages, transfers) are
 Transfer time is measured where the store can see it: a put from its header's arrival to the last
 payload byte; a get's send completes inside the UCXX stream after the handler returns, so its
 rate is the client's to measure (KvStoreClient.last_get).
+
+Latency histograms show a slow store in a dashboard (issue 42): each control verb from its
+message's delivery to the reply's publish, a put's payload receive, and the event loop's lag (how
+late a timer fires: what a message waits before the loop reads it).
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.kvstore.page_index import PageIndex
 
 P = "inferno_kvstore:"
+# 50 µs (an index operation) to 10 s (a store that has stopped keeping up).
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   10.0)
 
 
 class IndexCollector:
@@ -62,6 +69,12 @@ class KvStoreMetrics:
         self.transfer_gbps = Gauge(P + "transfer_gbps", "Rate of the last put payload received, GB/s.", ["op"],
                                    registry=r)
         self.transfer_errors = Counter(P + "transfer_errors", "UCXX calls refused or failed.", registry=r)
+        self.request_seconds = Histogram(P + "request_seconds", "Control requests from delivery to reply, by verb.",
+                                         ["verb"], buckets=LATENCY_BUCKETS, registry=r)
+        self.put_receive_seconds = Histogram(P + "put_receive_seconds", "A put's payload from its header to its "
+                                             "last byte.", buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag_seconds = Histogram(P + "loop_lag_seconds", "How late the event loop ran a timer (the wait "
+                                          "of a message before it is read).", buckets=LATENCY_BUCKETS, registry=r)
         # Plain totals for the stats reply (prometheus_client keeps its values private).
         self.bad_total = 0
         self.bytes_in = 0
@@ -69,6 +82,9 @@ class KvStoreMetrics:
 
     def request(self, verb: str, code: str) -> None:
         self.requests.labels(verb=verb, code=code or "ok").inc()
+
+    def answered(self, verb: str, seconds: float) -> None:
+        self.request_seconds.labels(verb=verb).observe(seconds)
 
     def bad_message(self, verb: str, reason: str) -> None:
         self.bad_total += 1
@@ -78,6 +94,7 @@ class KvStoreMetrics:
         self.bytes_in += nbytes
         self.transfer_bytes.labels(op="put").inc(nbytes)
         self.transfer_seconds.labels(op="put").inc(seconds)
+        self.put_receive_seconds.observe(seconds)
         if seconds > 0:
             self.transfer_gbps.labels(op="put").set(nbytes / seconds / 1e9)
 

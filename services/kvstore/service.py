@@ -95,7 +95,9 @@ class KvStore:
         since the last round go to the schedulers as KV events (they count a prefix the store
         holds as fetchable by every worker)."""
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(self.cfg.sweep_interval)
+            self.metrics.loop_lag_seconds.observe(max(0.0, time.monotonic() - asleep - self.cfg.sweep_interval))
             self.index.sweep()
             self.data.forget_stale()
             stored, removed = self.index.take_events()

@@ -271,6 +271,12 @@ async def test_metrics_and_health_over_http(kvstore):
     assert metrics['inferno_kvstore:bad_messages_total{reason="malformed",verb="lookup"}'] == 1
     assert metrics['inferno_kvstore:requests_total{code="ok",verb="commit"}'] == 1
     assert metrics["inferno_kvstore:leases"] == 0
+    # Latency histograms: each verb answered, the put's payload, the event loop's lag.
+    assert metrics['inferno_kvstore:request_seconds_count{verb="lookup"}'] == 2  # one answered, one malformed
+    assert metrics['inferno_kvstore:request_seconds_count{verb="put"}'] == 1
+    assert metrics['inferno_kvstore:request_seconds_bucket{le="10.0",verb="commit"}'] == 1
+    assert metrics["inferno_kvstore:put_receive_seconds_count"] == 1
+    assert "inferno_kvstore:loop_lag_seconds_count" in metrics
 
 
 async def test_the_kvstore_runs_as_a_process_and_exits_cleanly_on_sigterm(nats_config, nats_conn, capsys):
