@@ -8,8 +8,9 @@ store over UCXX moves ~1-2 GB/s there, slower than an 8B model prefills on an H1
 workers write back only with `--kvstore on`, and fetch when the estimate says it pays. A fetch runs
 before a request is queued: the store is asked for the prompt's block hashes, and the pages past
 this worker's own prefix hit are fetched when their transfer is estimated faster than their
-prefill (measured: the store's GB/s, this engine's prefill tokens/s). A store that fails is left
-alone for a moment; the worker just recomputes, and comes back to it later.
+prefill (measured: the store's GB/s, this engine's prefill tokens/s). The lookup waits no longer
+than the prefill it could save. A store that fails or answers late is left alone for a moment; the
+worker just recomputes, and comes back to it later.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ log = structlog.get_logger("worker.cluster_cache")
 QUEUE_BYTES_CPU = 1 << 30
 QUEUE_BYTES_GPU = 256 << 20
 KNOWN_HASHES = 1 << 16  # hashes remembered as stored (bounded LRU)
-BACKOFF = 2.0  # seconds without the store after a failure
+BACKOFF = 2.0  # seconds without the store after a failure (or an answer later than its deadline)
+# A lookup waits at most the prefill time its blocks would save, and never less than this floor:
+# a cold worker's first lookup also opens its NATS reply inbox, and a busy 2-core CI machine takes
+# tens of milliseconds for a round trip that an idle one answers in ~0.5 ms.
+MIN_LOOKUP_S = 0.05
 
 
 class Ewma:
@@ -57,7 +62,8 @@ class ClusterCache(PromptSink):
         self.down_until = 0.0
         self.fetch_bps = Ewma(1e9)  # bytes/s of gets, learnt
         self.prefill_tps = Ewma(5e3)  # prefill tokens/s of this engine, learnt from its steps
-        self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0}
+        self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0,
+                      "slow_lookups": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
 
@@ -147,6 +153,18 @@ class ClusterCache(PromptSink):
         return (self.available and
                 self.page_bytes / self.fetch_bps.value < self.block_size / self.prefill_tps.value)
 
+    async def _lookup(self, want: list[bytes]) -> int | None:
+        """How many of `want` the store holds, or None when it does not answer within the prefill
+        time they would save: the request is then recomputed at once, and a store that slow is
+        left alone like one that is down (a saturated store must never hold a request back)."""
+        deadline = max(MIN_LOOKUP_S, len(want) * self.block_size / self.prefill_tps.value)
+        try:
+            return await asyncio.wait_for(self.client.lookup(self.namespace, self.block_size, want), deadline)
+        except asyncio.TimeoutError:
+            self.stats["slow_lookups"] += 1
+            self._failed(KvStoreError(f"no lookup answer within {deadline * 1e3:.1f} ms", "slow"))
+            return None
+
     async def fetch(self, hashes: list[bytes], local: int):
         """(hashes, pages) of the prefix past `local` blocks that the store holds; None when it
         holds none or fetching does not pay. Leaves at least one token to compute."""
@@ -154,7 +172,9 @@ class ClusterCache(PromptSink):
         if not want or not self.worth_asking:
             return None
         try:
-            hits = await self.client.lookup(self.namespace, self.block_size, want)
+            hits = await self._lookup(want)
+            if hits is None:
+                return None
             if hits == 0:
                 return None
             self._remember(want[:hits])

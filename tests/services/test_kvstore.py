@@ -322,3 +322,27 @@ async def test_the_kvstore_runs_as_a_process_and_exits_cleanly_on_sigterm(nats_c
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_slow_store_makes_the_worker_recompute_at_once(nats_config, nats_conn):
+    """A lookup waits no longer than the prefill it could save (here the 50 ms floor), never the
+    control timeout: the request goes on without the store, which is then left alone like a dead one."""
+    from services.worker.cluster_cache import BACKOFF, MIN_LOOKUP_S, ClusterCache
+
+    subjects = Subjects(nats_config.subject_prefix)
+
+    async def answer_late(msg):
+        await asyncio.sleep(1.0)  # a saturated store
+        await msg.respond(encode(KvLookupReply(hits=0)))
+
+    sub = await nats_conn.client.subscribe(subjects.kvstore("lookup"), cb=answer_late)
+    cache = ClusterCache(KvStoreClient(nats_conn, None, nats_config.subject_prefix), NS, PAGE, BLOCK, "tiny",
+                         write_back=False)
+    assert cache.worth_asking
+    started = time.monotonic()
+    assert await cache.fetch(chain(8), 0) is None
+    waited = time.monotonic() - started
+    assert MIN_LOOKUP_S <= waited < 0.3, waited
+    assert cache.stats["slow_lookups"] == 1 and not cache.available and not cache.worth_asking
+    assert cache.down_until - time.monotonic() > BACKOFF - 0.5
+    await sub.unsubscribe()
