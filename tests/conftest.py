@@ -203,3 +203,12 @@ def smollm2_hf(smollm2_gguf, tmp_path_factory):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     safetensors.torch.load_model(model, str(saved / "model.safetensors"))
     return tok, model.eval()
+
+
+def left_padded(prompts: list[list[int]], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as one left-padded batch for transformers' generate: (input_ids,
+    attention_mask); every row's generated tokens then start at the same column."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask

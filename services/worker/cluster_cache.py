@@ -173,9 +173,7 @@ class ClusterCache(PromptSink):
             return None
         try:
             hits = await self._lookup(want)
-            if hits is None:
-                return None
-            if hits == 0:
+            if not hits:  # none held, or no answer in time
                 return None
             self._remember(want[:hits])
             t0 = time.perf_counter()

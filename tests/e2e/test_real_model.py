@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from tests.conftest import left_padded
 from tests.e2e.conftest import MODEL_NAME, metrics, start_stack
 
 QUESTIONS = [
@@ -46,13 +47,11 @@ def hf_answers(smollm2_hf):
     tok, model = smollm2_hf
     prompts = [tok.apply_chat_template(messages(q), add_generation_prompt=True, return_dict=True)["input_ids"]
                for q, _ in QUESTIONS]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts)
     with torch.no_grad():
         gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False,
                              pad_token_id=2)
-    return [tok.decode(row[width:], skip_special_tokens=True) for row in gen]
+    return [tok.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in gen]
 
 
 def test_twenty_questions_score_as_transformers(real_stack, hf_answers):

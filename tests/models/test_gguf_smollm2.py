@@ -10,6 +10,7 @@ from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
+from tests.conftest import left_padded
 from tests.models.conftest import make_engine
 from tests.models.test_transformers_parity import engine_prefill_logits
 
@@ -100,14 +101,12 @@ def test_chat_template_rendered_identically(messages, ours, smollm2_hf):
 def hf_generate(model, prompts: list[list[int]], n: int):
     """Greedy tokens and the log-probability of each, EOS suppressed for n tokens: per prompt, all
     prompts in one left-padded batch (one generate call; the padding is masked out)."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=2)
     logprobs = torch.stack(out.logits, 1).float().log_softmax(-1)  # [prompts, n, vocab]
-    tokens = out.sequences[:, width:]
+    tokens = out.sequences[:, ids.shape[1]:]
     picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return [(t.tolist(), lp.tolist()) for t, lp in zip(tokens, picked)]
 
