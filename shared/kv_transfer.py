@@ -31,7 +31,7 @@ class TransferError(RuntimeError):
     """A call failed: the peer is gone, answered an error, or the frame was malformed."""
 
 
-def _ucxx():
+def import_ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
@@ -46,7 +46,7 @@ def init_ucx(cuda_context: bool = True) -> None:
     takes the context of the memory it is handed). The event loop's "blocking" mode makes none
     either, but spins: ~25 % of a core per kvstore once workers had connected (2-core VM,
     2026-11-28)."""
-    ucxx = _ucxx()
+    ucxx = import_ucxx()
     if not cuda_context:
         from ucxx._lib_async import continuous_ucx_progress
 
@@ -124,7 +124,7 @@ class TransferServer:
         self.on_error = on_error or (lambda reason: None)
 
     def start(self) -> "TransferServer":
-        self._listener = _ucxx().create_listener(self._serve, port=self._port)
+        self._listener = import_ucxx().create_listener(self._serve, port=self._port)
         return self
 
     @property
@@ -178,7 +178,7 @@ class TransferClient:
     async def _endpoint(self, address: str):
         if address not in self._endpoints or self._endpoints[address][0].closed:
             host, _, port = address.rpartition(":")
-            ep = await _ucxx().create_endpoint(host, int(port))
+            ep = await import_ucxx().create_endpoint(host, int(port))
             self._endpoints[address] = (ep, asyncio.Lock())
         return self._endpoints[address]
 

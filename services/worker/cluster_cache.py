@@ -9,8 +9,9 @@ workers write back only with `--kvstore on`, and fetch when the estimate says it
 before a request is queued: the store is asked for the prompt's block hashes, and the pages past
 this worker's own prefix hit are fetched when their transfer is estimated faster than their
 prefill (measured: the store's GB/s, this engine's prefill tokens/s). The lookup waits no longer
-than the prefill it could save. A store that fails or answers late is left alone for a moment; the
-worker just recomputes, and comes back to it later.
+than the prefill it could save. A store that fails, or keeps answering late, is left alone for a
+moment; the worker just recomputes, and comes back to it later. The first lookup and UCXX's import
+are paid at start, not by a request.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import structlog
 from services.worker.engine.engine import PromptSink
 from shared.block_hash import prefix_block_hashes, request_block_key
 from shared.kvstore_client import KvStoreClient, KvStoreError
+from shared.kvstore_messages import HASH_BYTES
 
 log = structlog.get_logger("worker.cluster_cache")
 
@@ -33,11 +35,13 @@ log = structlog.get_logger("worker.cluster_cache")
 QUEUE_BYTES_CPU = 1 << 30
 QUEUE_BYTES_GPU = 256 << 20
 KNOWN_HASHES = 1 << 16  # hashes remembered as stored (bounded LRU)
-BACKOFF = 2.0  # seconds without the store after a failure (or an answer later than its deadline)
-# A lookup waits at most the prefill time its blocks would save, and never less than this floor:
-# a cold worker's first lookup also opens its NATS reply inbox, and a busy 2-core CI machine takes
-# tens of milliseconds for a round trip that an idle one answers in ~0.5 ms.
+BACKOFF = 2.0  # seconds without the store after a failure, or while its lookups keep coming late
+# A lookup waits at most the prefill time its blocks would save, and never less than this floor: a
+# busy 2-core CI machine takes tens of milliseconds for a round trip an idle one answers in ~0.5 ms.
 MIN_LOOKUP_S = 0.05
+# One late answer is noise (a GC pause, a busy core); the store is left alone once the learnt lookup
+# time (late ones counted at their deadline) passes half the floor: ~4 late answers in a row.
+SLOW_LOOKUP_S = MIN_LOOKUP_S / 2
 
 
 class Ewma:
@@ -62,18 +66,33 @@ class ClusterCache(PromptSink):
         self.down_until = 0.0
         self.fetch_bps = Ewma(1e9)  # bytes/s of gets, learnt
         self.prefill_tps = Ewma(5e3)  # prefill tokens/s of this engine, learnt from its steps
+        self.lookup_s = Ewma(1e-3)  # seconds a lookup takes, learnt
         self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0,
                       "slow_lookups": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._write_back())
+        self._tasks = [asyncio.create_task(self._write_back()), asyncio.create_task(self._warm_up())]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    async def _warm_up(self) -> None:
+        """What a first lookup and a first transfer set up (NATS's reply inbox, UCXX's ~0.5 s
+        import, which would block the event loop) is done now, before a request waits on it."""
+        try:
+            if self.client.transfer is not None:
+                from shared.kv_transfer import import_ucxx
+
+                await asyncio.to_thread(import_ucxx)
+            await self.client.lookup(self.namespace, self.block_size, [bytes(HASH_BYTES)])
+        except KvStoreError as e:
+            self._failed(e)
+        except Exception as e:  # no UCXX here: the store's transfers will fail and say so then
+            log.warning("kvstore_warm_up_failed", error=repr(e))
 
     @property
     def available(self) -> bool:
@@ -155,15 +174,20 @@ class ClusterCache(PromptSink):
 
     async def _lookup(self, want: list[bytes]) -> int | None:
         """How many of `want` the store holds, or None when it does not answer within the prefill
-        time they would save: the request is then recomputed at once, and a store that slow is
-        left alone like one that is down (a saturated store must never hold a request back)."""
+        time they would save: the request is then recomputed at once (a saturated store must never
+        hold a request back), and a store that keeps answering late is left alone like a dead one."""
         deadline = max(MIN_LOOKUP_S, len(want) * self.block_size / self.prefill_tps.value)
+        t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(self.client.lookup(self.namespace, self.block_size, want), deadline)
+            hits = await asyncio.wait_for(self.client.lookup(self.namespace, self.block_size, want), deadline)
         except asyncio.TimeoutError:
             self.stats["slow_lookups"] += 1
-            self._failed(KvStoreError(f"no lookup answer within {deadline * 1e3:.1f} ms", "slow"))
+            self.lookup_s.add(deadline)
+            if self.lookup_s.value > SLOW_LOOKUP_S:
+                self._failed(KvStoreError(f"lookups answer late (~{self.lookup_s.value * 1e3:.0f} ms)", "slow"))
             return None
+        self.lookup_s.add(time.perf_counter() - t0)
+        return hits
 
     async def fetch(self, hashes: list[bytes], local: int):
         """(hashes, pages) of the prefix past `local` blocks that the store holds; None when it

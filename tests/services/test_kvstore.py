@@ -326,7 +326,8 @@ async def test_the_kvstore_runs_as_a_process_and_exits_cleanly_on_sigterm(nats_c
 
 async def test_a_slow_store_makes_the_worker_recompute_at_once(nats_config, nats_conn):
     """A lookup waits no longer than the prefill it could save (here the 50 ms floor), never the
-    control timeout: the request goes on without the store, which is then left alone like a dead one."""
+    control timeout: the request goes on without the store. One late answer is noise; a store that
+    keeps answering late is then left alone like a dead one."""
     from services.worker.cluster_cache import BACKOFF, MIN_LOOKUP_S, ClusterCache
 
     subjects = Subjects(nats_config.subject_prefix)
@@ -343,6 +344,11 @@ async def test_a_slow_store_makes_the_worker_recompute_at_once(nats_config, nats
     assert await cache.fetch(chain(8), 0) is None
     waited = time.monotonic() - started
     assert MIN_LOOKUP_S <= waited < 0.3, waited
-    assert cache.stats["slow_lookups"] == 1 and not cache.available and not cache.worth_asking
-    assert cache.down_until - time.monotonic() > BACKOFF - 0.5
+    assert cache.stats["slow_lookups"] == 1 and cache.available
+    for late in range(2, 6):
+        assert await cache.fetch(chain(8), 0) is None
+        if not cache.available:
+            break
+    assert cache.stats["slow_lookups"] == late and 3 <= late <= 5
+    assert not cache.worth_asking and cache.down_until - time.monotonic() > BACKOFF - 0.5
     await sub.unsubscribe()
