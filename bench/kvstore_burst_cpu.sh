@@ -2,6 +2,8 @@
 # Issue 42's CPU reproduction: two workers of the random demo model, a burst of 400 requests
 # (input 100-340, output 20-40), the cluster kvstore on (2 GB, the default with two workers) and
 # off. Prints each run's `inferno bench` table (tok/s, TTFT, CPU seconds per service).
+# W4=1 runs issue 42's W4 shape instead (8 sessions x 5 turns, a 250-word system prompt, no session
+# affinity): the prompt-cache hit ratio and later turns' TTFT, store on against off.
 # SPY=1 also records 7 s of py-spy (raw, per thread) of worker-0 and the kvstore during the burst.
 # usage: bash bench/kvstore_burst_cpu.sh [OUT_DIR]   (default /tmp/kvstore-burst)
 set -euo pipefail
@@ -27,9 +29,13 @@ for GB in 2 0; do
     done
     sleep 0.5
   fi
-  $PY/inferno bench --base-url "http://localhost:$PORT" --num-requests 400 --input-len 100:340 \
-    --output-len 20:40 --vocab-size 1000 --pids-file "$RUN/pids.json" --out "$OUT/bench-$TAG.json" \
-    > "$OUT/bench-$TAG.log" 2>&1
+  if [ -n "${W4:-}" ]; then
+    LOAD=(--sessions 8 --turns 5 --system-len 250 --user-len 10:30 --output-len 16)
+  else
+    LOAD=(--num-requests 400 --input-len 100:340 --output-len 20:40 --vocab-size 1000)
+  fi
+  $PY/inferno bench --base-url "http://localhost:$PORT" "${LOAD[@]}" \
+    --pids-file "$RUN/pids.json" --out "$OUT/bench-$TAG.json" > "$OUT/bench-$TAG.log" 2>&1
   kill -INT $UP; wait $UP || true
-  echo "== kvstore-capacity-gb $GB"; tail -n 17 "$OUT/bench-$TAG.log"
+  echo "== kvstore-capacity-gb $GB"; tail -n 22 "$OUT/bench-$TAG.log"
 done

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,9 +35,23 @@ class TransferError(RuntimeError):
 
 def import_ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # A pending send or recv completes through a Python future that ucxx's notifier thread sets;
+    # without it ucxx awaits each one with a loop of asyncio.sleep(0), and the kvstore, whose
+    # server keeps a recv pending on every worker's endpoint, spun a whole core while idle (2-core
+    # VM, 2026-11-28): the CPU its workers' steps needed (issue 42).
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     import ucxx
 
+    global _stop_registered
+    if not _stop_registered:
+        # That thread is not a daemon: the interpreter would wait for it forever at exit. The hook
+        # runs before the interpreter joins its threads (atexit runs after), as concurrent.futures' does.
+        threading._register_atexit(stop_ucx)
+        _stop_registered = True
     return ucxx
+
+
+_stop_registered = False
 
 
 def init_ucx(cuda_context: bool = True) -> None:
@@ -51,7 +67,15 @@ def init_ucx(cuda_context: bool = True) -> None:
         from ucxx._lib_async import continuous_ucx_progress
 
         continuous_ucx_progress._create_context = lambda: None
-    ucxx.init(progress_mode="thread")
+    ucxx.init(progress_mode="thread", enable_python_future=True)
+
+
+def stop_ucx() -> None:
+    """Stop ucxx's notifier thread, if this process started UCX: while it runs, the interpreter
+    does not exit (a kvstore hung 10 s on SIGTERM until killed)."""
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None and ucxx.core._ctx is not None:
+        ucxx.core.stop_notifier_thread()
 
 
 def as_buffer(x: Buffer) -> Buffer:
@@ -163,8 +187,10 @@ class TransferServer:
     async def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each closes its endpoint as it ends
 
 
 class TransferClient:
@@ -182,6 +208,13 @@ class TransferClient:
             self._endpoints[address] = (ep, asyncio.Lock())
         return self._endpoints[address]
 
+    async def connect(self, address: str, timeout: float = 30.0) -> None:
+        """Open the endpoint to `address` now, so the first call does not wait for it."""
+        try:
+            await asyncio.wait_for(self._endpoint(address), timeout)
+        except Exception as e:
+            raise TransferError(f"connect to {address} failed: {type(e).__name__}: {e}") from e
+
     async def call(self, address: str, header: dict, payload: Buffer | None = None,
                    allocate: Allocate | None = None, timeout: float = 30.0) -> tuple[dict, Buffer | None]:
         """Send one frame and return the reply frame; allocate(reply_header) places its payload."""
@@ -190,7 +223,7 @@ class TransferClient:
             async with lock:
                 await asyncio.wait_for(send_frame(ep, header, payload), timeout)
                 reply, data = await asyncio.wait_for(recv_frame(ep, allocate, self.max_payload), timeout)
-        except TransferError:
+        except (TransferError, asyncio.CancelledError):  # cancelled: a caller's deadline passed
             await self.drop(address)
             raise
         except Exception as e:  # timeouts and ucxx's own connection errors alike

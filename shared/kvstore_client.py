@@ -8,13 +8,14 @@ caller should not have to handle: no room for a put (0 stored) and nothing to ge
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from shared.errors import ServiceError
-from shared.kv_transfer import Buffer, TransferClient, TransferError, as_buffer, nbytes_of
+from shared.kv_transfer import Buffer, TransferClient, TransferError, as_buffer, import_ucxx, nbytes_of
 from shared.kvstore_messages import (KvCommitReply, KvCommitRequest, KvGetReply, KvGetRequest, KvLookupReply,
                                      KvLookupRequest, KvPutReply, KvPutRequest, KvReleaseReply, KvReleaseRequest,
                                      KvReply, KvStatsReply, KvStatsRequest, pack_hashes, unpack_hashes)
@@ -50,6 +51,17 @@ class KvStoreClient:
         self.transfer_timeout = transfer_timeout  # each UCXX call
         self.last_put: tuple[int, float] = (0, 0.0)  # (bytes, seconds) of the last UCXX put
         self.last_get: tuple[int, float] = (0, 0.0)
+        self._pending: set[asyncio.Task] = set()  # releases in flight (a task needs a reference)
+
+    async def settle(self) -> None:
+        """Wait for the releases still in flight (a shutdown, or a caller that reads the store's stats)."""
+        while self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+    def _later(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _call(self, verb: str, msg: Message, reply_cls: type[KvReply]) -> Any:
         try:
@@ -68,6 +80,18 @@ class KvStoreClient:
             "lookup", KvLookupRequest(namespace=namespace, block_size=block_size, hashes=pack_hashes(hashes)),
             KvLookupReply)
         return reply.hits
+
+    async def warm_up(self, namespace: str, block_size: int) -> None:
+        """Pay now what a first call would: NATS's reply inbox, UCXX's import (off the event loop,
+        ~0.5 s) and start, and the endpoint to the store's data server."""
+        await asyncio.to_thread(import_ucxx)
+        reply: KvLookupReply = await self._call(
+            "lookup", KvLookupRequest(namespace=namespace, block_size=block_size, hashes=b""), KvLookupReply)
+        if reply.address:
+            try:
+                await self.transfer.connect(reply.address, self.transfer_timeout)
+            except TransferError as e:
+                raise KvStoreError(f"kvstore data server {reply.address}: {e}", "transfer") from None
 
     async def put(self, namespace: str, hashes: list[bytes], pages: Buffer, page_bytes: int,
                   ttl: float = 0.0) -> int:
@@ -106,10 +130,12 @@ class KvStoreClient:
             raise
         return commit.pages
 
-    async def get(self, namespace: str, hashes: list[bytes],
-                  allocate: PageAllocate | None = None, ttl: float = 0.0) -> tuple[int, Buffer | None]:
+    async def get(self, namespace: str, hashes: list[bytes], allocate: PageAllocate | None = None,
+                  ttl: float = 0.0, release_later: bool = False) -> tuple[int, Buffer | None]:
         """The pages of the longest prefix of `hashes` the store holds: (count, their bytes concatenated
-        in a buffer from allocate(count, page_bytes), numpy by default); (0, None) when none is held."""
+        in a buffer from allocate(count, page_bytes), numpy by default); (0, None) when none is held.
+        release_later: return with the pages, releasing their lease in the background (a request
+        waiting on them need not wait another round trip)."""
         if not hashes:
             return 0, None
         reply: KvGetReply = await self._call(
@@ -126,7 +152,10 @@ class KvStoreClient:
         except TransferError as e:
             raise KvStoreError(f"kvstore get: {e}", "transfer") from None
         finally:
-            await self._release(reply.lease_id)
+            if release_later:
+                self._later(self._release(reply.lease_id))
+            else:
+                await self._release(reply.lease_id)
         if header.get("_discarded") or nbytes_of(data) != reply.count * reply.page_bytes:
             raise KvStoreError(f"kvstore get: expected {reply.count} pages of {reply.page_bytes} bytes, got "
                                f"{nbytes_of(data)} bytes (does allocate() return pages × page_bytes?)", "transfer")

@@ -76,6 +76,9 @@ class GenerateRequest(Message):
     worker_id: str = ""  # set by the scheduler when forwarding; "" from the gateway
     # Set by the scheduler when worker_id is a prefill worker: it hands the request to this one.
     decode_worker_id: str = ""
+    # Tokens of the prompt's prefix the cluster kvstore holds, by the scheduler's index of it; the
+    # worker asks the store only when this passes its own prefix hit. -1: unknown (ask).
+    store_cached_tokens: int = -1
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -85,8 +88,9 @@ class GenerateRequest(Message):
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids) // 4
 
-    def forwarded_to(self, worker_id: str, decode_worker_id: str = "") -> GenerateRequest:
-        return dataclasses.replace(self, worker_id=worker_id, decode_worker_id=decode_worker_id)
+    def forwarded_to(self, worker_id: str, decode_worker_id: str = "", store_cached_tokens: int = -1) -> GenerateRequest:
+        return dataclasses.replace(self, worker_id=worker_id, decode_worker_id=decode_worker_id,
+                                   store_cached_tokens=store_cached_tokens)
 
     def _check(self) -> None:
         _require(0 < len(self.request_id) <= MAX_ID_CHARS, "request_id must be 1..256 characters")

@@ -212,3 +212,22 @@ def left_padded(prompts: list[list[int]], pad: int = 2) -> tuple[torch.Tensor, t
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+@pytest.fixture(autouse=True)
+def _ucx_per_event_loop():
+    """UCXX completes requests through futures of the event loop it started on (shared/kv_transfer.py:
+    import_ucxx), and each async test runs its own loop: after a test that used UCXX in this process,
+    shut it down so the next one starts it on its own loop. (A service process has one loop.)"""
+    yield
+    import sys
+
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None and ucxx.core._ctx is not None:
+        import gc
+
+        gc.collect()  # endpoints and listeners the test dropped
+        try:
+            ucxx.reset()
+        except Exception:  # an endpoint still open (a test that killed its peer): start afresh anyway
+            ucxx.core._ctx = None

@@ -35,9 +35,10 @@ log = get_logger("kvstore.control")
 
 class Control:
     def __init__(self, cfg: KvStoreConfig, index: PageIndex, store: PageStore, metrics: KvStoreMetrics,
-                 address: Callable[[], str]):
+                 address: Callable[[], str], on_commit: Callable[[], None] = lambda: None):
         self.cfg, self.index, self.store, self.metrics = cfg, index, store, metrics
         self.address = address  # the data server's "host:port", known once it listens
+        self.on_commit = on_commit  # new pages: the schedulers should hear of them soon
         self.verbs: dict[str, tuple[type[Message], type[KvReply], Callable[[Any], KvReply]]] = {
             "lookup": (KvLookupRequest, KvLookupReply, self.lookup),
             "put": (KvPutRequest, KvPutReply, self.put),
@@ -65,7 +66,9 @@ class Control:
         return KvPutReply(lease_id=lease.id, accepted=pack_hashes(lease.hashes), address=self.address())
 
     def commit(self, req: KvCommitRequest) -> KvCommitReply:
-        return KvCommitReply(pages=self.index.commit(req.lease_id))
+        pages = self.index.commit(req.lease_id)
+        self.on_commit()
+        return KvCommitReply(pages=pages)
 
     def get(self, req: KvGetRequest) -> KvGetReply:
         lease = self.index.acquire(req.namespace, unpack_hashes(req.hashes), self.cfg.ttl(req.ttl))

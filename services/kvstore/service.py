@@ -26,6 +26,9 @@ from shared.subjects import STORE_ID, Subjects
 log = get_logger("kvstore")
 
 
+EVENTS_BATCH_S = 0.005
+
+
 class KvStore:
     """One kvstore per subject prefix: it alone owns its page index."""
 
@@ -40,7 +43,9 @@ class KvStore:
         self.data = DataPath(self.index, self.store, self.metrics)
         self.server = TransferServer(self.data.handle, self.data.allocate, host=cfg.ucx_host, port=cfg.ucx_port,
                                      on_error=self.data.on_error)
-        self.control = Control(cfg, self.index, self.store, self.metrics, lambda: self.address)
+        self._events_due = asyncio.Event()
+        self.control = Control(cfg, self.index, self.store, self.metrics, lambda: self.address,
+                               on_commit=self._events_due.set)
         self._listening = False
         self._subs: list[Subscription] = []
         self._sweeper: asyncio.Task | None = None
@@ -93,11 +98,16 @@ class KvStore:
     async def _sweep_loop(self) -> None:
         """Leases expire even when no request comes to sweep them; the pages stored and evicted
         since the last round go to the schedulers as KV events (they count a prefix the store
-        holds as fetchable by every worker)."""
+        holds as fetchable by every worker, and tell the worker so: it asks the store only then).
+        A commit brings the round forward, so a prefix is known a few milliseconds after it is stored."""
         while True:
             asleep = time.monotonic()
-            await asyncio.sleep(self.cfg.sweep_interval)
-            self.metrics.loop_lag_seconds.observe(max(0.0, time.monotonic() - asleep - self.cfg.sweep_interval))
+            try:
+                await asyncio.wait_for(self._events_due.wait(), self.cfg.sweep_interval)
+                await asyncio.sleep(EVENTS_BATCH_S)  # the commits of one burst go in one report
+            except asyncio.TimeoutError:
+                self.metrics.loop_lag_seconds.observe(max(0.0, time.monotonic() - asleep - self.cfg.sweep_interval))
+            self._events_due.clear()
             self.index.sweep()
             self.data.forget_stale()
             stored, removed = self.index.take_events()

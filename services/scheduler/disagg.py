@@ -13,14 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.scheduler.registry import WorkerState
-from services.scheduler.router import Choice, cached_tokens, request_cost
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.router import Choice, prefix_hits, request_cost, store_hint
 from shared.messages import GenerateRequest
 
 PREFILL_ROLE = "prefill"
 
 
 def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateRequest,
-                   min_prefill_tokens: int, max_queue_tokens: int = 0) -> Choice | None:
+                   min_prefill_tokens: int, max_queue_tokens: int = 0, store: KvIndex | None = None) -> Choice | None:
     """The prefill worker for this request, or None when its decode worker should prefill it.
     max_queue_tokens (0: no bound): when even the cheapest prefill worker has more tokens than this
     still to work through, the request's first token comes sooner from its decode worker (one
@@ -34,10 +35,11 @@ def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateReq
             and (not w.heartbeat.max_model_len or req.num_prompt_tokens < w.heartbeat.max_model_len)]
     if not pool:
         return None
-    cached = cached_tokens(pool, req)
+    own, in_store = prefix_hits(pool, req, store)
+    cached = [max(a, b) for a, b in zip(own, in_store)]
     n = req.num_prompt_tokens
     keys = [(request_cost(n, c, w.load_tokens), w.num_waiting, w.worker_id) for w, c in zip(pool, cached)]
     best = min(range(len(pool)), key=keys.__getitem__)
     if max_queue_tokens and pool[best].load_tokens > max_queue_tokens:
         return None
-    return Choice(pool[best], cached[best], keys[best][0])
+    return Choice(pool[best], cached[best], keys[best][0], store_tokens=store_hint(in_store[best], store))

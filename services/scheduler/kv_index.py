@@ -23,13 +23,16 @@ class KvIndex:
     as it stays.
     """
 
-    __slots__ = ("blocks", "seq", "updated", "resets")
+    __slots__ = ("blocks", "seq", "updated", "resets", "complete")
 
     def __init__(self, now: float = 0.0):
         self.blocks: set[bytes] = set()
         self.seq: int | None = None  # last applied KvEvents.seq; None: no event yet
         self.updated = now  # monotonic time of the last event
         self.resets = 0  # clears forced by gaps, restarts or the size bound
+        # Every report since a `cleared` one applied in order: the index is the holder's whole cache,
+        # so a block missing here is missing there too (else it may only be unreported).
+        self.complete = False
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -37,6 +40,7 @@ class KvIndex:
     def clear(self) -> None:
         self.blocks.clear()
         self.seq = None
+        self.complete = False
 
     def apply(self, ev: KvEvents, now: float) -> bool:
         """Apply one report; False when a seq gap forced a reset first."""
@@ -44,13 +48,16 @@ class KvIndex:
         if not in_order:
             self.blocks.clear()
             self.resets += 1
+            self.complete = False
         elif ev.cleared:
             self.blocks.clear()
+            self.complete = True
         self.blocks.update(ev.stored)
         self.blocks.difference_update(ev.removed)
         if len(self.blocks) > MAX_BLOCKS_PER_WORKER:
             self.blocks.clear()
             self.resets += 1
+            self.complete = False
         self.seq = ev.seq
         self.updated = now
         return in_order

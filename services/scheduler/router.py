@@ -26,16 +26,20 @@ class Choice:
     cached_tokens: int
     cost: int
     sticky: bool = False  # chosen by session affinity rather than by cost
+    store_tokens: int = -1  # of the prompt's prefix in the cluster kvstore, for the worker (-1: unknown)
 
 
 def request_cost(num_prompt_tokens: int, cached_tokens: int, load_tokens: int) -> int:
     return max(num_prompt_tokens - cached_tokens, 0) + load_tokens
 
 
-def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: KvIndex | None = None) -> list[int]:
-    """Tokens of the request's prompt each worker holds as a cached prefix (whole blocks), or can
-    fetch from the cluster kvstore (`store`), whichever is longer."""
-    out = [0] * len(workers)
+def prefix_hits(workers: Sequence[WorkerState], req: GenerateRequest,
+                store: KvIndex | None = None) -> tuple[list[int], list[int]]:
+    """Tokens of the request's prompt each worker holds as a cached prefix (whole blocks), and
+    tokens of it the cluster kvstore (`store`) holds in that worker's block size by the index
+    (what the index lacks may still be there when it is not `complete`)."""
+    own = [0] * len(workers)
+    in_store = [0] * len(workers)
     extra_key = request_block_key(req.model, req.cache_salt)
     # Workers of different block sizes hash different chains; usually there is one group.
     by_size: dict[int, list[int]] = {}
@@ -46,8 +50,20 @@ def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: K
                                 [workers[i].kv for i in members] + [store])
         shared = depths.pop()
         for i, depth in zip(members, depths):
-            out[i] = max(depth, shared) * block_size
-    return out
+            own[i], in_store[i] = depth * block_size, shared * block_size
+    return own, in_store
+
+
+def store_hint(tokens: int, store: KvIndex | None) -> int:
+    """What a worker is told the store holds: -1 (ask it) unless the index is the store's whole content."""
+    return tokens if store is not None and store.complete else -1
+
+
+def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: KvIndex | None = None) -> list[int]:
+    """Tokens of the request's prompt each worker holds as a cached prefix, or can fetch from the
+    cluster kvstore (`store`), whichever is longer."""
+    own, in_store = prefix_hits(workers, req, store)
+    return [max(a, b) for a, b in zip(own, in_store)]
 
 
 class Router:
@@ -76,7 +92,8 @@ class Router:
         # A worker with its KV pool nearly full would queue or preempt; it is still better than a
         # 429 when every worker is that full, so it is only passed over, never excluded.
         pool = [w for w in open_ if not self.overloaded(w)] or list(open_)
-        cached = cached_tokens(pool, req, self.registry.store_kv)
+        own, in_store = prefix_hits(pool, req, self.registry.store_kv)
+        cached = [max(a, b) for a, b in zip(own, in_store)]
         n = req.num_prompt_tokens
         best_key: tuple[int, int, str] | None = None
         best_i = 0
@@ -85,7 +102,8 @@ class Router:
             if best_key is None or key < best_key:
                 best_key, best_i = key, i
         assert best_key is not None, "best() needs at least one admitted worker"
-        return Choice(pool[best_i], cached[best_i], best_key[0])
+        return Choice(pool[best_i], cached[best_i], best_key[0],
+                      store_tokens=store_hint(in_store[best_i], self.registry.store_kv))
 
     def sticky(self, worker_id: str, open_: Sequence[WorkerState], req: GenerateRequest) -> Choice | None:
         """The session's worker, if it is admitted and not overloaded; else None (route by cost)."""
@@ -93,8 +111,10 @@ class Router:
             if w.worker_id == worker_id:
                 if self.overloaded(w):
                     return None
-                cached = cached_tokens([w], req, self.registry.store_kv)[0]
-                return Choice(w, cached, request_cost(req.num_prompt_tokens, cached, w.load_tokens), sticky=True)
+                (own,), (in_store,) = prefix_hits([w], req, self.registry.store_kv)
+                cached = max(own, in_store)
+                return Choice(w, cached, request_cost(req.num_prompt_tokens, cached, w.load_tokens), sticky=True,
+                              store_tokens=store_hint(in_store, self.registry.store_kv))
         return None
 
     def commit(self, choice: Choice, req: GenerateRequest) -> None:

@@ -143,11 +143,13 @@ class Scheduler:
                     return result.to_reply()
                 worker = result.worker
                 prefill = choose_prefill(self.registry.live(self.clock()), result, req,
-                                         self.cfg.disagg_min_prefill_tokens, self.cfg.disagg_max_prefill_queue_tokens)
-                target, forwarded = worker, req.forwarded_to(worker.worker_id)
+                                         self.cfg.disagg_min_prefill_tokens, self.cfg.disagg_max_prefill_queue_tokens,
+                                         self.registry.store_kv)
+                target, forwarded = worker, req.forwarded_to(worker.worker_id, store_cached_tokens=result.store_tokens)
                 if prefill is not None:  # the prefill worker takes it and hands it to `worker`
                     prefill.worker.note_routed(req.num_prompt_tokens)
-                    target, forwarded = prefill.worker, req.forwarded_to(prefill.worker.worker_id, worker.worker_id)
+                    target, forwarded = prefill.worker, req.forwarded_to(prefill.worker.worker_id, worker.worker_id,
+                                                                         prefill.store_tokens)
                     # The decode worker reserves the blocks while the prompt is prefilled.
                     await self.conn.publish(self.subjects.worker_handoff_prepare(worker.worker_id), forwarded)
                 try:

@@ -26,7 +26,6 @@ import structlog
 from services.worker.engine.engine import PromptSink
 from shared.block_hash import prefix_block_hashes, request_block_key
 from shared.kvstore_client import KvStoreClient, KvStoreError
-from shared.kvstore_messages import HASH_BYTES
 
 log = structlog.get_logger("worker.cluster_cache")
 
@@ -39,24 +38,39 @@ BACKOFF = 2.0  # seconds without the store after a failure, or while its lookups
 # A lookup waits at most the prefill time its blocks would save, and never less than this floor: a
 # busy 2-core CI machine takes tens of milliseconds for a round trip an idle one answers in ~0.5 ms.
 MIN_LOOKUP_S = 0.05
-# One late answer is noise (a GC pause, a busy core); the store is left alone once the learnt lookup
-# time (late ones counted at their deadline) passes half the floor: ~4 late answers in a row.
-SLOW_LOOKUP_S = MIN_LOOKUP_S / 2
+MIN_GET_S = 2 * MIN_LOOKUP_S  # a get is a lease round trip and then a transfer
+STALE_S = 2.0
+# Transfers at least this big measure bandwidth; smaller ones measure the fixed cost of a transfer
+# (a 20 KiB get took 20 ms on the busy 2-core VM: latency, not bytes).
+BANDWIDTH_BYTES = 1 << 20
+# One late answer is noise (a GC pause, a busy core); this many in a row and the store is left alone.
+LATE_IN_A_ROW = 3
 
 
-class Ewma:
-    def __init__(self, value: float, alpha: float = 0.2):
-        self.value, self.alpha = value, alpha
+class Estimate:
+    """A learnt cost: the prior until the first sample, then a moving average. One older than
+    STALE_S is not held against the store (it may have recovered, and with no request asking it
+    no one would learn so): the next request tries it again."""
+
+    def __init__(self, prior: float, alpha: float = 0.2):
+        self.value, self.alpha, self.samples, self.at = prior, alpha, 0, 0.0
 
     def add(self, x: float) -> None:
-        self.value += self.alpha * (x - self.value)
+        self.value = x if self.samples == 0 else self.value + self.alpha * (x - self.value)
+        self.samples += 1
+        self.at = time.monotonic()
+
+    def recent(self, default: float = 0.0) -> float:
+        return self.value if time.monotonic() - self.at < STALE_S else default
 
 
 class ClusterCache(PromptSink):
     def __init__(self, client: KvStoreClient, namespace: str, page_bytes: int, block_size: int, model: str,
-                 write_back: bool = True, on_gpu: bool = False):
+                 write_back: str = "auto", on_gpu: bool = False):
         self.client, self.namespace, self.page_bytes = client, namespace, page_bytes
         self.block_size, self.model = block_size, model
+        # "on": every new block; "auto": only while storing a block costs less than prefilling it and
+        # a fetch of it would beat its prefill (else the copies only cost the event loop); "off": none.
         self.write_back = write_back
         self.max_queue_bytes = QUEUE_BYTES_GPU if on_gpu else QUEUE_BYTES_CPU
         self.known: OrderedDict[bytes, None] = OrderedDict()  # stored in the store (by us or seen there)
@@ -64,9 +78,14 @@ class ClusterCache(PromptSink):
         self.queued_bytes = 0
         self._queued_lock = threading.Lock()  # the step thread adds, the event loop subtracts
         self.down_until = 0.0
-        self.fetch_bps = Ewma(1e9)  # bytes/s of gets, learnt
-        self.prefill_tps = Ewma(5e3)  # prefill tokens/s of this engine, learnt from its steps
-        self.lookup_s = Ewma(1e-3)  # seconds a lookup takes, learnt
+        self.prefill_tps = Estimate(5e3)  # prefill tokens/s of this engine, from its steps
+        # A fetch costs lookup_s (when the scheduler did not say what the store holds), then get_s,
+        # then its bytes at fetch_bps; a put costs put_block_s a block, on this event loop.
+        self.lookup_s = Estimate(1e-3)
+        self.get_s = Estimate(2e-3)
+        self.fetch_bps = Estimate(1e9)
+        self.put_block_s = Estimate(0.0)
+        self.late = 0  # answers past their deadline in a row
         self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0,
                       "slow_lookups": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,17 +100,13 @@ class ClusterCache(PromptSink):
             task.cancel()
 
     async def _warm_up(self) -> None:
-        """What a first lookup and a first transfer set up (NATS's reply inbox, UCXX's ~0.5 s
-        import, which would block the event loop) is done now, before a request waits on it."""
+        """What a first lookup and a first transfer set up (NATS's reply inbox, UCXX's import,
+        start and endpoint) is done now, before a request waits on it."""
         try:
-            if self.client.transfer is not None:
-                from shared.kv_transfer import import_ucxx
-
-                await asyncio.to_thread(import_ucxx)
-            await self.client.lookup(self.namespace, self.block_size, [bytes(HASH_BYTES)])
+            await self.client.warm_up(self.namespace, self.block_size)
         except KvStoreError as e:
             self._failed(e)
-        except Exception as e:  # no UCXX here: the store's transfers will fail and say so then
+        except Exception as e:  # e.g. no UCXX here: the store's transfers will fail and say so then
             log.warning("kvstore_warm_up_failed", error=repr(e))
 
     @property
@@ -105,7 +120,8 @@ class ClusterCache(PromptSink):
 
     # -- write-back (PromptSink: called on the step thread) ---------------------------------------
     def skip(self, hashes: list[bytes]) -> int:
-        if not self.write_back or not self.available:
+        if (self.write_back == "off" or not self.available
+                or (self.write_back == "auto" and not self.worth_storing(len(hashes)))):
             return len(hashes)
         n = 0
         for h in hashes:  # reads only: the event loop owns `known`
@@ -139,7 +155,9 @@ class ClusterCache(PromptSink):
         try:
             if event is not None:
                 await asyncio.to_thread(event.synchronize)
+            t0 = time.perf_counter()
             await self.client.put(self.namespace, hashes, pages, self.page_bytes)
+            self.put_block_s.add((time.perf_counter() - t0) / len(hashes))
             self._remember(hashes)
             self.stats["put_pages"] += len(hashes)
         except KvStoreError as e:
@@ -165,50 +183,86 @@ class ClusterCache(PromptSink):
         """The engine's block hashes of the prompt's full blocks (model and tenant in the key)."""
         return prefix_block_hashes(prompt, self.block_size, request_block_key(self.model, cache_salt))
 
+    def _prefill_s(self, blocks: int) -> float:
+        return blocks * self.block_size / self.prefill_tps.value
+
+    def fetch_s(self, blocks: int, ask: bool = False) -> float:
+        """What fetching `blocks` is expected to cost (`ask`: a lookup first)."""
+        return ((self.lookup_s.recent() if ask else 0.0) + self.get_s.recent()
+                + blocks * self.page_bytes / self.fetch_bps.value)
+
+    def pays(self, blocks: int, ask: bool = False) -> bool:
+        """Fetching `blocks` is faster than prefilling them."""
+        return self.available and self.fetch_s(blocks, ask) < self._prefill_s(blocks)
+
     @property
     def worth_asking(self) -> bool:
         """The store answers, and a block comes from it faster than it is prefilled here (both
         linear in the blocks, so one block decides; when it does not, no request pays a lookup)."""
-        return (self.available and
-                self.page_bytes / self.fetch_bps.value < self.block_size / self.prefill_tps.value)
+        return self.available and self.page_bytes / self.fetch_bps.value < self._prefill_s(1)
 
-    async def _lookup(self, want: list[bytes]) -> int | None:
-        """How many of `want` the store holds, or None when it does not answer within the prefill
-        time they would save: the request is then recomputed at once (a saturated store must never
-        hold a request back), and a store that keeps answering late is left alone like a dead one."""
-        deadline = max(MIN_LOOKUP_S, len(want) * self.block_size / self.prefill_tps.value)
-        t0 = time.perf_counter()
+    def worth_storing(self, blocks: int) -> bool:
+        """Storing these blocks costs less than prefilling them, and fetching them would pay."""
+        return self.put_block_s.recent() < self._prefill_s(1) and self.pays(blocks)
+
+    async def _in_time(self, coro, blocks: int, floor: float = MIN_LOOKUP_S):
+        """`coro`'s result, or None when it takes longer than prefilling `blocks` would (`floor` at
+        least): the request is then recomputed at once (a saturated store must never hold a
+        request back), and a store that keeps answering late is left alone like a dead one."""
+        deadline = max(floor, self._prefill_s(blocks))
         try:
-            hits = await asyncio.wait_for(self.client.lookup(self.namespace, self.block_size, want), deadline)
+            return await asyncio.wait_for(coro, deadline)
         except asyncio.TimeoutError:
             self.stats["slow_lookups"] += 1
-            self.lookup_s.add(deadline)
-            if self.lookup_s.value > SLOW_LOOKUP_S:
-                self._failed(KvStoreError(f"lookups answer late (~{self.lookup_s.value * 1e3:.0f} ms)", "slow"))
+            self.late += 1
+            if self.late >= LATE_IN_A_ROW:
+                self.late = 0
+                self._failed(KvStoreError(f"{LATE_IN_A_ROW} answers in a row later than {deadline * 1e3:.0f} ms",
+                                          "slow"))
             return None
-        self.lookup_s.add(time.perf_counter() - t0)
+
+    async def _lookup(self, want: list[bytes]) -> int | None:
+        """How many of `want` the store holds (None: no answer in time)."""
+        t0 = time.perf_counter()
+        hits = await self._in_time(self.client.lookup(self.namespace, self.block_size, want), len(want))
+        if hits is not None:
+            self.late = 0
+            self.lookup_s.add(time.perf_counter() - t0)
         return hits
 
-    async def fetch(self, hashes: list[bytes], local: int):
+    async def fetch(self, hashes: list[bytes], local: int, held: int | None = None):
         """(hashes, pages) of the prefix past `local` blocks that the store holds; None when it
-        holds none or fetching does not pay. Leaves at least one token to compute."""
-        want = hashes[local:]
-        if not want or not self.worth_asking:
+        holds none or fetching does not pay. `held`: the blocks the store holds by the scheduler's
+        index of it (None: unknown, the store is asked first). Leaves at least one token to compute."""
+        want = hashes[local:] if held is None else hashes[local:held]
+        if not want or not self.pays(len(want), ask=held is None):
             return None
         try:
-            hits = await self._lookup(want)
-            if not hits:  # none held, or no answer in time
-                return None
-            self._remember(want[:hits])
+            if held is None:
+                hits = await self._lookup(want)
+                if not hits:  # none held, or no answer in time
+                    return None
+                want = want[:hits]
+            self._remember(want)
             t0 = time.perf_counter()
-            count, pages = await self.client.get(self.namespace, want[:hits])
-            if count == 0 or pages is None:
+            got = await self._in_time(self.client.get(self.namespace, want, release_later=True), len(want),
+                                      MIN_GET_S)
+            if got is None or got[0] == 0 or got[1] is None:
                 return None
-            seconds = time.perf_counter() - t0
-            self.fetch_bps.add(count * self.page_bytes / max(seconds, 1e-6))
+            count, pages = got
+            self._learn_get(time.perf_counter() - t0)
         except KvStoreError as e:
             self._failed(e)
             return None
         self.stats["fetches"] += 1
         self.stats["fetched_pages"] += count
         return want[:count], pages
+
+    def _learn_get(self, seconds: float) -> None:
+        """A get is a lease round trip and a transfer: a big transfer measures the bandwidth, and
+        what the bytes do not explain is the get's fixed cost."""
+        nbytes, transfer_s = self.client.last_get
+        self.late = 0
+        if nbytes >= BANDWIDTH_BYTES and 0 < transfer_s <= seconds:
+            self.fetch_bps.add(nbytes / transfer_s)
+        self.get_s.add(max(0.0, seconds - nbytes / self.fetch_bps.value))

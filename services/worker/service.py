@@ -199,9 +199,10 @@ class WorkerService:
         on_gpu = self.cfg.device.startswith("cuda")
         self.cluster_cache = ClusterCache(KvStoreClient(self.conn, self._transfer(), self.prefix), layout, size,
                                           self.block_size, self.model_name,
-                                          write_back=self.cfg.kvstore == "on" or not on_gpu, on_gpu=on_gpu)
+                                          write_back="off" if on_gpu and self.cfg.kvstore == "auto" else self.cfg.kvstore,
+                                          on_gpu=on_gpu)
         self.cluster_cache.start()
-        if self.cluster_cache.write_back:  # else the steps need not look at first tokens at all
+        if self.cluster_cache.write_back != "off":  # else the steps need not look at first tokens at all
             engine.prompt_sink = self.cluster_cache
         self.loop_thread.on_step = self.cluster_cache.note_step
 
@@ -245,19 +246,23 @@ class WorkerService:
         add = AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(), msg.reply_to,
                          msg.cache_salt.encode(), handoff)
         cache = self.cluster_cache
-        if cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size:
-            asyncio.ensure_future(self._add_after_fetch(loop_thread, cache, add, msg.cache_salt))
-        else:
+        held = msg.store_cached_tokens  # by the scheduler's index of the store; -1: unknown
+        if (cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size
+                and (held < 0 or held >= 2 * self.block_size)):
+            asyncio.ensure_future(self._add_after_fetch(loop_thread, cache, add, msg.cache_salt,
+                                                        None if held < 0 else held // self.block_size))
+        else:  # the store holds nothing of it (or nothing that could pay): no round trip at all
             loop_thread.submit(add)
         return RouteReply.accepted(self.cfg.worker_id)
 
-    async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, cache_salt: str) -> None:
+    async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, cache_salt: str,
+                               held: int | None) -> None:
         """Fetch the part of the prompt's prefix that the cluster store holds and this worker does
         not (when that is faster than prefilling it), then queue the request."""
         try:
             hashes = cache.prompt_hashes(add.prompt_token_ids, cache_salt)
             local = loop_thread.engine.block_manager.num_cached_prefix(hashes)
-            fetched = await cache.fetch(hashes, local)
+            fetched = await cache.fetch(hashes, local, held)
             if fetched is not None:
                 loop_thread.submit(InsertCachedCommand(*fetched))
         except Exception:  # the store is an optimisation: the request goes on without it

@@ -63,6 +63,8 @@ def cluster(tiny_model, tmp_path):
 def test_a_cold_worker_fetches_the_prefix_another_worker_computed(cluster):
     first = ask(cluster)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # The scheduler's index of the store said it held nothing: the worker did not ask it.
+    assert store_stats(cluster).miss_pages == 0
     full_blocks = first.usage.prompt_tokens // 16
     wait_for(lambda: store_stats(cluster).pages >= full_blocks, what="the prompt's blocks in the store")
     # A second, cold worker; the first one dies, so the next request can only go to the cold one.

@@ -291,6 +291,22 @@ def test_the_kvstores_pages_count_as_cached_on_every_worker():
     assert cached_tokens(workers, request(p), router.registry.store_kv) == [16, 16]
 
 
+
+def test_the_worker_is_told_what_the_store_holds_only_when_the_index_is_the_whole_store():
+    """The store's depth travels with the request, so a worker asks the store only when it holds
+    something; an index that began mid-stream (a scheduler restarted) may lack pages: -1, ask."""
+    router = make_router(heartbeat("a"))
+    p = prompt(64)
+    hashes = prefix_block_hashes(p, 16, request_block_key(MODEL))
+    assert router.route(request(p), 0.0).store_tokens == -1  # no report from a store yet
+    router.registry.on_kv_events(events("kvstore", 1, cleared=True), 0.0)
+    assert router.route(request(p), 0.0).store_tokens == 0  # it holds nothing: no lookup at all
+    router.registry.on_kv_events(events("kvstore", 2, stored=hashes[:2]), 0.0)
+    assert router.route(request(p), 0.0).store_tokens == 32
+    router.registry.on_kv_events(events("kvstore", 4, stored=hashes[2:3]), 0.0)  # report 3 was lost
+    assert not router.registry.store_kv.complete
+    assert router.route(request(p), 0.0).store_tokens == -1
+
 # ---------------------------------------------------------------------------------------------
 # Disaggregation: which prefill worker, and when the decode worker prefills itself
 
