@@ -5,14 +5,17 @@
 # W4=1 runs issue 42's W4 shape instead (8 sessions x 5 turns, a 250-word system prompt, no session
 # affinity): the prompt-cache hit ratio and later turns' TTFT, store on against off.
 # SPY=1 also records 7 s of py-spy (raw, per thread) of worker-0 and the kvstore during the burst.
+# REPEAT=N runs the pair N times, alternating, and ends with the median of each figure per lane
+# (one W4 run on this 2-core VM varies by +-100 %: single runs decide nothing).
 # usage: bash bench/kvstore_burst_cpu.sh [OUT_DIR]   (default /tmp/kvstore-burst)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/kvstore-burst}
 mkdir -p "$OUT"
 PY=.venv/bin
+for R in $(seq "${REPEAT:-1}"); do
 for GB in 2 0; do
-  TAG=kvstore-$GB
+  TAG=kvstore-$GB-$R
   PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
   NATS=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
   RUN=$OUT/run-$TAG; rm -rf "$RUN"
@@ -39,3 +42,18 @@ for GB in 2 0; do
   kill -INT $UP; wait $UP || true
   echo "== kvstore-capacity-gb $GB"; tail -n 22 "$OUT/bench-$TAG.log"
 done
+done
+$PY/python - "$OUT" <<'PY'
+import glob, json, statistics, sys
+for gb in ("2", "0"):
+    rows = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/bench-kvstore-{gb}-*.json"))]
+    if rows and rows[0].get("sessions"):
+        figs = {"hit %": [100 * r["sessions"]["hit_ratio"] for r in rows],
+                "later TTFT p50": [r["sessions"]["ttft_later"]["p50"] for r in rows],
+                "later TTFT p99": [r["sessions"]["ttft_later"]["p99"] for r in rows]}
+    else:
+        figs = {"total tok/s": [r["summary"]["total_throughput"] for r in rows],
+                "TTFT p99": [r["summary"]["ttft"]["p99"] for r in rows]}
+    print(f"kvstore {gb} GB, median of {len(rows)}: " + ", ".join(
+        f"{k} {statistics.median(v):,.1f}" for k, v in figs.items()))
+PY

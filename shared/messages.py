@@ -382,6 +382,9 @@ class WorkerHeartbeat(Message):
     kv_handoffs_ipc: int = 0  # of kv_handoffs: copied over CUDA IPC (one host), not sent over UCXX
     kv_handoffs_pushed: int = 0  # of kv_handoffs_ipc: written into the decode worker's slot by the prefill worker
     state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading (a worker that loads models)
+    # The worker fetches prefixes from the cluster kvstore (it pays on this engine): only then does
+    # the scheduler count the store's pages as cached on it.
+    fetches_from_store: bool = False
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

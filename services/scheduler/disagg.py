@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from services.scheduler.registry import WorkerState
 from services.scheduler.kv_index import KvIndex
-from services.scheduler.router import Choice, prefix_hits, request_cost, store_hint
+from services.scheduler.router import Choice, prefix_hits, request_cost, store_hint, usable
 from shared.messages import GenerateRequest
 
 PREFILL_ROLE = "prefill"
@@ -36,7 +36,7 @@ def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateReq
     if not pool:
         return None
     own, in_store = prefix_hits(pool, req, store)
-    cached = [max(a, b) for a, b in zip(own, in_store)]
+    cached = usable(pool, own, in_store)
     n = req.num_prompt_tokens
     keys = [(request_cost(n, c, w.load_tokens), w.num_waiting, w.worker_id) for w, c in zip(pool, cached)]
     best = min(range(len(pool)), key=keys.__getitem__)

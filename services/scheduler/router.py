@@ -54,16 +54,21 @@ def prefix_hits(workers: Sequence[WorkerState], req: GenerateRequest,
     return own, in_store
 
 
+def usable(workers: Sequence[WorkerState], own: list[int], in_store: list[int]) -> list[int]:
+    """Cached tokens each worker can start from: its own prefix, or the store's where it fetches
+    from the store (one that recomputes instead would prefill those tokens after all)."""
+    return [max(o, s if w.heartbeat.fetches_from_store else 0) for w, o, s in zip(workers, own, in_store)]
+
+
 def store_hint(tokens: int, store: KvIndex | None) -> int:
     """What a worker is told the store holds: -1 (ask it) unless the index is the store's whole content."""
     return tokens if store is not None and store.complete else -1
 
 
 def cached_tokens(workers: Sequence[WorkerState], req: GenerateRequest, store: KvIndex | None = None) -> list[int]:
-    """Tokens of the request's prompt each worker holds as a cached prefix, or can fetch from the
+    """Tokens of the request's prompt each worker holds as a cached prefix, or fetches from the
     cluster kvstore (`store`), whichever is longer."""
-    own, in_store = prefix_hits(workers, req, store)
-    return [max(a, b) for a, b in zip(own, in_store)]
+    return usable(workers, *prefix_hits(workers, req, store))
 
 
 class Router:
@@ -93,7 +98,7 @@ class Router:
         # 429 when every worker is that full, so it is only passed over, never excluded.
         pool = [w for w in open_ if not self.overloaded(w)] or list(open_)
         own, in_store = prefix_hits(pool, req, self.registry.store_kv)
-        cached = [max(a, b) for a, b in zip(own, in_store)]
+        cached = usable(pool, own, in_store)
         n = req.num_prompt_tokens
         best_key: tuple[int, int, str] | None = None
         best_i = 0
@@ -111,8 +116,8 @@ class Router:
             if w.worker_id == worker_id:
                 if self.overloaded(w):
                     return None
-                (own,), (in_store,) = prefix_hits([w], req, self.registry.store_kv)
-                cached = max(own, in_store)
+                own, in_store = prefix_hits([w], req, self.registry.store_kv)
+                cached, in_store = usable([w], own, in_store)[0], in_store[0]
                 return Choice(w, cached, request_cost(req.num_prompt_tokens, cached, w.load_tokens), sticky=True,
                               store_tokens=store_hint(in_store, self.registry.store_kv))
         return None

@@ -40,6 +40,7 @@ BACKOFF = 2.0  # seconds without the store after a failure, or while its lookups
 MIN_LOOKUP_S = 0.05
 MIN_GET_S = 2 * MIN_LOOKUP_S  # a get is a lease round trip and then a transfer
 STALE_S = 2.0
+TYPICAL_PREFIX_BLOCKS = 16  # 256 tokens: a system prompt, or a dialogue's earlier turns
 # Transfers at least this big measure bandwidth; smaller ones measure the fixed cost of a transfer
 # (a 20 KiB get took 20 ms on the busy 2-core VM: latency, not bytes).
 BANDWIDTH_BYTES = 1 << 20
@@ -200,6 +201,12 @@ class ClusterCache(PromptSink):
         """The store answers, and a block comes from it faster than it is prefilled here (both
         linear in the blocks, so one block decides; when it does not, no request pays a lookup)."""
         return self.available and self.page_bytes / self.fetch_bps.value < self._prefill_s(1)
+
+    @property
+    def fetches(self) -> bool:
+        """A typical shared prefix (TYPICAL_PREFIX_BLOCKS) would be fetched rather than prefilled:
+        what the heartbeat tells the scheduler, which then counts the store's pages as cached here."""
+        return self.pays(TYPICAL_PREFIX_BLOCKS)
 
     def worth_storing(self, blocks: int) -> bool:
         """Storing these blocks costs less than prefilling them, and fetching them would pay."""

@@ -396,6 +396,8 @@ class WorkerService:
                       kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
                       prefix_cache_queries=s.prefix_cache_queries, **self._handoff_counts())
+        cache = self.cluster_cache
+        hb["fetches_from_store"] = cache is not None and cache.fetches
         await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(**hb))
 
     def _handoff_counts(self) -> dict:
