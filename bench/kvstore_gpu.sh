@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 42 on GPUs: the cluster kvstore at its default against no kvstore (--kvstore-capacity-gb 0),
 # 8B random weights, one mixed worker a GPU:
-#   - W2: 2,000 requests at once from 4 client processes, on 2 workers and (with 4 GPUs) on 4;
+#   - W2: 2,000 requests at once from 4 client processes, on 2 workers and (with 4 GPUs) on 4, each
+#     pair twice (off, store, store, off), after the graphs are captured and 200 warm-up requests;
 #   - W4 on 2 workers: 16 sessions x 8 turns, a 4,000-word system prompt, 64 output tokens, no
 #     session affinity, the store at its default, with write-back forced (INFERNO_KVSTORE=on), and off;
 #   - the kvstore's CPU while idle with its workers connected (ucxx's request futures, shared/kv_transfer.py).
@@ -33,7 +34,12 @@ up() {  # tag, workers, extra `inferno up` flags ...
   UP=$!
   for _ in $(seq 300); do curl -sf localhost:8001/ready > /dev/null 2>&1 && break; sleep 1; done
   sleep 3  # every worker's heartbeat
-  echo "$tag up at ${SECONDS} s"
+  for _ in $(seq 180); do  # a worker is ready before its CUDA graphs are captured: the steady state follows
+    [ "$(grep -l "graphs captured" /tmp/run-$tag/worker-*.log 2>/dev/null | wc -l)" -ge "$workers" ] && break; sleep 0.5
+  done
+  python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 200 --vocab-size 128000 --seed 7 \
+    --out /tmp/warmup.json > /dev/null 2>&1  # first shapes (and Triton compiles, on the first stack) out of the figures
+  echo "$tag up and warm at ${SECONDS} s"
 }
 down() { kill -INT "$UP"; wait "$UP"; grep -h -i "traceback\|error" /tmp/run-$1/*.log | head -5; }
 w2() { timeout 240 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 2000 --processes 4 \
@@ -52,14 +58,14 @@ print("idle CPU % of a core: " + ", ".join(f"{k} {100 * (b[k] - a[k]) / 5:.0f}" 
 PY
 }
 
+# Each W2 pair twice, in both orders: the first stack of a call also warms the machine.
 for W in 2 4; do
   [ "$W" -le "$NGPU" ] || continue
-  for KV in store off; do
-    tag=${KV}${W}
-    up "$tag" "$W" $([ $KV = off ] && echo --kvstore-capacity-gb 0)
+  for tag in off$W store$W store${W}b off${W}b; do
+    up "$tag" "$W" $([[ $tag == off* ]] && echo --kvstore-capacity-gb 0)
     w2 "$tag"
-    [ "$W" = 2 ] && w4 "$tag" 2
-    [ "$KV" = store ] && idle_cpu "$tag"
+    [ "$W" = 2 ] && [[ $tag != *b ]] && w4 "$tag" 2
+    [[ $tag == store$W ]] && idle_cpu "$tag"
     down "$tag"
   done
 done
