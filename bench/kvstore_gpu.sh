@@ -7,7 +7,7 @@
 #     session affinity, the store at its default, with write-back forced (INFERNO_KVSTORE=on), and off;
 #   - the kvstore's CPU while idle with its workers connected (ucxx's request futures, shared/kv_transfer.py).
 # Ends with one table (summary.txt). Needs the image's missing wheels in .whl/ (../shared/tools/gpu-wheels.sh).
-# Usage: COMMIT=<sha> bash bench/kvstore_gpu.sh
+# Usage: COMMIT=<sha> [W4=0: the W2 pairs only] bash bench/kvstore_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -64,15 +64,17 @@ for W in 2 4; do
   for tag in off$W store$W store${W}b off${W}b; do
     up "$tag" "$W" $([[ $tag == off* ]] && echo --kvstore-capacity-gb 0)
     w2 "$tag"
-    [ "$W" = 2 ] && [[ $tag != *b ]] && w4 "$tag" 2
+    [ "$W" = 2 ] && [[ $tag != *b ]] && [ "${W4:-1}" = 1 ] && w4 "$tag" 2
     [[ $tag == store$W ]] && idle_cpu "$tag"
     down "$tag"
   done
 done
-INFERNO_KVSTORE=on up writeback2 2
-w4 writeback2 2
-idle_cpu writeback2
-down writeback2
+if [ "${W4:-1}" = 1 ]; then
+  INFERNO_KVSTORE=on up writeback2 2
+  w4 writeback2 2
+  idle_cpu writeback2
+  down writeback2
+fi
 
 python3 - "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
 import glob, json, os, sys

@@ -51,6 +51,7 @@ class KvStoreClient:
         self.transfer_timeout = transfer_timeout  # each UCXX call
         self.last_put: tuple[int, float] = (0, 0.0)  # (bytes, seconds) of the last UCXX put
         self.last_get: tuple[int, float] = (0, 0.0)
+        self.reuse = 1.0  # the store's pages read per page stored, as its last put reply said
         self._pending: set[asyncio.Task] = set()  # releases in flight (a task needs a reference)
 
     async def settle(self) -> None:
@@ -111,6 +112,7 @@ class KvStoreClient:
             if e.code == "no_space":
                 return 0
             raise
+        self.reuse = reply.reuse
         if not reply.lease_id:
             return 0
         accepted = unpack_hashes(reply.accepted)

@@ -134,6 +134,9 @@ class KvPutReply(KvReply):
     lease_id: str = ""  # "" when nothing needs sending
     accepted: PackedHashes = b""  # send these pages, concatenated in this order, in one UCXX "put"
     address: str = ""
+    # Pages leased to readers per page stored, over the store's life (from 1.0, as a prior, while it
+    # has stored little): what a page written now is worth, for a writer that weighs its cost.
+    reuse: float = 1.0
 
 
 @register

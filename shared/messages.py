@@ -382,9 +382,10 @@ class WorkerHeartbeat(Message):
     kv_handoffs_ipc: int = 0  # of kv_handoffs: copied over CUDA IPC (one host), not sent over UCXX
     kv_handoffs_pushed: int = 0  # of kv_handoffs_ipc: written into the decode worker's slot by the prefill worker
     state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading (a worker that loads models)
-    # The worker fetches prefixes from the cluster kvstore (it pays on this engine): only then does
-    # the scheduler count the store's pages as cached on it.
-    fetches_from_store: bool = False
+    # Seconds to fetch a prefix from the cluster kvstore per second to prefill it on this worker (a
+    # typical one, 256 tokens): the scheduler counts the store's pages as cached here in proportion
+    # to what a fetch saves (none at 1 or more). -1: this worker does not use a store.
+    store_fetch_cost: float = -1.0
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

@@ -57,13 +57,14 @@ class Control:
     def put(self, req: KvPutRequest) -> KvPutReply:
         lease = self.index.reserve(req.namespace, req.page_bytes, unpack_hashes(req.hashes), self.cfg.ttl(req.ttl))
         if lease is None:  # everything is stored already (or on its way from another writer)
-            return KvPutReply(address=self.address())
+            return KvPutReply(address=self.address(), reuse=self.index.reuse)
         try:
             self.store.allocate(lease.extent.id, lease.extent.nbytes)
         except (MemoryError, RuntimeError) as e:  # numpy: MemoryError; torch's pinned allocator: RuntimeError
             self.index.release(lease.id)
             raise PageIndexError("no_space", f"host memory for {lease.extent.nbytes} bytes: {e}") from None
-        return KvPutReply(lease_id=lease.id, accepted=pack_hashes(lease.hashes), address=self.address())
+        return KvPutReply(lease_id=lease.id, accepted=pack_hashes(lease.hashes), address=self.address(),
+                          reuse=self.index.reuse)
 
     def commit(self, req: KvCommitRequest) -> KvCommitReply:
         pages = self.index.commit(req.lease_id)

@@ -71,6 +71,9 @@ class ReadLease:
     pages: list[Page]
 
 
+REUSE_PRIOR_PAGES = 64
+
+
 @dataclass(slots=True)
 class IndexStats:
     hit_pages: int = 0  # lookups: leading pages found
@@ -222,6 +225,12 @@ class PageIndex:
         return stored, removed
 
     # -- readers --------------------------------------------------------------------------------------
+
+    @property
+    def reuse(self) -> float:
+        """Pages leased to readers per page stored; the first REUSE_PRIOR_PAGES count as read once."""
+        s = self.stats
+        return (s.leased_pages + REUSE_PRIOR_PAGES) / (s.stored_pages + REUSE_PRIOR_PAGES)
 
     def acquire(self, namespace: str, hashes: list[bytes], ttl: float) -> ReadLease | None:
         """Pin the committed pages of the leading `hashes` found; None when the first is missing."""

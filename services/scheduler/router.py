@@ -55,9 +55,15 @@ def prefix_hits(workers: Sequence[WorkerState], req: GenerateRequest,
 
 
 def usable(workers: Sequence[WorkerState], own: list[int], in_store: list[int]) -> list[int]:
-    """Cached tokens each worker can start from: its own prefix, or the store's where it fetches
-    from the store (one that recomputes instead would prefill those tokens after all)."""
-    return [max(o, s if w.heartbeat.fetches_from_store else 0) for w, o, s in zip(workers, own, in_store)]
+    """Cached tokens each worker can start from: its own prefix, or the store's in proportion to
+    the prefill a fetch saves there (a worker's heartbeat says what a fetch costs it against a
+    prefill: a store token fetched at half a prefill's cost counts half)."""
+    out = []
+    for w, o, s in zip(workers, own, in_store):
+        ratio = w.heartbeat.store_fetch_cost
+        saved = 1.0 - ratio if 0.0 <= ratio < 1.0 else 0.0
+        out.append(o + int(max(0, s - o) * saved))
+    return out
 
 
 def store_hint(tokens: int, store: KvIndex | None) -> int:

@@ -70,8 +70,8 @@ class ClusterCache(PromptSink):
                  write_back: str = "auto", on_gpu: bool = False):
         self.client, self.namespace, self.page_bytes = client, namespace, page_bytes
         self.block_size, self.model = block_size, model
-        # "on": every new block; "auto": only while storing a block costs less than prefilling it and
-        # a fetch of it would beat its prefill (else the copies only cost the event loop); "off": none.
+        # "on": every new block; "auto": only while storing a block costs less than the prefill it
+        # is expected to save (else the copies only cost the event loop and the store); "off": none.
         self.write_back = write_back
         self.max_queue_bytes = QUEUE_BYTES_GPU if on_gpu else QUEUE_BYTES_CPU
         self.known: OrderedDict[bytes, None] = OrderedDict()  # stored in the store (by us or seen there)
@@ -86,6 +86,7 @@ class ClusterCache(PromptSink):
         self.get_s = Estimate(2e-3)
         self.fetch_bps = Estimate(1e9)
         self.put_block_s = Estimate(0.0)
+        self.reuse = 1.0  # the store's pages read per page stored (its put replies say)
         self.late = 0  # answers past their deadline in a row
         self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0,
                       "slow_lookups": 0}
@@ -159,6 +160,7 @@ class ClusterCache(PromptSink):
             t0 = time.perf_counter()
             await self.client.put(self.namespace, hashes, pages, self.page_bytes)
             self.put_block_s.add((time.perf_counter() - t0) / len(hashes))
+            self.reuse = self.client.reuse
             self._remember(hashes)
             self.stats["put_pages"] += len(hashes)
         except KvStoreError as e:
@@ -203,14 +205,19 @@ class ClusterCache(PromptSink):
         return self.available and self.page_bytes / self.fetch_bps.value < self._prefill_s(1)
 
     @property
-    def fetches(self) -> bool:
-        """A typical shared prefix (TYPICAL_PREFIX_BLOCKS) would be fetched rather than prefilled:
-        what the heartbeat tells the scheduler, which then counts the store's pages as cached here."""
-        return self.pays(TYPICAL_PREFIX_BLOCKS)
+    def fetch_cost_ratio(self) -> float:
+        """Fetching a typical shared prefix (TYPICAL_PREFIX_BLOCKS) against prefilling it here, as
+        learnt (no estimate forgotten): what the heartbeat tells the scheduler, which counts the
+        store's pages as cached here only by the fraction of the prefill a fetch saves."""
+        n = TYPICAL_PREFIX_BLOCKS
+        return (self.get_s.value + n * self.page_bytes / self.fetch_bps.value) / self._prefill_s(n)
 
     def worth_storing(self, blocks: int) -> bool:
-        """Storing these blocks costs less than prefilling them, and fetching them would pay."""
-        return self.put_block_s.recent() < self._prefill_s(1) and self.pays(blocks)
+        """Fetching these blocks would pay, and storing one costs less than it saves: the prefill a
+        fetch spares, times how often the store's pages are read at all (when the scheduler routes
+        each dialogue back to its worker, hardly ever: W4 on the CPU)."""
+        saved = self._prefill_s(1) - self.page_bytes / self.fetch_bps.value
+        return self.put_block_s.recent() < self.reuse * saved and self.pays(blocks)
 
     async def _in_time(self, coro, blocks: int, floor: float = MIN_LOOKUP_S):
         """`coro`'s result, or None when it takes longer than prefilling `blocks` would (`floor` at

@@ -397,7 +397,7 @@ class WorkerService:
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
                       prefix_cache_queries=s.prefix_cache_queries, **self._handoff_counts())
         cache = self.cluster_cache
-        hb["fetches_from_store"] = cache is not None and cache.fetches
+        hb["store_fetch_cost"] = -1.0 if cache is None else min(cache.fetch_cost_ratio, 10.0)
         await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(**hb))
 
     def _handoff_counts(self) -> dict:

@@ -112,6 +112,7 @@ async def test_put_commit_lookup_get_round_trip(kvstore):
     # a put whose accepted pages are not one run: the client gathers them
     more = chain(3, start=7000)
     assert await c.put(NS, [more[0], hashes[0], more[1]], pages(3, seed=3), PAGE) == 2
+    assert c.reuse == pytest.approx((10 + 64) / (6 + 64))  # 10 pages leased to gets, 6 stored, the prior 64/64
     count, got = await c.get(NS, [more[1]])
     assert got.tobytes() == pages(3, seed=3)[2 * PAGE:].tobytes()
     s = await kv.stats()

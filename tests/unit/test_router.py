@@ -275,22 +275,22 @@ def test_router_config_defaults():
         dataclasses.replace(cfg, overload_kv_usage=1.5)
 
 
-def test_the_kvstores_pages_count_as_cached_on_every_worker_that_fetches():
-    """A prefix the cluster kvstore holds is fetchable by any worker: each one's cached depth is at
-    least the store's, so load decides among them rather than a stale local copy. A worker on
-    which fetching does not pay (it says so in its heartbeat) would recompute: not for it."""
-    router = make_router(heartbeat("a", fetches_from_store=True), heartbeat("b", fetches_from_store=True),
-                         heartbeat("c"))
+def test_the_kvstores_pages_count_as_cached_by_what_a_fetch_saves():
+    """A prefix the cluster kvstore holds is fetchable by any worker: it counts as cached on each
+    by the part of its prefill a fetch saves there (the heartbeat's store_fetch_cost): free on a,
+    half on d; nothing on c, which has no store, or on e, where fetching costs more than prefilling."""
+    router = make_router(heartbeat("a", store_fetch_cost=0.0), heartbeat("b", store_fetch_cost=0.0),
+                         heartbeat("c"), heartbeat("d", store_fetch_cost=0.5), heartbeat("e", store_fetch_cost=1.5))
     p = prompt(64)
     hashes = prefix_block_hashes(p, 16, request_block_key(MODEL))
     router.registry.on_kv_events(events("a", 1, stored=hashes[:1]), 0.0)
     router.registry.on_kv_events(events("kvstore", 1, stored=hashes[:3], cleared=True), 0.0)
     workers = sorted(router.registry.live(0.0), key=lambda w: w.worker_id)
-    assert cached_tokens(workers, request(p), router.registry.store_kv) == [48, 48, 0]
-    assert cached_tokens(workers, request(p)) == [16, 0, 0]
+    assert cached_tokens(workers, request(p), router.registry.store_kv) == [48, 48, 0, 24, 0]
+    assert cached_tokens(workers, request(p)) == [16, 0, 0, 0, 0]
     assert "kvstore" not in router.registry.workers and "kvstore" not in router.registry.orphan_indexes
     router.registry.on_kv_events(events("kvstore", 2, removed=hashes[1:3]), 0.0)
-    assert cached_tokens(workers, request(p), router.registry.store_kv) == [16, 16, 0]
+    assert cached_tokens(workers, request(p), router.registry.store_kv) == [16, 16, 0, 8, 0]
 
 def test_the_worker_is_told_what_the_store_holds_only_when_the_index_is_the_whole_store():
     """The store's depth travels with the request, so a worker asks the store only when it holds
