@@ -192,7 +192,7 @@ class WorkerServiceConfig:
     # Decode role on a GPU: prefill workers of this host write the pages into its receive slots over
     # CUDA IPC (else it copies them out of theirs).
     handoff_push: bool = True
-    kvstore: str = "auto"  # "auto": use the cluster store when one answers (GPU: fetch only); "on"; "off"
+    kvstore: str = "auto"  # "auto": use the cluster store when it pays (GPU: fetch only); "on": write back all; "off"
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
     pipeline_parallel_size: int = 1  # stages the layers are split into

@@ -66,7 +66,8 @@ def parse_args(argv):
                          "of theirs")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: when a cluster KV store answers, fetch prefixes from it when that beats "
-                         "recomputing, and (CPU workers) write prompt blocks to it; on: GPU workers write too")
+                         "recomputing, and (CPU workers) write prompt blocks to it when that pays; on: every "
+                         "worker writes every prompt block")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default=env_default("INFERNO_LOAD_FORMAT", "auto"),
                     help="dummy: random weights drawn on the device, no weight files read (benchmarking "
                          "shapes such as 70B from a directory written by make-model --config-only)")
