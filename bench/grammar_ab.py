@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from inferno.tools.schema_corpus import schema_corpus
+
 KEYWORDS = {  # one small schema per keyword: does the library accept it?
     "enum": {"enum": ["a", "b", 3]}, "const": {"const": "fixed"},
     "anyOf": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
@@ -44,44 +46,6 @@ KEYWORDS = {  # one small schema per keyword: does the library accept it?
     "not": {"not": {"type": "string"}},
     "if/then": {"if": {"type": "integer"}, "then": {"minimum": 0}},
 }
-
-
-def schema_corpus(n: int, seed: int = 0) -> list[dict]:
-    """n JSON schemas of the shapes agents send: nested objects, arrays, enums, anyOf, $ref, patterns,
-    bounded numbers, required subsets."""
-    rng = random.Random(seed)
-    words = ["name", "id", "city", "items", "price", "tags", "user", "date", "count", "kind", "note", "score"]
-
-    def leaf(depth: int) -> dict:
-        r = rng.random()
-        if depth < 2 and r < 0.2:
-            return obj(depth + 1)
-        if depth < 2 and r < 0.35:
-            return {"type": "array", "items": leaf(depth + 1), "maxItems": rng.randint(2, 6)}
-        if r < 0.45:
-            return {"enum": rng.sample(words, rng.randint(2, 5))}
-        if r < 0.55:
-            return {"anyOf": [{"type": "integer"}, {"type": "null"}]}
-        if r < 0.65:
-            return {"type": "string", "pattern": rng.choice(["^[A-Z][a-z]+$", "^[0-9]{3}-[0-9]{4}$", "^[a-z_]{1,12}$"])}
-        if r < 0.8:
-            return {"type": "integer", "minimum": rng.randint(-10, 0), "maximum": rng.randint(1, 1000)}
-        return {"type": rng.choice(["string", "number", "boolean"])}
-
-    def obj(depth: int) -> dict:
-        keys = rng.sample(words, rng.randint(1, 5))
-        props = {k: leaf(depth) for k in keys}
-        return {"type": "object", "properties": props, "required": rng.sample(keys, rng.randint(0, len(keys))),
-                "additionalProperties": False}
-
-    out = []
-    for i in range(n):
-        s = obj(0)
-        if i % 10 == 0:  # a shared definition by reference
-            s = {"$defs": {"item": leaf(1)}, **s}
-            s["properties"]["ref"] = {"$ref": "#/$defs/item"}
-        out.append(s)
-    return out
 
 
 def tokenizers() -> dict:

@@ -189,6 +189,7 @@ class WorkerServiceConfig:
     # Where a decode worker's UCXX listener takes KV pages: an address prefill workers can reach.
     transfer_host: str = "127.0.0.1"
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
+    grammar_compile_timeout: float = 10.0  # a structured output's grammar compiles within this, or the request fails
     # Decode role on a GPU: prefill workers of this host write the pages into its receive slots over
     # CUDA IPC (else it copies them out of theirs).
     handoff_push: bool = True
@@ -208,7 +209,7 @@ class WorkerServiceConfig:
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.role != "mixed":
             _fail(self, "role", "prefill and decode workers move whole KV pages, which a worker split over "
                                 "several processes does not hold yet: use role mixed with tensor/pipeline parallelism")
-        _positive(self, "handoff_timeout")
+        _positive(self, "handoff_timeout", "grammar_compile_timeout")
         if self.load_format not in ("auto", "dummy"):
             _fail(self, "load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kvstore not in ("auto", "on", "off"):

@@ -43,6 +43,8 @@ class WireSamplingParams(Message):
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
+    grammar_kind: str = ""
+    grammar: str = ""
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -172,6 +174,7 @@ class TokenDelta(Message):
     cached_tokens: int = 0
     completion_tokens: int = 0  # total so far, including these
     stop_token_id: int | None = None  # the eos/stop token that finished the request, if one did
+    error_param: str | None = None  # an "error" the request's own input caused: the field at fault (a 400)
 
     @property
     def token_id_list(self) -> list[int]:
@@ -208,7 +211,7 @@ class Delta:
     plain slotted object (a frozen dataclass costs several times more to build per token)."""
 
     __slots__ = ("request_id", "token_ids", "logprobs", "top_ids", "top_lps", "finish_reason", "error",
-                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id")
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id", "error_param")
 
     def __init__(self, request_id, token_ids, prompt_tokens, cached_tokens, completion_tokens):
         self.request_id = request_id
@@ -217,7 +220,7 @@ class Delta:
         self.cached_tokens = cached_tokens
         self.completion_tokens = completion_tokens
         self.logprobs = self.top_ids = self.top_lps = None
-        self.finish_reason = self.error = self.stop_token_id = None
+        self.finish_reason = self.error = self.stop_token_id = self.error_param = None
 
     @property
     def token_id_list(self) -> list[int]:
@@ -244,6 +247,7 @@ class Finish(Message):
     reason: str  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     stop_token_id: int | None = None
+    param: str | None = None  # the request's own input failed: a 400 naming this field
 
     def _check(self) -> None:
         _require(self.reason in FINISH_REASONS, f"reason must be one of {FINISH_REASONS}")
@@ -318,7 +322,7 @@ class TokenBatch(Message):
         for f in self.finishes:
             d = out.get(f.index)
             if d is not None:
-                d.finish_reason, d.error, d.stop_token_id = f.reason, f.error, f.stop_token_id
+                d.finish_reason, d.error, d.stop_token_id, d.error_param = f.reason, f.error, f.stop_token_id, f.param
         for lp in self.logprobs:
             d = out.get(lp.index)
             if d is not None:

@@ -43,6 +43,9 @@ RANGES = {
 LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 
 
+GRAMMAR_KINDS = ("json_schema", "json", "regex", "ebnf")
+
+
 class SamplingParamsError(ValueError):
     """A parameter is out of bounds; `param` names it for the OpenAI error body."""
 
@@ -67,6 +70,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token plus k alternatives
+    # Structured output: the sampler draws only tokens this grammar allows (services/worker/grammar.py).
+    grammar_kind: str = ""  # "" (none) or one of GRAMMAR_KINDS
+    grammar: str = ""  # json_schema: the schema's JSON; regex; ebnf (root rule "root"); json: unused
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +98,9 @@ class SamplingParams:
                   "logit_bias", f"logit_bias token id {token_id} is outside the vocabulary")
             check(bias in LOGIT_BIAS_RANGE, "logit_bias", f"logit_bias values must be in {LOGIT_BIAS_RANGE}")
         check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed", "seed must fit in 64 bits")
+        check(self.grammar_kind in ("", *GRAMMAR_KINDS), "grammar_kind",
+              f"grammar_kind must be one of {GRAMMAR_KINDS} or empty")
+        check(bool(self.grammar) or self.grammar_kind in ("", "json"), "grammar", "the grammar's text is empty")
         check(1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", "max_tokens must be at least 1")
         check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]")
         check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",

@@ -27,7 +27,8 @@ class ChoiceUpdate:
 
 class ChoiceState:
     __slots__ = ("index", "request_id", "detok", "matcher", "want_logprobs", "num_tokens", "cached_tokens",
-                 "prompt_tokens", "finish_reason", "error", "stopped_here", "last_arrival", "parts", "logprobs")
+                 "prompt_tokens", "finish_reason", "error", "error_param", "stopped_here", "last_arrival", "parts",
+                 "logprobs")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str], want_logprobs: bool, skip_special_tokens: bool = True):
@@ -41,6 +42,7 @@ class ChoiceState:
         self.prompt_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # set when the failure was the request's own input's
         self.stopped_here = False  # a stop string ended it: the worker has not finished and must be told
         self.last_arrival = 0.0
         self.parts: list[str] = []  # the whole text, for a non-streaming answer
@@ -69,6 +71,7 @@ class ChoiceState:
         if finish in FAILED:
             self.finish_reason = finish
             self.error = d.error or ("the worker aborted the request" if finish == "abort" else "generation failed")
+            self.error_param = d.error_param
             return ChoiceUpdate("", finish)
         # The eos/stop token that ended generation is counted but never shown as text.
         text_ids = ids[:-1] if d.stop_token_id is not None and ids and ids[-1] == d.stop_token_id else ids

@@ -46,6 +46,8 @@ def apply_deltas(gw: Gateway, gen: Generation, items: list) -> tuple[list[tuple[
             note_arrival(metrics, gen, choice, now)
         if update.finish_reason is not None:
             if update.finish_reason in FAILED:
+                if choice.error_param:  # e.g. a grammar the worker could not compile: the request's fault
+                    return out, StreamFailed(400, f"'{choice.error_param}': {choice.error}", "invalid_request_error")
                 return out, StreamFailed(500, choice.error or "generation failed", "server_error")
             gen.finish_choice(choice)
         out.append((choice, update))

@@ -18,6 +18,7 @@ from services.gateway.errors import context_length_exceeded, from_sampling_error
 from services.gateway.fields import (Boolean, Field, Integer, Limits, Number, Refused, String, TokenIds,
                                      finite_number, number_schema, object_schema, read_fields, token_ids,
                                      token_ids_schema)
+from services.gateway.structured import FIELDS as STRUCTURED_FIELDS, grammar_of
 from shared.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_STRING_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, MIN_SEED, RANGES,
                                     SamplingParams, SamplingParamsError)
@@ -359,7 +360,6 @@ MAX_COMPLETION_TOKENS = Integer("max_completion_tokens", None, 1, lambda limits:
                                 "OpenAI's newer name for max_tokens (wins when both are given).")
 SKIP_SPECIAL_TOKENS = Boolean("skip_special_tokens", True)
 CACHE_SALT = String("cache_salt", "", MAX_CACHE_SALT_CHARS, "Folded into the prefix-cache keys.")
-RESPONSE_FORMAT = Refused("response_format", {"type": "text"}, "structured output is not built")
 
 SAMPLING: tuple[Field, ...] = (
     _sampling("temperature", 1.0, "0 is greedy."),
@@ -376,7 +376,7 @@ SAMPLING: tuple[Field, ...] = (
     Boolean("ignore_eos", False, "Keep generating past the model's eos token."),
 )
 COMMON: tuple[Field, ...] = (MODEL, N, STREAM, STREAM_OPTIONS, STOP, *SAMPLING, SKIP_SPECIAL_TOKENS, CACHE_SALT,
-                             RESPONSE_FORMAT)
+                             *STRUCTURED_FIELDS)
 
 PROMPT = Prompt("prompt", required=True, doc="Text or token ids; one prompt per request.")
 COMPLETION_FIELDS: tuple[Field, ...] = (
@@ -431,6 +431,7 @@ def _spec(v: dict[str, Any], limits: Limits, max_tokens: int | None, logprobs: i
         max_tokens=max_tokens if max_tokens is not None else limits.max_model_len,
         min_tokens=v["min_tokens"], stop_token_ids=v["stop_token_ids"] or [], ignore_eos=v["ignore_eos"],
         logprobs=logprobs)
+    params.grammar_kind, params.grammar = grammar_of(v)
     try:
         params.validate(limits.vocab_size)
     except SamplingParamsError as e:

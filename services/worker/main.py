@@ -59,6 +59,10 @@ def parse_args(argv):
                     help="decode role: the address prefill workers reach this worker's UCXX listener at")
     ap.add_argument("--handoff-timeout", type=float, default=10.0,
                     help="seconds a prefill → decode hand-off may take before the request fails")
+    ap.add_argument("--grammar-compile-timeout", type=float,
+                    default=float(env_default("INFERNO_GRAMMAR_COMPILE_TIMEOUT", "10")),
+                    help="seconds a structured output's grammar may take to compile; past it the request fails "
+                         "with a 400 and the worker serves on (default 10)")
     ap.add_argument("--handoff-push", action=argparse.BooleanOptionalAction,
                     default=env_default("INFERNO_HANDOFF_PUSH", True, parse_bool),
                     help="decode role on a GPU: prefill workers of this host write the prompt's KV into this "
@@ -198,6 +202,7 @@ def service_config(args) -> WorkerServiceConfig:
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
+                  grammar_compile_timeout=args.grammar_compile_timeout,
                   handoff_push=args.handoff_push, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,

@@ -147,7 +147,7 @@ class ModelManager:
         background = graphs.capture_next if graphs is not None and graphs.backlog else None
         spec = built.checked.spec
         self.service.attach(built.engine, built.checked.eos_token_ids, built.max_model_len, spec.model_name,
-                            background)
+                            background, tokenizer_source=spec.model_dir)
         fields = {k: round(v, 3) if isinstance(v, float) else v for k, v in _fields(breakdown).items()}
         if prefetch is not None:
             fields.update(prefetch.report())

@@ -14,8 +14,9 @@ from services.worker.compile_watch import CompileWatch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.engine.step_outputs import StepOutputs
+from services.worker.grammar import GrammarError, Grammars
 from services.worker.handoff import HandoffReceiver, HandoffSender
-from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, StepLoop
+from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, Rejected, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
 from shared.config import WorkerServiceConfig
@@ -59,6 +60,7 @@ class WorkerService:
         self.transfer_server = None
         self._transfer_client: TransferClient | None = None
         self.cluster_cache = None  # the cluster KV store's client side, when one is used
+        self.grammars: Grammars | None = None  # structured outputs' compiler, of the attached model
         self.on_first_token: Callable[[], None] | None = None  # once, after a model is attached
         self.draining = False
         self.seq = 0
@@ -107,10 +109,15 @@ class WorkerService:
             await self._publish_load()
 
     def attach(self, engine, eos_token_ids, max_model_len: int, model_name: str,
-               background: Callable[[], bool] | None = None) -> None:
+               background: Callable[[], bool] | None = None, tokenizer_source: str = "") -> None:
         """Serve `engine` from a new step thread; `background` runs there between steps until it
-        returns False (the CUDA graphs left to capture)."""
+        returns False (the CUDA graphs left to capture). `tokenizer_source`: the model directory or
+        GGUF file whose vocabulary structured outputs' grammars are compiled against."""
         self.model_name, self.max_model_len = model_name, max_model_len
+        if self.grammars is not None:
+            self.grammars.close()
+        self.grammars = (Grammars(tokenizer_source, engine.model_config.vocab_size, eos_token_ids,
+                                  self.cfg.grammar_compile_timeout) if tokenizer_source else None)
         self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
         self.loop_thread.background = background
         if self.cfg.device.startswith("cuda"):  # Triton compiles on the GPU only (the CPU path runs torch)
@@ -245,6 +252,13 @@ class WorkerService:
             self.sender.remember(msg)
         add = AddCommand(msg.request_id, msg.prompt_token_ids, msg.sampling.to_params(), msg.reply_to,
                          msg.cache_salt.encode(), handoff)
+        if msg.sampling.grammar_kind:
+            asyncio.ensure_future(self._add_after_compile(loop_thread, add, msg))
+        else:
+            self._admit(loop_thread, add, msg)
+        return RouteReply.accepted(self.cfg.worker_id)
+
+    def _admit(self, loop_thread: StepLoop, add: AddCommand, msg: GenerateRequest) -> None:
         cache = self.cluster_cache
         held = msg.store_cached_tokens  # by the scheduler's index of the store; -1: unknown
         if (cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size
@@ -253,7 +267,18 @@ class WorkerService:
                                                         None if held < 0 else held // self.block_size))
         else:  # the store holds nothing of it (or nothing that could pay): no round trip at all
             loop_thread.submit(add)
-        return RouteReply.accepted(self.cfg.worker_id)
+
+    async def _add_after_compile(self, loop_thread: StepLoop, add: AddCommand, msg: GenerateRequest) -> None:
+        """A structured output's grammar, compiled on a thread (cached by its text), then the request
+        is queued with its matcher; a grammar that does not compile fails this request alone."""
+        try:
+            if self.grammars is None:
+                raise GrammarError("this worker has no vocabulary to compile grammars against")
+            add.matcher = await self.grammars.matcher(msg.sampling.grammar_kind, msg.sampling.grammar)
+        except GrammarError as e:
+            self._publish_outputs([Rejected(add.request_id, add.reply_to, str(e), e.param)], [add.reply_to], False)
+            return
+        self._admit(loop_thread, add, msg)
 
     async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, cache_salt: str,
                                held: int | None) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 
@@ -38,6 +38,7 @@ class AddCommand:
     reply_to: str
     cache_salt: bytes = b""
     handoff: bool = False  # a prefill worker's request: stop after the first token, hand the KV on
+    matcher: Any = None  # its grammar's matcher (services/worker/grammar.py), compiled before it came
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class Rejected:
     request_id: str
     reply_to: str
     message: str
+    param: str | None = None  # the body field at fault, when the request's own input is (a 400)
 
 
 class StepLoop(threading.Thread):
@@ -205,7 +207,8 @@ class StepLoop(threading.Thread):
             if isinstance(command, AddCommand):
                 try:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            self.eos_token_ids, command.cache_salt, handoff=command.handoff)
+                                            self.eos_token_ids, command.cache_salt, handoff=command.handoff,
+                                            matcher=command.matcher)
                     self.reply_to[command.request_id] = command.reply_to
                 except ValueError as e:
                     rejected.append(Rejected(command.request_id, command.reply_to, str(e)))

@@ -34,7 +34,8 @@ def _rejected_batch(worker_id: str, outs: list[Rejected]) -> TokenBatch:
     zeros = array("i", bytes(4 * len(outs))).tobytes()
     return TokenBatch(worker_id=worker_id, request_ids=[o.request_id for o in outs], token_counts=zeros,
                       token_ids=b"", prompt_tokens=zeros, cached_tokens=zeros, completion_tokens=zeros,
-                      finishes=[Finish(index=i, reason="error", error=o.message) for i, o in enumerate(outs)])
+                      finishes=[Finish(index=i, reason="error", error=o.message, param=o.param)
+                                for i, o in enumerate(outs)])
 
 
 def _groups(routes: list[str]) -> dict[str, list[int]]:

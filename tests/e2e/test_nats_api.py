@@ -133,9 +133,10 @@ async def test_closed_client_stream_frees_the_request(stack, client):
 async def test_refused_features_and_bad_unicode_are_400_over_both(stack, client, http):
     with pytest.raises(openai.BadRequestError) as info:
         await http.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
-                                           response_format={"type": "json_schema", "json_schema": {"name": "x",
-                                                                                                  "schema": {}}})
-    assert info.value.body["param"] == "response_format" and "not supported yet" in info.value.body["message"]
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "x", "schema": {"type": "objekt"}}})
+    assert info.value.body["param"] == "response_format.json_schema.schema"
+    assert "not a valid JSON Schema" in info.value.body["message"]
     with pytest.raises(inferno.client.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tool_choice="auto")
     assert info.value.param == "tool_choice"

@@ -64,9 +64,9 @@ async def test_completions_logprobs_and_models(stack, client):
 
 async def test_errors_are_exceptions_like_openai(stack, client, nats_config):
     with pytest.raises(BadRequestError) as info:
-        await client.chat.completions.create(model="tiny", messages=HI, response_format={"type": "json_object"})
+        await client.chat.completions.create(model="tiny", messages=HI, tool_choice="auto")
     e = info.value
-    assert (e.status_code, e.param, e.type, e.code) == (400, "response_format", "invalid_request_error",
+    assert (e.status_code, e.param, e.type, e.code) == (400, "tool_choice", "invalid_request_error",
                                                         "unsupported_parameter")
     assert "not supported yet" in e.message and e.request_id
     with pytest.raises(NotFoundError) as info:

@@ -272,10 +272,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("response_format", {"type": "xml"}),
-    ("response_format", "text"),
     ("tools", [TOOL]),
     ("tools", ["f"]),
     ("tool_choice", 12),
@@ -290,11 +286,38 @@ def test_chat_refuses_features_not_built(field, value):
     assert f"'{field}' is not supported yet" in e.message
 
 
-def test_completion_refuses_structured_output():
-    e = error_of(parse_completion, completion(response_format={"type": "json_object"}))
-    assert (e.status, e.param, e.code) == (400, "response_format", "unsupported_parameter")
-    assert e.message == ("'response_format' is not supported yet (structured output is not built): "
-                         'send {"type": "text"} or leave it out')
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "text"}}, ""),
+    ({"response_format": {"type": "json_object"}}, "json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "json_schema"),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "ebnf"),
+    ({"guided_json": '{"type": "integer"}'}, "json_schema"),
+    ({"guided_regex": "[0-9]{3}"}, "regex"),
+    ({"guided_choice": ["a", "b\"c"]}, "ebnf"),
+    ({"guided_grammar": 'root ::= "x"'}, "ebnf"),
+])
+def test_structured_outputs_become_one_grammar(fields, kind):
+    for parse, body in ((parse_completion, completion(**fields)), (parse_chat, chat(**fields))):
+        assert parse(body, LIMITS).params.grammar_kind == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "text"}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "no rules"}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_field(fields, param):
+    e = error_of(parse_completion, completion(**fields))
+    assert (e.status, e.param) == (400, param), e.message
 
 
 def test_values_that_ask_for_nothing_are_accepted():
@@ -376,8 +399,9 @@ def test_schema_of_chat_and_refused_fields():
               logprobs=True, top_logprobs=2, max_completion_tokens=5, response_format={"type": "text"}, tools=[])
     parse_chat(ok, LIMITS)
     assert schema_errors("ChatCompletionRequest", ok) == []
-    for field, value in (("response_format", {"type": "json_object"}), ("tools", [TOOL]), ("tool_choice", "auto")):
+    for field, value in (("tools", [TOOL]), ("tool_choice", "auto")):
         assert schema_errors("ChatCompletionRequest", chat(**{field: value})), field
+    assert not schema_errors("ChatCompletionRequest", chat(response_format={"type": "json_object"}))
     assert schema_errors("ChatCompletionRequest", {"model": "tiny"})  # messages are required
     assert schema_errors("CompletionRequest", {"model": "other", "prompt": "x"})  # only the served model
     assert schema_errors("DetokenizeRequest", {"tokens": [1, 1000]}) and not schema_errors("DetokenizeRequest",

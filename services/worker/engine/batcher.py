@@ -66,6 +66,7 @@ class Batcher:
         # counts, not each of its thousand rows.
         self._num_not_plain = 0
         self._num_handoff = 0
+        self.num_constrained = 0  # unfinished requests with a grammar (their matchers take each token)
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -80,11 +81,13 @@ class Batcher:
         self._requests[request.request_id] = request
         self._num_not_plain += not request.plain
         self._num_handoff += request.handoff
+        self.num_constrained += request.matcher is not None
 
     def _untrack(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._num_not_plain -= not request.plain
         self._num_handoff -= request.handoff
+        self.num_constrained -= request.matcher is not None
 
     def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
+import structlog
 import torch
 
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
@@ -105,6 +106,16 @@ class EngineStats:
     prefix_cache_queries: int
     steps: int = 0
     extra: dict = field(default_factory=dict)
+
+
+log = structlog.get_logger("worker.engine")
+
+
+def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
+    """Each constrained row's grammar takes its drawn token (the sampler drew only allowed ones)."""
+    for r, token in zip(reqs, tokens):
+        if r.matcher is not None and not r.matcher.terminated and not r.matcher.accept(token):
+            log.warning("grammar refused a drawn token", request_id=r.request_id, token=token)
 
 
 class LLMEngine:
@@ -209,13 +220,21 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"", handoff: bool = False) -> Request:
+                    eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"", handoff: bool = False,
+                    matcher=None) -> Request:
         """Raises SamplingParamsError or RequestRejected (both ValueError) for bad input. With
-        `handoff` the request stops after its first token and its output carries its KV pages."""
+        `handoff` the request stops after its first token and its output carries its KV pages.
+        `matcher`: its grammar's (services/worker/grammar.py), for a structured output."""
         if handoff:
             self._need_whole_kv("hand a request's KV to another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
         request.handoff = handoff
+        if matcher is not None:
+            # Each draw is masked by the grammar, which must have taken the previous token first:
+            # the sampler processes its logits, and no step of it is planned while one is in flight.
+            request.matcher = matcher
+            request.processes_logits = request.needs_token_history = True
+            request.plain = False
         self.batcher.add_request(request)
         return request
 
@@ -358,6 +377,8 @@ class LLMEngine:
             first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         tokens = result.token_ids if result is not None else []
+        if self.batcher.num_constrained:
+            _advance_matchers(reqs, tokens)
         finished = self.batcher.update_from_output(plan, tokens)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)

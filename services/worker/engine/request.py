@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.sampling_params import SamplingParams
 
@@ -74,6 +75,8 @@ class Request:
     min_tokens_masked: int = 0
     # Greedy, no logprobs, no logits processors: a step of only such rows draws with one argmax.
     plain: bool = True
+    # Structured output (services/worker/grammar.py): masks each draw to what the grammar allows.
+    matcher: Any = None
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
 
     def __post_init__(self) -> None:

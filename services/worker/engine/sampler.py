@@ -183,6 +183,18 @@ class Sampler:
         event.record()
         return PendingSample(token_ids, host, event, logprobs)
 
+    def _mask_by_grammar(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """Tokens a row's grammar does not allow next get -inf: one bitmask (a bit per token) the
+        matchers fill on the CPU, applied to those rows in place (xgrammar's kernel on a GPU)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)  # row i masks logits row i
+        for row in rows:
+            m = requests[row].matcher
+            if not m.terminated:
+                m.fill(bitmask, row)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
     @staticmethod
     def _needs_processing(requests: list[Request]) -> bool:
         for r in requests:
@@ -192,6 +204,9 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Row by row for the rare requests that use these knobs; the common case skips it all."""
+        constrained = [row for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            self._mask_by_grammar(logits, requests, constrained)
         for row, r in enumerate(requests):
             p = r.sampling_params
             if p.logit_bias:
