@@ -87,3 +87,22 @@ def test_streamed_chat_answers_in_english(real_stack):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is Paris."
     assert chunks[-1].usage.completion_tokens == 8  # seven tokens and <|im_end|>
+
+
+def test_parse_returns_the_typed_answer(real_stack):
+    """The openai client's `parse` with a Pydantic model: the schema goes as a strict json_schema,
+    and the answer comes back as that model's object (SmolLM2 answers the question, in the shape)."""
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=20)
+        capital: str = Field(max_length=20)
+
+    client = OpenAI(base_url=real_stack.url + "/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.parse(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=40, temperature=0, response_format=Capital)
+    answer = r.choices[0].message.parsed
+    assert isinstance(answer, Capital) and r.choices[0].finish_reason == "stop"
+    assert answer.capital.lower() == "paris", answer
