@@ -146,3 +146,14 @@ async def test_refused_features_and_bad_unicode_are_400_over_both(stack, client,
                           headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "messages[0].content"
     assert (await client.completions.create(model=MODEL_NAME, prompt="still up", max_tokens=2)).choices
+
+
+async def test_a_schema_over_nats_as_over_http(client):
+    """Structured outputs go through the NATS API like any other field: the answer fits the schema."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    r = await client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=32, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"n", "ok"} and 0 <= answer["n"] <= 9 and isinstance(answer["ok"], bool)
