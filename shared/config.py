@@ -106,6 +106,7 @@ class GatewayConfig:
     log_requests: bool = False  # one info line per finished request (off by default, as vLLM's)
     heartbeat_ttl: float = 3.0  # a worker unheard for this long is gone: its requests move or fail
     stream_interval: int = 1  # streamed tokens per SSE event (SGLang's --stream-interval): fewer writes
+    tool_call_parser: str = "auto"  # the served model's tool-call syntax (services/gateway/tool_calls.py)
     gateway_id: str = field(default_factory=lambda: _new_id("gw"))
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import chat_entries
 from services.gateway.response_format import ResponseFormat
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
+from services.gateway.tool_calls import ToolSpec, parse_answer
 
 
 _TEXT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -16,6 +17,9 @@ class ChatFormat(ResponseFormat):
     chunk_object = "chat.completion.chunk"
     text_tail = _TEXT_TAIL
     id_prefix = "chatcmpl"
+    # (ToolSpec, parser name) when the request may call tools: the answer is read for calls at its
+    # end, so a stream holds its text until then and sends the calls as OpenAI's deltas.
+    tools: tuple[ToolSpec, str] | None = None
 
     def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
         if update.token_ids is None:
@@ -29,6 +33,8 @@ class ChatFormat(ResponseFormat):
                                      "logprobs": None, "finish_reason": None}) for c in choices)
 
     def chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        if self.tools is not None:
+            return self._tool_chunk(choice, update)
         if update.token_ids is None and update.finish_reason is None:
             if not update.text:
                 return None  # text held back (a partial character, a possible stop string)
@@ -55,5 +61,32 @@ class ChatFormat(ResponseFormat):
 
     def final_choice(self, choice: ChoiceState) -> dict:
         lp = {"content": choice.logprobs or []} if self.want_logprobs else None
-        return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.parts)},
-                "logprobs": lp, "finish_reason": choice.finish_reason}
+        message = {"role": "assistant", "content": "".join(choice.parts)}
+        finish = choice.finish_reason
+        if self.tools is not None:
+            content, calls = parse_answer(message["content"], *self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish}
+
+    def _tool_chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        """Text is held until the end; then the content, each call as OpenAI streams one (its index,
+        id, type and name first, then its arguments), and the finish."""
+        choice.parts.append(update.text)
+        if update.finish_reason is None:
+            return None
+        content, calls = parse_answer("".join(choice.parts), *self.tools)
+        frame, i = self.frame, choice.index
+        out = [frame.chunk({"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
+               if content else b""]
+        for k, call in enumerate(calls):
+            f = call["function"]
+            out.append(frame.chunk({"index": i, "delta": {"tool_calls": [
+                {"index": k, "id": call["id"], "type": "function", "function": {"name": f["name"], "arguments": ""}}]},
+                "logprobs": None, "finish_reason": None}))
+            out.append(frame.chunk({"index": i, "delta": {"tool_calls": [
+                {"index": k, "function": {"arguments": f["arguments"]}}]}, "logprobs": None, "finish_reason": None}))
+        finish = "tool_calls" if calls and update.finish_reason == "stop" else update.finish_reason
+        out.append(frame.chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}))
+        return b"".join(out)

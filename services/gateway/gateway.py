@@ -17,6 +17,7 @@ from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerationSpec, Limits, TokenizeSpec
 from services.gateway.token_router import RequestStream, StreamFailed, TokenRouter
+from services.gateway.tool_calls import parser_for
 from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
 from shared.chat_template import ChatTemplateError
 from shared.config import GatewayConfig
@@ -49,6 +50,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.health)
         self.tenancy = Tenancy(self.keys, cfg.share_prefix_cache, self.metrics.registry, clock)
         self.texts = TokenTexts(tokenizer)
+        self.tool_parser = parser_for(cfg.tool_call_parser, _template_text(tokenizer))
         self.created = int(time.time())
         self.conn: NatsConnection | None = None  # set once the inbox and heartbeats are subscribed
         self.draining = False
@@ -148,7 +150,7 @@ class Gateway:
             return spec.prompt
         loop = asyncio.get_running_loop()
         tok = self.tokenizer
-        tools = spec.tools if isinstance(spec, TokenizeSpec) else None
+        tools = spec.tools if isinstance(spec, TokenizeSpec) else (list(spec.tool_spec.tools) or None)
 
         # encode_batch, not encode: only the batch call releases the GIL while the Rust code runs,
         # so a long prompt never stalls the event loop (a 1 MB prompt takes a second or two).
@@ -166,3 +168,8 @@ class Gateway:
         if not ids:
             raise invalid("the prompt is empty after tokenization", param="messages" if spec.is_chat else "prompt")
         return ids
+
+
+def _template_text(tokenizer: Tokenizer) -> str:
+    """The chat templates' text, where a tool-call syntax can be recognised ("" without one)."""
+    return "\n".join(getattr(tokenizer, "chat_templates", {}).values())

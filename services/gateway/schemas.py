@@ -18,7 +18,8 @@ from services.gateway.errors import context_length_exceeded, from_sampling_error
 from services.gateway.fields import (Boolean, Field, Integer, Limits, Number, Refused, String, TokenIds,
                                      finite_number, number_schema, object_schema, read_fields, token_ids,
                                      token_ids_schema)
-from services.gateway.structured import FIELDS as STRUCTURED_FIELDS, grammar_of
+from services.gateway.structured import FIELDS as STRUCTURED_FIELDS, JsonValue, grammar_of
+from services.gateway.tool_calls import ToolSpec, tool_spec
 from shared.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_STRING_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, MIN_SEED, RANGES,
                                     SamplingParams, SamplingParamsError)
@@ -51,6 +52,7 @@ class GenerationSpec:
     prompt: str | list[int] | None = None  # completions
     messages: list[dict] | None = None  # chat
     add_generation_prompt: bool = True
+    tool_spec: ToolSpec = ToolSpec()  # chat: the tools the template renders and how calls are read
 
     @property
     def is_chat(self) -> bool:
@@ -394,8 +396,10 @@ CHAT_FIELDS: tuple[Field, ...] = (
     Boolean("logprobs", False, "Return the log-probabilities of the chosen tokens."),
     Integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS, "Alternatives per token (needs logprobs: true)."),
     ADD_GENERATION_PROMPT,
-    Refused("tools", [], "tool calls are not built"),
-    Refused("tool_choice", "none", "tool calls are not built"),
+    Tools("tools"),
+    JsonValue("tool_choice", (str, dict), "'none', 'auto' (the default with tools), 'required', or "
+                                         "{\"type\": \"function\", \"function\": {\"name\": ...}}."),
+    Boolean("parallel_tool_calls", True, "With 'required': more than one call may come."),
     Refused("functions", [], "function calls are not built"),
     Refused("function_call", "none", "function calls are not built"),
 )
@@ -459,8 +463,12 @@ def parse_chat(body: Any, limits: Limits) -> GenerationSpec:
     if v["top_logprobs"] is not None and not v["logprobs"]:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
-    return _spec(v, limits, max_tokens, logprobs, messages=v["messages"],
+    spec = _spec(v, limits, max_tokens, logprobs, messages=v["messages"],
                  add_generation_prompt=v["add_generation_prompt"])
+    spec.tool_spec = tool_spec(v["tools"], v["tool_choice"], v["parallel_tool_calls"], bool(spec.params.grammar_kind))
+    if spec.tool_spec.mode in ("named", "required"):  # the call is drawn under its schema
+        spec.params.grammar_kind, spec.params.grammar = spec.tool_spec.grammar()
+    return spec
 
 
 def parse_tokenize(body: Any, limits: Limits) -> TokenizeSpec:

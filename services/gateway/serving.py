@@ -97,6 +97,8 @@ async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Calla
                  tenant: Tenant, spec: GenerationSpec, session: str | None, timeout: float,
                  prompt_ids: list[int]) -> bytes | ChunkSink:
     fmt = endpoint.format(gw.texts, spec.logprobs is not None)
+    if spec.tool_spec.mode:
+        fmt.tools = (spec.tool_spec, gw.tool_parser)
     response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     context = {"request_id": response_id, "tenant": tenant.name}
     if call.request_id:

@@ -272,11 +272,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [TOOL]),
-    ("tools", ["f"]),
-    ("tool_choice", 12),
-    ("tool_choice", "auto"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
 ])
@@ -399,7 +394,7 @@ def test_schema_of_chat_and_refused_fields():
               logprobs=True, top_logprobs=2, max_completion_tokens=5, response_format={"type": "text"}, tools=[])
     parse_chat(ok, LIMITS)
     assert schema_errors("ChatCompletionRequest", ok) == []
-    for field, value in (("tools", [TOOL]), ("tool_choice", "auto")):
+    for field, value in (("functions", [{"name": "f"}]), ("function_call", "auto")):
         assert schema_errors("ChatCompletionRequest", chat(**{field: value})), field
     assert not schema_errors("ChatCompletionRequest", chat(response_format={"type": "json_object"}))
     assert schema_errors("ChatCompletionRequest", {"model": "tiny"})  # messages are required
