@@ -396,7 +396,8 @@ CHAT_FIELDS: tuple[Field, ...] = (
     Boolean("logprobs", False, "Return the log-probabilities of the chosen tokens."),
     Integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS, "Alternatives per token (needs logprobs: true)."),
     ADD_GENERATION_PROMPT,
-    Tools("tools"),
+    Tools("tools", None, "Functions the model may call: [{\"type\": \"function\", \"function\": "
+                         "{\"name\", \"description\", \"parameters\"}}]."),
     JsonValue("tool_choice", (str, dict), "'none', 'auto' (the default with tools), 'required', or "
                                          "{\"type\": \"function\", \"function\": {\"name\": ...}}."),
     Boolean("parallel_tool_calls", True, "With 'required': more than one call may come."),

@@ -43,4 +43,5 @@ async def test_openapi_is_valid_and_lists_every_route(stack):  # noqa: F811
                                        "description": "Choices to generate."}
     assert chat["properties"]["temperature"]["maximum"] == 100.0
     assert chat["properties"]["model"]["enum"] == ["tiny", None]
-    assert "Not supported yet" in chat["properties"]["tools"]["description"]
+    assert "Not supported yet" in chat["properties"]["functions"]["description"]
+    assert chat["properties"]["tools"]["type"] == ["array", "null"] and "tool_choice" in chat["properties"]
