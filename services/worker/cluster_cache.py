@@ -5,13 +5,15 @@ Write-back never touches a step's critical path: the step thread only queues a c
 full blocks (and skips it when the queue's byte bound is reached); a background task sends them.
 On a GPU the copies take device memory beside a KV pool sized to nearly all of it, and a host
 store over UCXX moves ~1-2 GB/s there, slower than an 8B model prefills on an H100: so GPU
-workers write back only with `--kvstore on`, and fetch when the estimate says it pays. A fetch runs
-before a request is queued: the store is asked for the prompt's block hashes, and the pages past
-this worker's own prefix hit are fetched when their transfer is estimated faster than their
-prefill (measured: the store's GB/s, this engine's prefill tokens/s). The lookup waits no longer
-than the prefill it could save. A store that fails, or keeps answering late, is left alone for a
-moment; the worker just recomputes, and comes back to it later. The first lookup and UCXX's import
-are paid at start, not by a request.
+workers write back only with `--kvstore on`; elsewhere `auto` writes a block back while its put
+costs less than the prefill it saves times the store's reuse (pages read per page stored).
+A fetch runs before a request is queued, and only when the scheduler's index of the store says
+it holds more of the prompt than this worker does (or the index cannot say): the pages past the
+worker's own prefix hit are fetched when that is estimated faster than their prefill (learnt: a
+get's fixed cost, the store's GB/s, this engine's prefill tokens/s). A lookup or get waits no
+longer than the prefill it could save. A store that fails, or answers late three times in a row,
+is left alone for a moment; the worker just recomputes, and comes back to it later. The first
+lookup, UCXX's import and the endpoint to the store are paid at start, not by a request.
 """
 
 from __future__ import annotations
