@@ -82,6 +82,10 @@ def test_json_object_choice_regex_grammar_and_n(stack):
     r = c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=16,
                              extra_body={"guided_grammar": 'root ::= "(" ("a" | "b")+ ")"'})
     assert re.fullmatch(r"\([ab]+\)", r.choices[0].text) or r.choices[0].finish_reason == "length"
+    # ignore_eos and min_tokens do not carry an answer past its grammar's end
+    r = c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=32,
+                             extra_body={"guided_choice": ["yes", "no"], "ignore_eos": True, "min_tokens": 32})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
     stream = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=64, temperature=0, stream=True,
                                        response_format={"type": "json_schema",

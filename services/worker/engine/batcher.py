@@ -335,7 +335,8 @@ class Batcher:
                     tokens.append(token)
                     known = len(tokens)
                     if token in request.stop_ids and (
-                            known - request.num_prompt_tokens >= request.sampling_params.min_tokens):
+                            known - request.num_prompt_tokens >= request.sampling_params.min_tokens
+                            or request.matcher is not None):  # a grammar's end is the answer's
                         request.status = RequestStatus.FINISHED_STOPPED
                     elif known >= request.token_limit or known >= max_model_len:
                         request.status = RequestStatus.FINISHED_LENGTH

@@ -235,6 +235,10 @@ class LLMEngine:
             request.matcher = matcher
             request.processes_logits = request.needs_token_history = True
             request.plain = False
+            # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
+            # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
+            request.stop_ids = request.stop_ids | frozenset(eos_token_ids)
+            request.min_tokens_masked = 0
         self.batcher.add_request(request)
         return request
 
