@@ -304,6 +304,19 @@ class ChatCompletions:
         return await c._generate(c.subjects.api_chat_completions, {"model": model, "messages": messages, **params},
                                  ChatCompletion, ChatCompletionChunk, stream, timeout, extra_headers, extra_body)
 
+    async def parse(self, *, model: str, messages: list[dict], response_format: type, **params: Any) -> ChatCompletion:
+        """openai's chat.completions.parse: `response_format` is a Pydantic model; its JSON Schema
+        constrains the answer, and each choice that ends ("stop") carries `message.parsed`, the
+        answer as an instance of it (None when max_tokens cut it)."""
+        schema = response_format.model_json_schema()
+        answer = await self.create(model=model, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": response_format.__name__, "schema": schema, "strict": True}},
+            **params)
+        for choice in answer.choices:
+            if choice.finish_reason == "stop" and choice.message.content is not None:
+                choice.message.parsed = response_format.model_validate_json(choice.message.content)
+        return answer
+
 
 class Chat:
     def __init__(self, client: AsyncInferno):

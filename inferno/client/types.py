@@ -91,9 +91,24 @@ class Logprobs(ApiObject):
 # -- chat completions -----------------------------------------------------------------------------
 
 @dataclass(slots=True)
+class Function(ApiObject):
+    name: str = ""
+    arguments: str = ""  # JSON text, as the model wrote it
+
+
+@dataclass(slots=True)
+class ChatCompletionMessageToolCall(ApiObject):
+    id: str = ""
+    type: str = "function"
+    function: Function = field(default_factory=Function)
+
+
+@dataclass(slots=True)
 class ChatCompletionMessage(ApiObject):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+    parsed: Any = None  # chat.completions.parse: the content as the response_format's type
 
 
 @dataclass(slots=True)
@@ -115,9 +130,24 @@ class ChatCompletion(ApiObject):
 
 
 @dataclass(slots=True)
+class ChoiceDeltaToolCallFunction(ApiObject):
+    name: str | None = None
+    arguments: str | None = None
+
+
+@dataclass(slots=True)
+class ChoiceDeltaToolCall(ApiObject):
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: ChoiceDeltaToolCallFunction | None = None
+
+
+@dataclass(slots=True)
 class ChoiceDelta(ApiObject):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 
 @dataclass(slots=True)

@@ -157,3 +157,23 @@ async def test_a_schema_over_nats_as_over_http(client):
         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     answer = json.loads(r.choices[0].message.content)
     assert set(answer) == {"n", "ok"} and 0 <= answer["n"] <= 9 and isinstance(answer["ok"], bool)
+
+
+async def test_parse_over_nats_gives_the_typed_answer(client):
+    """inferno.client's chat.completions.parse, as the openai package's: a Pydantic model in, its instance out."""
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        sensor: str = Field(pattern="^[a-z]{3}$")
+        value: int = Field(ge=0, le=99)
+
+    r = await client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, max_tokens=48, temperature=0,
+                                            response_format=Reading)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Reading) and 0 <= parsed.value <= 99 and r.choices[0].finish_reason == "stop"
+    tool = {"type": "function", "function": {"name": "read", "parameters": Reading.model_json_schema()}}
+    r = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=48, tools=[tool],
+                                             tool_choice={"type": "function", "function": {"name": "read"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "read" and Reading.model_validate_json(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
