@@ -54,11 +54,6 @@ class KvStoreClient:
         self.reuse = 1.0  # the store's pages read per page stored, as its last put reply said
         self._pending: set[asyncio.Task] = set()  # releases in flight (a task needs a reference)
 
-    async def settle(self) -> None:
-        """Wait for the releases still in flight (a shutdown, or a caller that reads the store's stats)."""
-        while self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
-
     def _later(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._pending.add(task)

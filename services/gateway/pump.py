@@ -73,7 +73,7 @@ class Pump:
         # (tokens()) once its first token, which brings the prompt and cache counters, went through feed().
         choices = gen.choices
         self.plain = (choices[0] if writer is not None and len(choices) == 1 and choices[0].matcher is None
-                      and not choices[0].want_logprobs and getattr(fmt, "tools", None) is None else None)
+                      and not choices[0].want_logprobs and fmt.tools is None else None)
         self.inbox: DeltaInbox | None = None
         # --stream-interval: plain tokens go out in one event per `interval` tokens (SGLang's
         # stream_interval): a socket write and a JSON chunk per token are most of the gateway's

@@ -19,6 +19,7 @@ class ResponseFormat:
     chunk_object = ""
     id_prefix = ""
     text_tail = b""  # what follows the text's JSON string in a per-token chunk
+    tools = None  # chat: (ToolSpec, parser) when the answer is read for tool calls (chat.py)
 
     def __init__(self, texts: TokenTexts, want_logprobs: bool):
         self.texts = texts

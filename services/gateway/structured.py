@@ -96,7 +96,7 @@ def _response_format(rf: dict) -> tuple[str, str] | None:
         schema = js.get("schema")
         if schema is None:  # OpenAI allows a schema-less json_schema: any JSON object
             return "json", ""
-        return "json_schema", _checked_schema(schema, "response_format.json_schema.schema")
+        return "json_schema", checked_schema(schema, "response_format.json_schema.schema")
     raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
                   param="response_format.type")
 
@@ -110,7 +110,7 @@ def _vllm(param: str, key: str, value: Any) -> tuple[str, str, str]:
                 raise invalid(f"'{param}' is not valid JSON", param=param) from None
         if not isinstance(value, dict):
             raise invalid(f"'{param}' must be a JSON Schema object", param=param)
-        return param, "json_schema", _checked_schema(value, param)
+        return param, "json_schema", checked_schema(value, param)
     if key == "regex":
         if not isinstance(value, str) or not value:
             raise invalid(f"'{param}' must be a non-empty string", param=param)
@@ -129,7 +129,7 @@ def _vllm(param: str, key: str, value: Any) -> tuple[str, str, str]:
     return param, "ebnf", value
 
 
-def _checked_schema(schema: dict, param: str) -> str:
+def checked_schema(schema: dict, param: str) -> str:
     """The schema's JSON text, once it is a JSON Schema by its meta-schema."""
     import jsonschema
 

@@ -20,7 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import invalid
+from services.gateway.structured import checked_schema
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -92,15 +93,9 @@ def tool_spec(tools: list[dict] | None, tool_choice: Any, parallel: bool, has_gr
 def _check_parameters(schema: Any, param: str) -> None:
     if schema is None:
         return
-    import jsonschema
-
     if not isinstance(schema, dict):
         raise invalid(f"'{param}' must be a JSON Schema object", param=param)
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise ApiError(400, f"'{param}' is not a valid JSON Schema: {e.message}", param=param,
-                       code="invalid_json_schema") from None
+    checked_schema(schema, param)
 
 
 def parser_for(flag: str, chat_template: str) -> str:

@@ -7,7 +7,7 @@ import asyncio
 
 from services.kvstore.config import GIB, KvStoreConfig
 from shared.config import CONFIG_ERROR_EXIT, NatsConfig, env_default
-from shared.kv_transfer import init_ucx, stop_ucx
+from shared.kv_transfer import init_ucx
 from shared.logging import get_logger, setup_logging
 from shared.service_run import run_service
 
@@ -49,10 +49,7 @@ async def serve(cfg: KvStoreConfig, nats_cfg: NatsConfig) -> int:
     # The kvstore computes on no GPU: its UCX progress thread makes no CUDA context on GPU 0 (it
     # must still see the GPUs: with none visible UCX found no protocol for a worker's GPU pages).
     init_ucx(cuda_context=False)
-    try:
-        return await run_service(nats_cfg, "kvstore", lambda conn: KvStore(cfg, conn))
-    finally:
-        stop_ucx()
+    return await run_service(nats_cfg, "kvstore", lambda conn: KvStore(cfg, conn))
 
 
 def main(argv: list[str] | None = None) -> int:

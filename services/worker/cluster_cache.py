@@ -259,7 +259,6 @@ class ClusterCache(PromptSink):
                 if not hits:  # none held, or no answer in time
                     return None
                 want = want[:hits]
-            self._remember(want)
             t0 = time.perf_counter()
             got = await self._in_time(self.client.get(self.namespace, want, release_later=True), len(want),
                                       MIN_GET_S)
@@ -267,6 +266,7 @@ class ClusterCache(PromptSink):
                 return None
             count, pages = got
             self._learn_get(time.perf_counter() - t0)
+            self._remember(want[:count])
         except KvStoreError as e:
             self._failed(e)
             return None

@@ -17,7 +17,6 @@ import time
 import structlog
 
 from shared.config import CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, env_default, parse_bool
-from shared.kv_transfer import stop_ucx
 from shared.logging import setup_logging
 from shared.nats_client import connect_nats
 
@@ -142,7 +141,6 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
     await service.drain(cfg.drain_timeout)
     await manager.close()
     await conn.drain()
-    stop_ucx()  # the KV transfers' notifier thread, if they started UCX
     return code
 
 
