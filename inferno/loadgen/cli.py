@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [10, VOCAB)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos/min_tokens: the model may stop early")
+    p.add_argument("--response-format", metavar="FILE",
+                   help="a JSON file: a JSON schema, or a list of them, that the answers follow in turn "
+                        "(response_format json_schema)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="default 0 (greedy), as vLLM's and SGLang's benchmarks send")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
@@ -162,7 +165,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prompt_mode=args.prompt_mode or ("tokens" if endpoint == "completions" else "text"),
         vocab_size=args.vocab_size, ignore_eos=args.ignore_eos, temperature=args.temperature,
         timeout=args.timeout, max_duration=args.max_duration, pids=_pids(args),
-        save_requests=args.save_requests, sessions=sessions)
+        save_requests=args.save_requests, sessions=sessions, schemas=_schemas(args.response_format))
+
+
+def _schemas(path: str | None) -> tuple[dict, ...]:
+    if not path:
+        return ()
+    with open(path) as f:
+        loaded = json.load(f)
+    schemas = tuple(loaded) if isinstance(loaded, list) else (loaded,)
+    if not schemas or not all(isinstance(s, dict) for s in schemas):
+        raise ValueError(f"{path}: expected a JSON schema (an object) or a non-empty list of them")
+    return schemas
 
 
 async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:

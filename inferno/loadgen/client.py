@@ -48,6 +48,10 @@ def request_body(cfg: BenchConfig, model: str, item: WorkItem) -> bytes:
         prompt: dict = {"prompt": item.prompt}  # a list of token ids is a valid OpenAI prompt
     else:
         prompt = {"messages": [{"role": "user", "content": item.prompt}]}
+    if cfg.schemas:
+        schema = cfg.schemas[item.index % len(cfg.schemas)]
+        prompt["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": f"s{item.index % len(cfg.schemas)}", "schema": schema}}
     return encode_body(cfg, model, prompt, item.output_len)
 
 

@@ -89,6 +89,8 @@ class BenchConfig:
     save_requests: bool = False
     sessions: SessionConfig | None = None  # W4 instead of independent requests (chat endpoint only)
     processes: int = 1  # client processes sending the requests (shards.py): one tops out near a core
+    # JSON schemas: request i is answered under schemas[i % len] (response_format json_schema).
+    schemas: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

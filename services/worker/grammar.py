@@ -33,28 +33,24 @@ class GrammarError(ValueError):
 
 
 class Matcher:
-    """One request's place in its grammar. `also`: a bitmask row of tokens allowed at all, ANDed
-    into every mask (JSON's: no token with a raw control character)."""
+    """One request's place in its grammar (`raw`: xgrammar's matcher, which the engine's
+    GrammarMask fills bitmasks from in batches). `also`: a bitmask row of tokens allowed at all,
+    ANDed into every mask (JSON's: no token with a raw control character)."""
 
-    __slots__ = ("_m", "_also")
+    __slots__ = ("raw", "also")
 
     def __init__(self, compiled, also=None):
         import xgrammar as xgr
 
-        self._m = xgr.GrammarMatcher(compiled)
-        self._also = also
-
-    def fill(self, bitmask, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
-        if self._also is not None:
-            bitmask[row] &= self._also
+        self.raw = xgr.GrammarMatcher(compiled)
+        self.also = also
 
     def accept(self, token: int) -> bool:
-        return self._m.accept_token(token)
+        return self.raw.accept_token(token)
 
     @property
     def terminated(self) -> bool:
-        return self._m.is_terminated()
+        return self.raw.is_terminated()
 
 
 class Grammars:

@@ -111,6 +111,10 @@ class StepLoop(threading.Thread):
         self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
         self.trace = StepTrace.from_env()
+        sampler = getattr(engine, "sampler", None)
+        if self.trace is not None and sampler is not None:
+            sampler.grammar_timing = True
+        self._mask_seconds = (0.0, 0.0)  # the grammar masks' fill and wait totals at the last trace
 
     def submit(self, command) -> None:
         self.commands.put(command)
@@ -161,8 +165,14 @@ class StepLoop(threading.Thread):
 
     def _trace_step(self, seconds: float) -> None:
         engine = self.engine
+        sampler = getattr(engine, "sampler", None)
+        fill = wait = 0.0
+        if sampler is not None:
+            totals = sampler.grammar_seconds()
+            fill, wait = (now - before for now, before in zip(totals, self._mask_seconds))
+            self._mask_seconds = totals
         self.trace.record(seconds, getattr(engine, "last_step_tokens", 0), getattr(engine, "last_step_rows", 0),
-                          len(self.reply_to))
+                          len(self.reply_to), fill, wait)
 
     def hand_over(self, outputs) -> None:
         """A step's outputs (StepOutputs, and the KV events and hand-offs behind them) to the service,

@@ -1,8 +1,12 @@
 """Overlapped steps (step N+1 planned before step N's tokens are read) give exactly the outputs of
-plain steps: same tokens, stops, logprobs and lengths, with aborts and penalties mixed in."""
+plain steps: same tokens, stops, logprobs and lengths, with aborts, penalties and grammars mixed in."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import jsonschema
 import pytest
 
 from services.worker.engine.request import RequestStatus
@@ -12,10 +16,12 @@ from tests.models.conftest import eos_ids, make_engine, random_prompt
 ARCH = "LlamaForCausalLM"
 
 
-def run_all(engine, prompts, params, eos=()):
-    """Add every request, step until done; per request: tokens, finish reason, logprobs."""
+def run_all(engine, prompts, params, eos=(), matchers=None):
+    """Add every request, step until done; per request: tokens, finish reason, logprobs.
+    `matchers`: per request, a function making its grammar's matcher, or None."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp, eos)
+        make = matchers[i] if matchers else None
+        engine.add_request(f"r{i}", p, sp, eos, matcher=make() if make else None)
     tokens = {f"r{i}": [] for i in range(len(prompts))}
     finish, logprobs = {}, {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
@@ -118,3 +124,40 @@ def test_preempted_request_keeps_the_token_that_was_in_flight(model_dir):
     assert engine.batcher.num_preemptions_total > 0
     assert all(len(t) == 40 for t, _, _ in plain)
     assert engine.block_manager.num_free_blocks == 9
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer"}}, "required": ["ok", "tag"]}
+
+
+def test_grammar_rows_overlap_like_plain_steps(model_dir):
+    """Constrained rows in overlapped steps: step N+1's draw waits until step N's tokens reached the
+    matchers (grammar_mask.py), so the answers are those of plain steps, and each ended one validates."""
+    from services.worker.grammar import Grammars
+    from shared.tokenizer import Tokenizer
+
+    eos = eos_ids(model_dir)
+    vocab = make_engine(model_dir).model_config.vocab_size
+    grammars = Grammars(str(model_dir), vocab, eos)
+
+    def matcher():
+        return asyncio.run(grammars.matcher("json_schema", json.dumps(SCHEMA)))
+
+    prompts = [random_prompt(n, vocab, seed=60 + n) for n in (5, 17, 9, 30, 12)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=3, logprobs=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=40, temperature=1.2, top_k=50, seed=8),
+              SamplingParams(max_tokens=6, temperature=0.0)]  # cut mid-answer: "length"
+    matchers = [matcher, matcher, None, matcher, matcher]
+    plain = run_all(make_engine(model_dir, overlap=False), prompts, params, eos, matchers)
+    engine = make_engine(model_dir, overlap=True)
+    assert run_all(engine, prompts, params, eos, matchers) == plain
+    tok = Tokenizer.from_path(model_dir)
+    for (tokens, reason, _), make in zip(plain, matchers):
+        if make is not None and reason == "stop":
+            jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMA)
+    assert [r for _, r, _ in plain].count("stop") >= 2 and plain[4][1] == "length"
+    assert plain[1][2] and all(lp[0] > float("-inf") for lp, _ in plain[1][2])  # the drawn token was allowed
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    grammars.close()

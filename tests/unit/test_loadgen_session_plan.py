@@ -191,3 +191,19 @@ def test_config_validation():
 async def test_run_benchmark_refuses_a_session_workload():
     with pytest.raises(ValueError, match="run_sessions"):
         await run_benchmark(_cfg())
+
+
+def test_response_format_flag_puts_the_schemas_on_the_requests_in_turn(tmp_path):
+    from inferno.loadgen.client import request_body
+    from inferno.loadgen.workload import WorkItem
+
+    path = tmp_path / "schemas.json"
+    path.write_text(json.dumps([{"type": "object"}, {"type": "array"}]))
+    cfg = config_from_args(build_parser().parse_args(["--response-format", str(path), "--num-requests", "4"]))
+    bodies = [json.loads(request_body(cfg, "m", WorkItem(i, [11, 12], 2, 3))) for i in range(3)]
+    assert [b["response_format"]["json_schema"]["schema"] for b in bodies] == [
+        {"type": "object"}, {"type": "array"}, {"type": "object"}]
+    assert bodies[0]["response_format"]["type"] == "json_schema"
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="JSON schema"):
+        config_from_args(build_parser().parse_args(["--response-format", str(path)]))

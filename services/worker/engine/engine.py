@@ -23,6 +23,7 @@ import torch
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.grammar_mask import accept_tokens
 from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
@@ -33,7 +34,7 @@ from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
 from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.request_output import RequestOutput
-from services.worker.engine.runner import ModelRunner
+from services.worker.engine.runner import DeferredDraw, ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.kernels import triton_setup
@@ -91,6 +92,9 @@ class LaunchedStep:
     sample: PendingSample | None
     error: Exception | None = None
     done: object = None  # a CUDA event after the step's kernels, when its KV is copied out later
+    # Its logits, when the draw waits for the grammars' matchers to take the tokens of the step
+    # before (LLMEngine.step draws it once that step is read).
+    deferred: DeferredDraw | None = None
 
 
 @dataclass(slots=True)
@@ -112,10 +116,17 @@ log = structlog.get_logger("worker.engine")
 
 
 def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
-    """Each constrained row's grammar takes its drawn token (the sampler drew only allowed ones)."""
-    for r, token in zip(reqs, tokens):
-        if r.matcher is not None and not r.matcher.terminated and not r.matcher.accept(token):
-            log.warning("grammar refused a drawn token", request_id=r.request_id, token=token)
+    """Each constrained row's grammar takes its drawn token (the sampler drew only allowed ones), in
+    one call into xgrammar for the batch (a thousand rows a step on a GPU)."""
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if not rows:
+        return
+    matchers = [reqs[i].matcher for i in rows]
+    accepted = accept_tokens(matchers, [tokens[i] for i in rows])
+    for m, row, ok in zip(matchers, rows, accepted):
+        # A terminated matcher's row was a request that ended in the step before: its token is dropped.
+        if not ok and not m.terminated:
+            log.warning("grammar refused a drawn token", request_id=reqs[row].request_id, token=tokens[row])
 
 
 class LLMEngine:
@@ -233,7 +244,6 @@ class LLMEngine:
             # Each draw is masked by the grammar, which must have taken the previous token first:
             # the sampler processes its logits, and no step of it is planned while one is in flight.
             request.matcher = matcher
-            request.processes_logits = request.needs_token_history = True
             request.plain = False
             # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
             # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
@@ -329,13 +339,17 @@ class LLMEngine:
         if inflight and not self._may_overlap():
             return self._finish(inflight.popleft())
         plan: BatchPlan = self.batcher.schedule()
+        launched = None
         if plan.scheduled:
-            inflight.append(self._launch(plan))
+            launched = self._launch(plan)
+            inflight.append(launched)
         elif inflight:  # nothing new to launch: read the oldest step
             return self._finish(inflight.popleft())
         parts = []
         while len(inflight) > self._depth:
             parts.append(self._finish(inflight.popleft()))
+        if launched is not None and launched.deferred is not None:
+            self._draw(launched)
         return StepOutputs.join(parts) if parts else StepOutputs()
 
     def _may_overlap(self) -> bool:
@@ -347,19 +361,40 @@ class LLMEngine:
 
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
+        # A constrained row's mask needs its grammar to have taken the token of the step in flight:
+        # then the forward goes first, and the draw once that step is read (grammar_mask.py). A
+        # pipeline never plans a request whose token is in flight.
+        constrained = self.batcher.num_constrained > 0
+        defer = constrained and bool(self._inflight) and self.layout.pp == 1
         try:
-            launched = LaunchedStep(plan, self.runner.execute(plan.scheduled, plan.sampling, plan.plain))
+            draw = self.runner.execute(plan.scheduled, plan.sampling, plan.plain, constrained, defer)
+            launched = (LaunchedStep(plan, None, deferred=draw) if isinstance(draw, DeferredDraw)
+                        else LaunchedStep(plan, draw))
         except Exception as e:  # a bad step fails its requests, never the engine
-            if self.group is not None:  # ... but the other ranks may be inside its collectives now
-                from services.worker.engine.parallel.group import end_group
-                end_group(self.group, "a step failed on the driver", error=repr(e))
+            self._end_group_on(e)
             return LaunchedStep(plan, None, e)
         if self.device.type == "cuda" and (self.prompt_sink is not None or plan.handoffs):
             launched.done = torch.cuda.Event()
             launched.done.record()
         return launched
 
+    def _end_group_on(self, error: Exception) -> None:
+        if self.group is not None:  # the other ranks may be inside the failed step's collectives now
+            from services.worker.engine.parallel.group import end_group
+            end_group(self.group, "a step failed on the driver", error=repr(error))
+
+    def _draw(self, launched: LaunchedStep) -> None:
+        """A deferred draw, now that the matchers have taken the tokens before it."""
+        deferred, launched.deferred = launched.deferred, None
+        try:
+            launched.sample = self.runner.draw(deferred)
+        except Exception as e:
+            self._end_group_on(e)
+            launched.error = e
+
     def _finish(self, launched: LaunchedStep) -> StepOutputs:
+        if launched.deferred is not None:
+            self._draw(launched)
         plan = launched.plan
         try:
             if launched.error is not None:

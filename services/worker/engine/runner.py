@@ -7,6 +7,7 @@ whose runners `follow` it: the same upload, the same forward (collectives inside
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from operator import attrgetter
 
 import torch
@@ -21,6 +22,17 @@ from services.worker.kernels.gemv import DISPATCH_MAX_ROWS
 _NUM_NEW = attrgetter("num_new_tokens")
 _PENDING = attrgetter("pending_input")
 _RID = attrgetter("request_id")
+
+
+@dataclass(slots=True)
+class DeferredDraw:
+    """A launched step's logits whose draw waits for its grammars' matchers (ModelRunner.draw)."""
+
+    logits: torch.Tensor
+    sampling: list
+    plain: bool
+    constrained: bool
+    logits_ready: object = None  # a timing CUDA event after the logits (the grammar's wait), or None
 
 
 def logits_rows(m: int) -> int:
@@ -61,10 +73,13 @@ class ModelRunner:
         self._eager_done: torch.cuda.Event | None = None  # after the last eager forward's kernels
 
     @torch.inference_mode()
-    def execute(self, scheduled, sampling: list | None = None, plain: bool = False) -> PendingSample | None:
+    def execute(self, scheduled, sampling: list | None = None, plain: bool = False, constrained: bool = False,
+                defer: bool = False) -> PendingSample | DeferredDraw | None:
         """Launch one step; returns its draw still in flight (None when no request samples).
         `sampling`: the requests of the rows that sample (BatchPlan.sampling); `plain`: every one
-        is greedy with nothing else to do (the draw is one argmax)."""
+        is greedy with nothing else to do (the draw is one argmax); `constrained`: some hold a
+        grammar's matcher. `defer`: launch the forward only and return its logits, for draw() once
+        the matchers have taken the tokens of the step still in flight."""
         graphs = self.graphs
         decode_only = sum(map(_NUM_NEW, scheduled)) == len(scheduled)
         last_rows = (dict(zip(map(_RID, self._last_sampling), range(len(self._last_sampling))))
@@ -81,10 +96,20 @@ class ModelRunner:
         if not sampling:
             return None
         logits = self._logits(hidden, rows)
-        pending = self.sampler(logits, sampling, plain)
+        ready = None
+        if constrained and self.sampler.grammar_timing and logits.is_cuda:
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+        draw = DeferredDraw(logits, sampling, plain, constrained, ready)
+        return draw if defer else self.draw(draw)
+
+    @torch.inference_mode()
+    def draw(self, d: DeferredDraw) -> PendingSample:
+        """The step's tokens, queued on the device after its logits."""
+        pending = self.sampler(d.logits, d.sampling, d.plain, d.constrained, d.logits_ready)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
-        self._last_ids, self._last_sampling = pending.token_ids, sampling
+        self._last_ids, self._last_sampling = pending.token_ids, d.sampling
         return pending
 
     def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:

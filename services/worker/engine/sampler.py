@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.cuda_device import bind_thread
+from services.worker.engine.grammar_mask import GrammarMask
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.request import Request
 from services.worker.kernels.sampling import launches_needed
@@ -83,12 +84,35 @@ class Sampler:
         self._ids_host = [torch.empty(max_rows, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._events = [torch.cuda.Event(blocking=True) for _ in range(2)] if self._cuda else None
         self._turn = 0
+        self._max_rows = max_rows
+        self._grammar_mask: GrammarMask | None = None  # made at the first constrained draw
+        self.grammar_timing = False  # GrammarMask.timing (the step trace's)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request], plain: bool = False) -> PendingSample:
+    def grammar_mask(self) -> GrammarMask:
+        if self._grammar_mask is None:
+            self._grammar_mask = GrammarMask(self.vocab_size, self.device, self._max_rows, self.grammar_timing)
+        return self._grammar_mask
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        """The grammar masks' host fill and GPU wait so far (with grammar_timing), in seconds."""
+        mask = self._grammar_mask
+        if mask is None:
+            return 0.0, 0.0
+        mask.read_waits()
+        return mask.fill_seconds, mask.wait_seconds
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request], plain: bool = False,
+                 constrained: bool = False, logits_ready=None) -> PendingSample:
         """Queue the draw for `requests` (one per logits row); nothing waits for the device.
-        `plain`: every request is Request.plain (greedy, nothing else), known without reading them."""
+        `plain`: every request is Request.plain (greedy, nothing else), known without reading them.
+        `constrained`: some hold a grammar's matcher, whose mask applies first (in place: the log-
+        probabilities are those of the constrained draw, as vLLM's); `logits_ready` times its wait."""
         if plain:
             return self._pending(logits.argmax(dim=-1), None)
+        if constrained:
+            rows = [row for row, r in enumerate(requests) if r.matcher is not None]
+            if rows:
+                self.grammar_mask().apply(logits, requests, rows, logits_ready)
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
@@ -183,18 +207,6 @@ class Sampler:
         event.record()
         return PendingSample(token_ids, host, event, logprobs)
 
-    def _mask_by_grammar(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-        """Tokens a row's grammar does not allow next get -inf: one bitmask (a bit per token) the
-        matchers fill on the CPU, applied to those rows in place (xgrammar's kernel on a GPU)."""
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)  # row i masks logits row i
-        for row in rows:
-            m = requests[row].matcher
-            if not m.terminated:
-                m.fill(bitmask, row)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-
     @staticmethod
     def _needs_processing(requests: list[Request]) -> bool:
         for r in requests:
@@ -204,9 +216,6 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Row by row for the rare requests that use these knobs; the common case skips it all."""
-        constrained = [row for row, r in enumerate(requests) if r.matcher is not None]
-        if constrained:
-            self._mask_by_grammar(logits, requests, constrained)
         for row, r in enumerate(requests):
             p = r.sampling_params
             if p.logit_bias:
