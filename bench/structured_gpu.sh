@@ -11,6 +11,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
+RAW=/tmp/structured-raw; rm -rf "$RAW"; mkdir -p "$RAW"  # the runs' files; $OUT gets the summary and results.json
 MODEL=${MODEL:-/tmp/llama-3.1-8b}
 RUN=/tmp/run-structured
 SECONDS=0
@@ -19,65 +20,70 @@ if [ "${SKIP_SETUP:-0}" != 1 ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 bench/grammar_ab.py --libs xgrammar --tokenizers synthetic-128k --out "$OUT/compile.json" 2>&1 | tail -1
-python3 bench/structured_bench.py schemas "$OUT/schemas"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RAW/gpu.txt"
+python3 bench/grammar_ab.py --libs xgrammar --tokenizers synthetic-128k --out "$RAW/compile.json" 2>&1 | tail -1
+python3 bench/structured_bench.py schemas "$RAW/schemas"
 if [ ! -f "$MODEL/config.json" ]; then
   python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 --device cuda --seed 0 --quiet
   cat "$MODEL"/*.safetensors > /dev/null
 fi
 echo "setup: ${SECONDS} s"
 
-rm -rf "$RUN" "$OUT/steps.jsonl"
-INFERNO_STEP_TRACE="$OUT/steps.jsonl" python3 -m services.cli up --model "$MODEL" --device "${DEVICE:-cuda}" --port 8001 \
-  --nats-port 4333 --run-dir "$RUN" --kvstore-capacity-gb 0 > "$OUT/up.log" 2>&1 &
+rm -rf "$RUN" "$RAW/steps.jsonl"
+INFERNO_STEP_TRACE="$RAW/steps.jsonl" python3 -m services.cli up --model "$MODEL" --device "${DEVICE:-cuda}" --port 8001 \
+  --nats-port 4333 --run-dir "$RUN" --kvstore-capacity-gb 0 > "$RAW/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 300); do curl -sf localhost:8001/ready > /dev/null 2>&1 && break; sleep 1; done
 for _ in $(seq 180); do grep -q "graphs captured" "$RUN"/worker-0.log 2>/dev/null && break; sleep 0.5; done
 bench() {  # tag, seed, extra load-generator flags ...
   local tag=$1 seed=$2; shift 2
   timeout 300 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests "$N" --vocab-size "$VOCAB" \
-    --seed "$seed" --pids-file "$RUN/pids.json" --out "$OUT/w2_$tag.json" "$@" 2>&1 | tail -3
+    --seed "$seed" --pids-file "$RUN/pids.json" --out "$RAW/w2_$tag.json" "$@" 2>&1 | tail -3
 }
 # The first shapes, Triton compiles, the vocabulary's grammar tables: out of the figures.
 bench warmup 7 --num-requests 200 > /dev/null
-bench warmup 8 --num-requests 200 --response-format "$OUT/schemas/sixteen.json" > /dev/null
+bench warmup 8 --num-requests 200 --response-format "$RAW/schemas/sixteen.json" > /dev/null
 echo "up and warm at ${SECONDS} s"
 seed=100
 for tag in plain one sixteen sixteen_b one_b plain_b; do
-  case $tag in one*) flags="--response-format $OUT/schemas/one.json" ;;
-               sixteen*) flags="--response-format $OUT/schemas/sixteen.json" ;; *) flags="" ;; esac
+  case $tag in one*) flags="--response-format $RAW/schemas/one.json" ;;
+               sixteen*) flags="--response-format $RAW/schemas/sixteen.json" ;; *) flags="" ;; esac
   seed=$((seed + 1)); start=$(date +%s.%N)
   bench "$tag" "$seed" $flags
   sleep 1  # the worker writes its trace when it goes idle
-  python3 bench/step_trace_summary.py "$OUT/steps.jsonl" --start "$start" --end "$(date +%s.%N)" \
-    > "$OUT/steps_$tag.json"
+  python3 bench/step_trace_summary.py "$RAW/steps.jsonl" --start "$start" --end "$(date +%s.%N)" \
+    > "$RAW/steps_$tag.json"
 done
-timeout 300 python3 bench/structured_bench.py valid http://127.0.0.1:8001 --requests 128 --out "$OUT/valid.json"
+timeout 300 python3 bench/structured_bench.py valid http://127.0.0.1:8001 --requests 128 --out "$RAW/valid.json"
 kill -INT "$UP"; wait "$UP"
 grep -h -i "traceback\|grammar refused" "$RUN"/*.log | head -5
 
-python3 - "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
+python3 - "$RAW" "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
-out, commit = sys.argv[1], sys.argv[2]
-print(f"{open(f'{out}/gpu.txt').read().strip()}, commit {commit}")
+raw, out, commit = sys.argv[1:]
+results = {}
+print(f"{open(f'{raw}/gpu.txt').read().strip()}, commit {commit}")
 tok = {}
 for tag in ("plain", "one", "sixteen", "sixteen_b", "one_b", "plain_b"):
-    s = json.load(open(f"{out}/w2_{tag}.json"))["summary"]
-    steps = json.load(open(f"{out}/steps_{tag}.json"))
+    s = json.load(open(f"{raw}/w2_{tag}.json"))["summary"]
+    steps = json.load(open(f"{raw}/steps_{tag}.json"))
     g = steps.get("grammar_masks", {})
     tok[tag] = s["total_throughput"]
-    print(f"W2 {tag:10} {s['total_throughput']:>9,.0f} tok/s  out {s['output_throughput']:>9,.0f}  failed {s['failed']}"
+    results[tag] = {"summary": s, "steps": steps}
+    print(f"W2 {tag:10} {s['total_throughput']:>9,.0f} tok/s  out {s['output_throughput']:>9,.0f}  failed {s['failed']} {s['errors'] or ''}"
           + (f"  mask fill {g['fill_us_per_step']:.0f} us/step, GPU wait {g['gpu_wait_us_per_step']:.1f} us/step"
-             f" ({g['steps']} steps, {g['mean_rows']:.0f} rows)" if g else ""))
+             f" ({g['steps']} steps, {g['mean_rows']:.0f} rows)" if g else "")
+          + f"  between steps {steps['between_steps_s']:.2f} s")
 plain = (tok["plain"] + tok["plain_b"]) / 2
 for k in ("one", "sixteen"):
     print(f"{k:8} / plain: {(tok[k] + tok[k + '_b']) / 2 / plain:.3f}  (target >= 0.92)")
-v = json.load(open(f"{out}/valid.json"))
+v = json.load(open(f"{raw}/valid.json"))
 print(f"valid answers: {v['valid']} of {v['stopped']} that ended ({v['requests']} asked, {v['cut_by_length']} cut)")
-c = json.load(open(f"{out}/compile.json"))["xgrammar/synthetic-128k"]
+c = json.load(open(f"{raw}/compile.json"))["xgrammar/synthetic-128k"]
 print(f"compile over {c['compile_cold_ms']['of']} schemas: p50 {c['compile_cold_ms']['p50']:.2f} ms, "
       f"p99 {c['compile_cold_ms']['p99']:.2f} ms, cached p50 {c['compile_cached_ms_p50']:.3f} ms; "
       f"batch-256 fill p50 {c['mask_b256_us_per_step']['p50']:.0f} us")
+results.update(valid=v, compile=c)
+json.dump(results, open(f"{out}/results.json", "w"), indent=1)
 PY
 echo "total: ${SECONDS} s"
