@@ -56,7 +56,7 @@ for tag in plain one sixteen sixteen_b one_b plain_b; do
 done
 timeout 300 python3 bench/structured_bench.py valid http://127.0.0.1:8001 --requests 128 --out "$RAW/valid.json"
 kill -INT "$UP"; wait "$UP"
-grep -h -i "traceback\|grammar refused" "$RUN"/*.log | head -5
+grep -h -i "traceback\|grammar refused\|error" "$RUN"/*.log | head -20 > "$OUT/errors.txt"; head -5 "$OUT/errors.txt"
 
 python3 - "$RAW" "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
@@ -73,7 +73,7 @@ for tag in ("plain", "one", "sixteen", "sixteen_b", "one_b", "plain_b"):
     print(f"W2 {tag:10} {s['total_throughput']:>9,.0f} tok/s  out {s['output_throughput']:>9,.0f}  failed {s['failed']} {s['errors'] or ''}"
           + (f"  mask fill {g['fill_us_per_step']:.0f} us/step, GPU wait {g['gpu_wait_us_per_step']:.1f} us/step"
              f" ({g['steps']} steps, {g['mean_rows']:.0f} rows)" if g else "")
-          + f"  between steps {steps['between_steps_s']:.2f} s")
+          + f"  between steps {steps['between_steps_s']:.2f} s, TTFT p50/p99 {s['ttft']['p50']:,.0f} / {s['ttft']['p99']:,.0f} ms")
 plain = (tok["plain"] + tok["plain_b"]) / 2
 for k in ("one", "sixteen"):
     print(f"{k:8} / plain: {(tok[k] + tok[k + '_b']) / 2 / plain:.3f}  (target >= 0.92)")
