@@ -29,8 +29,6 @@ def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateReq
     with 10 long prompts a second on two H100s, 2026-11-27)."""
     if decode.worker.role != "decode":
         return None
-    if req.sampling.grammar_kind:  # its grammar's matcher does not travel with a hand-off (yet)
-        return None
     if req.num_prompt_tokens - decode.cached_tokens < max(min_prefill_tokens, 1):
         return None
     pool = [w for w in live if w.role == PREFILL_ROLE and w.model == req.model and w.accepts_work

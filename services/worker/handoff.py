@@ -24,6 +24,7 @@ import uuid
 import structlog
 
 from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcImporter
+from services.worker.grammar import GrammarError
 from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
@@ -251,8 +252,9 @@ class HandoffReceiver:
 
     def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0,
                  publish=None, prefix: str = "", worker_id: str = "", ipc: IpcImporter | None = None,
-                 host_id: str = "", slots: IpcExporter | None = None):
+                 host_id: str = "", slots: IpcExporter | None = None, grammars=lambda: None):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
+        self.grammars = grammars  # () -> the attached model's Grammars (structured outputs), or None
         self.address, self.ttl = address, ttl
         # A GPU worker's CUDA IPC mappings; the host it announces (prefill workers there send descriptors).
         self.ipc, self.host_id = ipc, host_id if ipc is not None else ""
@@ -313,12 +315,35 @@ class HandoffReceiver:
             pass
 
     def _reserve(self, req: GenerateRequest) -> asyncio.Future:
+        """The reservation's future: an ImportReservation, None (no room in time) or a refusal."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self.step_loop.submit(ReserveCommand(
-            req.request_id, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt.encode(),
-            time.monotonic() + self.ttl, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+
+        def submit(matcher=None) -> None:
+            self.step_loop.submit(ReserveCommand(
+                req.request_id, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt.encode(),
+                time.monotonic() + self.ttl, lambda result: loop.call_soon_threadsafe(_resolve, done, result),
+                matcher))
+
+        if req.sampling.grammar_kind:
+            asyncio.ensure_future(self._reserve_constrained(req, done, submit))
+        else:
+            submit()
         return done
+
+    async def _reserve_constrained(self, req: GenerateRequest, done: asyncio.Future, submit) -> None:
+        """A structured output goes on here from the prefill worker's first token: its grammar is
+        compiled (cached by text) while the prompt is prefilled there, and the fresh matcher takes
+        that token at the import (engine.complete_import)."""
+        grammars = self.grammars()
+        try:
+            if grammars is None:
+                raise GrammarError("this worker has no vocabulary to compile grammars against")
+            matcher = await grammars.matcher(req.sampling.grammar_kind, req.sampling.grammar)
+        except GrammarError as e:
+            _resolve(done, str(e))
+            return
+        submit(matcher)
 
     def _expire_prepared(self, request_id: str) -> None:
         """No offer came (the prompt ended on the prefill side, or that worker died)."""

@@ -231,7 +231,8 @@ class WorkerService:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
                                             self.conn.publish, self.prefix, self.cfg.worker_id,
                                             IpcImporter() if on_gpu else None, host_id(),
-                                            IpcExporter() if on_gpu and self.cfg.handoff_push else None)
+                                            IpcExporter() if on_gpu and self.cfg.handoff_push else None,
+                                            grammars=lambda: self.grammars)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address

@@ -53,6 +53,7 @@ class ReserveCommand:
     cache_salt: bytes
     deadline: float
     reply: Callable[[object], None]
+    matcher: Any = None  # a structured output's grammar matcher (services/worker/grammar.py), fresh
 
 
 @dataclass(slots=True)
@@ -262,7 +263,7 @@ class StepLoop(threading.Thread):
         """Try one reservation; True when it was answered (held, refused, or out of time)."""
         try:
             result = self.engine.reserve_import(c.request_id, c.prompt_token_ids, c.params, self.eos_token_ids,
-                                                c.cache_salt)
+                                                c.cache_salt, c.matcher)
         except ValueError as e:
             result = str(e)
         if result is None and time.monotonic() < c.deadline:

@@ -114,6 +114,30 @@ def test_seeded_sampling_equals_the_aggregated_worker(pd_stack, aggregated):
     assert ours.choices[0].text == ref.choices[0].text
 
 
+def test_structured_output_with_n_is_handed_off_and_equals_the_aggregated_worker(pd_stack, aggregated):
+    """The prefill worker draws the first token of each choice under the schema; each decode side
+    compiles it too, and its matcher goes on from that token (engine.complete_import)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+    kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=60, n=2,
+              temperature=0.9, seed=11, response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "r", "schema": schema}})
+    before = wait_blocks_free(pd_stack)["prefill-0"].kv_handoffs
+    ours, ref = client(pd_stack).chat.completions.create(**kw), client(aggregated).chat.completions.create(**kw)
+    assert [c.message.content for c in ours.choices] == [c.message.content for c in ref.choices]
+    for c in ours.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    deadline = time.monotonic() + 10  # the heartbeat that counts them may come after the answers
+    while wait_blocks_free(pd_stack)["prefill-0"].kv_handoffs < before + 2:
+        assert time.monotonic() < deadline, "the choices were not handed off"
+        time.sleep(0.2)
+
+
 def test_a_client_that_leaves_mid_stream_frees_both_sides(pd_stack):
     stream = client(pd_stack).completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=1500,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})

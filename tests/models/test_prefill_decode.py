@@ -15,20 +15,21 @@ ARCH = "LlamaForCausalLM"
 LENGTHS = [1, 5, 16, 17, 33, 64, 70]  # one token, partial blocks, exact blocks, several blocks
 
 
-def prefill(engine, rid, prompt, params, eos):
-    engine.add_request(rid, prompt, params, eos, handoff=True)
+def prefill(engine, rid, prompt, params, eos, matcher=None):
+    engine.add_request(rid, prompt, params, eos, handoff=True, matcher=matcher)
     while True:
         for out in engine.step():
             if out.request_id == rid:
                 return out
 
 
-def hand_off(p_engine, d_engine, rid, prompt, params, eos):
-    """Run the prompt on p_engine, move its KV to d_engine; returns (first output, reservation)."""
-    first = prefill(p_engine, rid, prompt, params, eos)
+def hand_off(p_engine, d_engine, rid, prompt, params, eos, matchers=(None, None)):
+    """Run the prompt on p_engine, move its KV to d_engine; returns (first output, reservation).
+    `matchers`: a structured output's fresh matcher on each side."""
+    first = prefill(p_engine, rid, prompt, params, eos, matchers[0])
     assert first.finish_reason is None and first.handoff is not None
     first.handoff.ready()
-    res = d_engine.reserve_import(rid, prompt, params, eos)
+    res = d_engine.reserve_import(rid, prompt, params, eos, matcher=matchers[1])
     assert res is not None
     res.buffer.copy_(first.handoff.pages[res.skip_blocks:])
     d_engine.complete_import(rid, first.new_token_ids[0], first.handoff.seed, first.handoff.num_cached_tokens)
@@ -164,3 +165,51 @@ def test_hand_offs_take_the_buffer_set_aside_and_give_it_back(model_dirs):
     for rid, tokens in zip(prompts, expected):
         assert firsts[rid] + rest[rid] == tokens, rid
     assert arena.free_pages == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_structured_output_decodes_on_from_the_prefill_workers_first_token(overlap, model_dirs):
+    """The prefill engine draws the first token under the grammar; the decode engine's fresh matcher
+    takes it at the import and masks the rest: the answer is the aggregated engine's, and valid."""
+    import asyncio
+    import json
+
+    import jsonschema
+
+    from services.worker.grammar import Grammars
+    from shared.tokenizer import Tokenizer
+
+    d = model_dirs[ARCH]
+    eos = eos_ids(d)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+              "required": ["ok", "tag"]}
+    p_engine, d_engine = make_engine(d, overlap=overlap), make_engine(d, overlap=overlap)
+    vocab = p_engine.model_config.vocab_size
+    grammars = Grammars(str(d), vocab, eos)
+
+    def matcher():
+        return asyncio.run(grammars.matcher("json_schema", json.dumps(schema)))
+
+    prompts = [random_prompt(n, vocab, seed=300 + n) for n in (6, 21)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0), SamplingParams(max_tokens=40, temperature=0.9, seed=4)]
+    firsts = {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        first, _ = hand_off(p_engine, d_engine, f"r{i}", prompt, sp, eos, (matcher(), matcher()))
+        firsts[f"r{i}"] = first.new_token_ids
+    rest = run_all(d_engine)
+    one = make_engine(d)
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        one.add_request(f"a{i}", prompt, sp, eos, matcher=matcher())
+    aggregated = run_all(one)
+    tok = Tokenizer.from_path(d)
+    for i in range(len(prompts)):
+        tokens = firsts[f"r{i}"] + rest[f"r{i}"]
+        assert tokens == aggregated[f"a{i}"]
+        jsonschema.validate(json.loads(tok.decode(tokens)), schema)
+    # A first token the grammar does not allow is refused at the import, and the blocks come back.
+    bad = matcher()
+    d_engine.reserve_import("bad", prompts[0], params[0], eos, matcher=bad)
+    with pytest.raises(ValueError, match="grammar"):
+        d_engine.complete_import("bad", tok.encode("x")[-1], 1)
+    assert d_engine.block_manager.num_free_blocks == d_engine.block_manager.num_total_blocks
+    grammars.close()

@@ -129,6 +129,17 @@ def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
             log.warning("grammar refused a drawn token", request_id=reqs[row].request_id, token=tokens[row])
 
 
+def _constrain(request: Request, matcher) -> None:
+    """Each of the request's draws is masked by its grammar's matcher (grammar_mask.py), which takes
+    every drawn token."""
+    request.matcher = matcher
+    request.plain = False
+    # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
+    # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
+    request.stop_ids = request.stop_ids | frozenset(request.eos_token_ids)
+    request.min_tokens_masked = 0
+
+
 class LLMEngine:
     """One process's engine. With tensor/pipeline parallelism the process the worker starts is
     the group's driver (it starts the other ranks); a rank started by it passes its `rank`."""
@@ -241,14 +252,7 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
         request.handoff = handoff
         if matcher is not None:
-            # Each draw is masked by the grammar, which must have taken the previous token first:
-            # the sampler processes its logits, and no step of it is planned while one is in flight.
-            request.matcher = matcher
-            request.plain = False
-            # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
-            # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
-            request.stop_ids = request.stop_ids | frozenset(eos_token_ids)
-            request.min_tokens_masked = 0
+            _constrain(request, matcher)
         self.batcher.add_request(request)
         return request
 
@@ -271,12 +275,16 @@ class LLMEngine:
 
     # -- KV from another worker (the decode side of a hand-off) ---------------------------------
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"") -> ImportReservation | None:
+                       eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"",
+                       matcher=None) -> ImportReservation | None:
         """Hold blocks for a request whose prompt another worker prefills (possibly still running
         there); None when it does not fit now (ValueError when it never could). Its pages go into
-        `.buffer`, then complete_import() with the first token."""
+        `.buffer`, then complete_import() with the first token. `matcher`: a structured output's,
+        fresh: the first token, which the prefill worker drew under the same grammar, moves it on."""
         self._need_whole_kv("receive a request's KV from another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=0)
+        if matcher is not None:
+            _constrain(request, matcher)
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
@@ -297,11 +305,15 @@ class LLMEngine:
     def complete_import(self, request_id: str, first_token: int, seed: int, num_cached_tokens: int = 0) -> Request:
         """The buffer holds the pages: write them into the reserved blocks, append the first token
         the prefill worker sampled (with its resolved seed, so seeded draws go on) and decode on."""
-        res = self._imports.pop(request_id)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            self.batcher.cancel_reserved(request_id)
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        res = self._imports[request_id]
         r = res.request
+        if not 0 <= first_token < self.model_config.vocab_size:
+            self.cancel_import(request_id)
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if r.matcher is not None and not r.matcher.accept(first_token):
+            self.cancel_import(request_id)
+            raise ValueError(f"first token {first_token} is not one the request's grammar allows")
+        del self._imports[request_id]
         r.all_token_ids.append(first_token)
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
