@@ -43,7 +43,7 @@ RANGES = {
 LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 
 
-GRAMMAR_KINDS = ("json_schema", "json", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "json", "regex", "ebnf", "structural_tag")
 
 
 class SamplingParamsError(ValueError):

@@ -6,7 +6,7 @@ from services.gateway.choice import ChoiceState, ChoiceUpdate
 from services.gateway.logprobs import chat_entries
 from services.gateway.response_format import ResponseFormat
 from services.gateway.streaming import ChunkFrame, json_finish, json_str
-from services.gateway.tool_calls import ToolSpec, parse_answer
+from services.gateway.tool_calls import CallStream, ToolSpec, new_call_id, parse_answer
 
 
 _TEXT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -17,9 +17,11 @@ class ChatFormat(ResponseFormat):
     chunk_object = "chat.completion.chunk"
     text_tail = _TEXT_TAIL
     id_prefix = "chatcmpl"
-    # (ToolSpec, parser name) when the request may call tools: the answer is read for calls at its
-    # end, so a stream holds its text until then and sends the calls as OpenAI's deltas.
+    # (ToolSpec, parser name) when the request may call tools: a stream sends the calls as OpenAI's
+    # deltas while their tokens arrive (tool_calls.CallStream), or, for a syntax the grammar does not
+    # hold, reads the answer at its end.
     tools: tuple[ToolSpec, str] | None = None
+    _calls: dict | None = None  # choice index -> its CallStream
 
     def _entries(self, update: ChoiceUpdate) -> list[dict] | None:
         if update.token_ids is None:
@@ -71,8 +73,38 @@ class ChatFormat(ResponseFormat):
         return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def _tool_chunk(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
-        """Text is held until the end; then the content, each call as OpenAI streams one (its index,
-        id, type and name first, then its arguments), and the finish."""
+        """Content and calls as OpenAI streams them: a call's index, id, type and name first, then
+        its arguments' fragments; the finish says tool_calls when a call was made."""
+        spec, parser = self.tools
+        if not spec.streams(parser):
+            return self._tool_chunk_at_end(choice, update)
+        if self._calls is None:
+            self._calls = {}
+        stream = self._calls.get(choice.index)
+        if stream is None:
+            stream = self._calls[choice.index] = CallStream(spec, parser)
+        events = stream.feed(update.text or "")
+        if update.finish_reason is not None:
+            events += stream.end()
+        frame, i, out = self.frame, choice.index, []
+        k = stream.calls - sum(kind == "call" for kind, _ in events) - 1  # the last call before these
+        for kind, text in events:
+            if kind == "content":
+                delta: dict = {"content": text}
+            elif kind == "call":
+                k += 1
+                delta = {"tool_calls": [{"index": k, "id": new_call_id(), "type": "function",
+                                         "function": {"name": text, "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": k, "function": {"arguments": text}}]}
+            out.append(frame.chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+        if update.finish_reason is not None:
+            finish = "tool_calls" if stream.calls and update.finish_reason == "stop" else update.finish_reason
+            out.append(frame.chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}))
+        return b"".join(out) or None
+
+    def _tool_chunk_at_end(self, choice: ChoiceState, update: ChoiceUpdate) -> bytes | None:
+        """Text is held until the end; then the content, each call as OpenAI streams one, and the finish."""
         choice.parts.append(update.text)
         if update.finish_reason is None:
             return None

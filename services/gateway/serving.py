@@ -99,6 +99,8 @@ async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Calla
     fmt = endpoint.format(gw.texts, spec.logprobs is not None)
     if spec.tool_spec.mode:
         fmt.tools = (spec.tool_spec, gw.tool_parser)
+        if not spec.params.grammar_kind:  # auto: the family's calls under a structural tag
+            spec.params.grammar_kind, spec.params.grammar = spec.tool_spec.auto_grammar(gw.tool_parser)
     response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     context = {"request_id": response_id, "tenant": tenant.name}
     if call.request_id:

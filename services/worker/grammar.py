@@ -21,7 +21,7 @@ log = structlog.get_logger("worker.grammar")
 COMPILE_THREADS = 2
 # The body field a grammar of each kind came from (vLLM's names for regex and EBNF; OpenAI's for JSON).
 PARAMS = {"json_schema": "response_format", "json": "response_format", "regex": "structured_outputs.regex",
-          "ebnf": "structured_outputs.grammar"}
+          "ebnf": "structured_outputs.grammar", "structural_tag": "tools"}
 
 
 class GrammarError(ValueError):
@@ -92,6 +92,8 @@ class Grammars:
                 return c.compile_regex(text)
             if kind == "ebnf":
                 return c.compile_grammar(text)
+            if kind == "structural_tag":  # tool calls' auto: free text, calls held to their schemas
+                return c.compile_structural_tag(text)
         except Exception as e:  # xgrammar raises its own types (RuntimeError, ValueError) with the reason
             raise GrammarError(f"the {kind.replace('_', ' ')} does not compile: {e}", PARAMS[kind]) from None
         raise GrammarError(f"unknown grammar kind {kind!r}", "grammar_kind")

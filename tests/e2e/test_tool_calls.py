@@ -92,3 +92,96 @@ def test_the_families_parsers_read_calls_and_leave_text():
     assert calls[0]["function"]["name"] == "get_time"
     assert parse_answer("no call here", spec, "hermes") == ("no call here", [])
     assert parse_answer('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', spec, "hermes")[1] == []
+
+
+def _streamed(spec: ToolSpec, parser: str, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) of text fed to a CallStream in random pieces."""
+    import random
+
+    from services.gateway.tool_calls import CallStream
+
+    rng, stream, events, i = random.Random(seed), CallStream(spec, parser), [], 0
+    while i < len(text):
+        k = rng.randint(1, 9)
+        events += stream.feed(text[i:i + k])
+        i += k
+    events += stream.end()
+    calls: list[list[str]] = []
+    for kind, part in events:
+        if kind == "call":
+            calls.append([part, ""])
+        elif kind == "args":
+            calls[-1][1] += part
+    return "".join(p for kind, p in events if kind == "content"), [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("mode, parser, text", [
+    ("auto", "hermes", 'Sure.<tool_call>\n{"name": "get_time", "arguments": {"zone": "U}T\\"C"}}\n</tool_call> and '
+             '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call><tool_call>\n{"name": "get_weather", '
+             '"arguments": {"city": "Oslo", "days": [1, {"b": 2}]}}\n</tool_call> bye <tool'),
+    ("auto", "llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'),
+    ("required", "hermes", '[{"name":"get_time","parameters":{"zone":"x]"}},{"name":"get_weather","parameters":{}}]'),
+    ("named", "hermes", '{"city":"Paris","days":3}'),
+])
+def test_streamed_calls_are_the_answers_calls_in_any_pieces(mode, parser, text):
+    spec = ToolSpec(mode, tuple(TOOLS), name="get_weather" if mode == "named" else "")
+    content, calls = parse_answer(text, spec, parser)
+    for seed in range(6):
+        s_content, s_calls = _streamed(spec, parser, text, seed)
+        assert [(n, json.loads(a)) for n, a in s_calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        assert s_content.strip() == (content or "").strip()
+
+
+@pytest.mark.parametrize("parser, opening", [("hermes", "Let me look.<tool_call>"), ("llama3_json", '{"name": ')])
+def test_auto_calls_are_held_to_their_schemas_once_the_tag_opens(tiny_model, parser, opening):
+    """The structural tag of an auto answer: free text, then after the family's opening only a known
+    name and arguments of its schema. Random walks through what the grammar allows always end in
+    calls that parse and validate."""
+    import asyncio
+    import random
+
+    import xgrammar as xgr
+
+    from services.worker.engine.model_config import ModelConfig
+    from services.worker.grammar import Grammars
+    from shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tiny_model)
+    vocab = ModelConfig.from_path(tiny_model).vocab_size
+    eos = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
+    grammars = Grammars(str(tiny_model), vocab, eos if isinstance(eos, list) else [eos])
+    spec = ToolSpec("auto", tuple(TOOLS))
+    kind, text = spec.auto_grammar(parser)
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    for seed in range(8):
+        rng = random.Random(seed)
+        matcher = asyncio.run(grammars.matcher(kind, text))
+        prefix = tok.encode(opening)
+        assert all(matcher.accept(t) for t in prefix)
+        out = list(prefix)
+        # Until the call is closed: the free text after it is the model's business.
+        while not parse_answer(tok.decode(out), spec, parser)[1] and len(out) < 300:
+            matcher.raw.fill_next_token_bitmask(mask)
+            bits = mask[0].tolist()
+            allowed = [i for i in range(vocab) if (bits[i // 32] >> (i % 32)) & 1]
+            t = rng.choice(allowed)
+            assert matcher.accept(t)
+            out.append(t)
+        _, calls = parse_answer(tok.decode(out), spec, parser)
+        assert calls, tok.decode(out)
+        for c in calls:
+            jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+    grammars.close()
+
+
+def test_an_auto_answer_streams_its_text_as_it_comes(stack):
+    """auto runs under the family's structural tag; text outside a call streams token by token (the
+    random model writes no call) and equals the answer of the same request unstreamed."""
+    c = client(stack)
+    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
+    whole = c.chat.completions.create(**kw).choices[0]
+    deltas = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    parts = [d.delta.content for d in deltas if d.delta.content]
+    assert len(parts) > 3 and "".join(parts) == whole.message.content
+    assert deltas[-1].finish_reason == whole.finish_reason == "length"
