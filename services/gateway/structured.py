@@ -2,8 +2,9 @@
 
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}), vLLM's `structured_outputs` ({"json" | "regex" | "choice" |
-"grammar": ...}) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
-become (kind, text): kind one of shared.sampling_params.GRAMMAR_KINDS. What can be checked without
+"grammar": ...}, with `whitespace_pattern` and `disable_any_whitespace` beside) and its older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `guided_whitespace_pattern` become
+(kind, text): kind one of shared.sampling_params.GRAMMAR_KINDS. What can be checked without
 the model's vocabulary is checked here, each failure a 400 naming its field: a schema must be one
 (its meta-schema), a regex must parse. The worker compiles the grammar against its vocabulary
 (services/worker/grammar.py).
@@ -52,6 +53,7 @@ FIELDS: tuple[Field, ...] = (
     JsonValue("guided_regex", (str,), "vLLM's older name for structured_outputs.regex."),
     JsonValue("guided_choice", (list,), "vLLM's older name for structured_outputs.choice."),
     JsonValue("guided_grammar", (str,), "vLLM's older name for structured_outputs.grammar (EBNF)."),
+    JsonValue("guided_whitespace_pattern", (str,), "vLLM's older name for structured_outputs.whitespace_pattern."),
 )
 
 
@@ -65,6 +67,10 @@ def grammar_of(v: dict[str, Any]) -> tuple[str, str]:
         if got is not None:
             found.append(("response_format", *got))
     so = v.get("structured_outputs")
+    for param, pattern in (("structured_outputs.whitespace_pattern", (so or {}).get("whitespace_pattern")),
+                           ("guided_whitespace_pattern", v.get("guided_whitespace_pattern"))):
+        if pattern is not None:
+            _check_whitespace(param, pattern)
     if so is not None:
         keys = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
         if len(keys) != 1:
@@ -82,6 +88,19 @@ def grammar_of(v: dict[str, Any]) -> tuple[str, str]:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise invalid(f"'{param}' is longer than {MAX_GRAMMAR_CHARS} characters", param=param)
     return kind, text
+
+
+def _check_whitespace(param: str, pattern: Any) -> None:
+    """JSON comes compact (no whitespace between tokens; vLLM's disable_any_whitespace): a pattern
+    that admits no whitespace at all is one compact JSON cannot follow, hence a 400."""
+    if not isinstance(pattern, str):
+        raise invalid(f"'{param}' must be a string", param=param)
+    try:
+        empty_ok = re.fullmatch(pattern, "") is not None
+    except re.error as e:
+        raise invalid(f"'{param}' does not parse as a regular expression: {e}", param=param) from None
+    if not empty_ok:
+        raise invalid(f"'{param}' must admit empty whitespace: JSON answers come compact", param=param)
 
 
 def _response_format(rf: dict) -> tuple[str, str] | None:

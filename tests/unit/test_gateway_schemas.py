@@ -292,6 +292,9 @@ def test_chat_refuses_features_not_built(field, value):
     ({"guided_regex": "[0-9]{3}"}, "regex"),
     ({"guided_choice": ["a", "b\"c"]}, "ebnf"),
     ({"guided_grammar": 'root ::= "x"'}, "ebnf"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": r"[\n ]*",
+                             "disable_any_whitespace": True}}, "json_schema"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " ?"}, "json_schema"),
 ])
 def test_structured_outputs_become_one_grammar(fields, kind):
     for parse, body in ((parse_completion, completion(**fields)), (parse_chat, chat(**fields))):
@@ -309,6 +312,8 @@ def test_structured_outputs_become_one_grammar(fields, kind):
     ({"guided_grammar": "no rules"}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]+"}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {"json": {}, "whitespace_pattern": "("}}, "structured_outputs.whitespace_pattern"),
 ])
 def test_bad_structured_outputs_are_400s_naming_the_field(fields, param):
     e = error_of(parse_completion, completion(**fields))
