@@ -191,6 +191,7 @@ class WorkerServiceConfig:
     transfer_host: str = "127.0.0.1"
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
     grammar_compile_timeout: float = 10.0  # a structured output's grammar compiles within this, or the request fails
+    jump_forward: int = 0  # forced grammar tokens checked per forward (engine_config.EngineConfig.jump_forward)
     # Decode role on a GPU: prefill workers of this host write the pages into its receive slots over
     # CUDA IPC (else it copies them out of theirs).
     handoff_push: bool = True
@@ -211,6 +212,8 @@ class WorkerServiceConfig:
             _fail(self, "role", "prefill and decode workers move whole KV pages, which a worker split over "
                                 "several processes does not hold yet: use role mixed with tensor/pipeline parallelism")
         _positive(self, "handoff_timeout", "grammar_compile_timeout")
+        if not isinstance(self.jump_forward, int) or not 0 <= self.jump_forward <= 64:
+            _fail(self, "jump_forward", f"must be an int in [0, 64], got {self.jump_forward!r}")
         if self.load_format not in ("auto", "dummy"):
             _fail(self, "load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kvstore not in ("auto", "on", "off"):

@@ -37,13 +37,33 @@ class Matcher:
     GrammarMask fills bitmasks from in batches). `also`: a bitmask row of tokens allowed at all,
     ANDed into every mask (JSON's: no token with a raw control character)."""
 
-    __slots__ = ("raw", "also")
+    __slots__ = ("raw", "also", "_encode")
 
-    def __init__(self, compiled, also=None):
+    def __init__(self, compiled, also=None, encode=None):
         import xgrammar as xgr
 
         self.raw = xgr.GrammarMatcher(compiled)
         self.also = also
+        self._encode = encode  # text -> token ids, for jump-forward drafts
+
+    def draft(self, limit: int) -> list[int]:
+        """Jump-forward: the tokens of the text the grammar forces from here (a fixed key, `": "`,
+        a closing brace), at most `limit`, each one the grammar allows in turn. The engine checks
+        them against the model's own draws in one forward (engine.py), so the answer stays that of
+        token-by-token decoding; the matcher is left where it was."""
+        if limit <= 0 or self._encode is None:
+            return []
+        text = self.raw.find_jump_forward_string()
+        if not text:
+            return []
+        ids = []
+        for token in self._encode(text)[:limit]:
+            if not self.raw.accept_token(token):
+                break
+            ids.append(token)
+        if ids:
+            self.raw.rollback(len(ids))
+        return ids
 
     def accept(self, token: int) -> bool:
         return self.raw.accept_token(token)
@@ -61,6 +81,7 @@ class Grammars:
         self.eos_token_ids = list(eos_token_ids)
         self.timeout = timeout
         self._compiler = None
+        self._encode = None  # the vocabulary's tokenizer, for jump-forward drafts
         self._no_control = None  # the bitmask row of tokens without a byte below 0x20
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
@@ -74,6 +95,7 @@ class Grammars:
                 from shared.tokenizer import Tokenizer
 
                 backend = Tokenizer.from_path(self.tokenizer_source)._tok
+                self._encode = lambda text: backend.encode(text, add_special_tokens=False).ids
                 info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
                                                           vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
@@ -109,7 +131,7 @@ class Grammars:
                                "(--grammar-compile-timeout)", PARAMS.get(kind, "response_format")) from None
         # Compact JSON never holds a raw control character (a string escapes it), but xgrammar's
         # bounded strings admit one ([^"\\\r\n]{0,n}): json.loads refused such an answer.
-        return Matcher(compiled, self._no_control if kind in ("json_schema", "json") else None)
+        return Matcher(compiled, self._no_control if kind in ("json_schema", "json") else None, self._encode)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

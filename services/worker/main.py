@@ -62,6 +62,10 @@ def parse_args(argv):
                     default=float(env_default("INFERNO_GRAMMAR_COMPILE_TIMEOUT", "10")),
                     help="seconds a structured output's grammar may take to compile; past it the request fails "
                          "with a 400 and the worker serves on (default 10)")
+    ap.add_argument("--jump-forward", type=int, default=int(env_default("INFERNO_JUMP_FORWARD", "0")), metavar="N",
+                    help="structured outputs: check up to N tokens the grammar forces (a fixed key, a closing "
+                         "brace) in one forward against the model's own draws, the answer unchanged; such "
+                         "requests do not overlap their steps (default 0: off)")
     ap.add_argument("--handoff-push", action=argparse.BooleanOptionalAction,
                     default=env_default("INFERNO_HANDOFF_PUSH", True, parse_bool),
                     help="decode role on a GPU: prefill workers of this host write the prompt's KV into this "
@@ -200,7 +204,7 @@ def service_config(args) -> WorkerServiceConfig:
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
-                  grammar_compile_timeout=args.grammar_compile_timeout,
+                  grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
                   handoff_push=args.handoff_push, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,

@@ -214,7 +214,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce,
-        fused_all_reduce_norm=cfg.fused_all_reduce_norm,
+        fused_all_reduce_norm=cfg.fused_all_reduce_norm, jump_forward=cfg.jump_forward,
         handoff_buffer_tokens=handoff_buffer_tokens(cfg))
     kv = leftovers.kv_cache
     if kv is not None:

@@ -1,6 +1,7 @@
 """Structured outputs through the whole stack on the random-weight demo model, which otherwise
 writes noise: every answer under a JSON Schema validates, a choice is one of the choices, a regex
-matches, and what cannot be a grammar is a 400 naming its field (issue 34)."""
+matches, and what cannot be a grammar is a 400 naming its field (issue 34). The worker drafts
+what the grammars force (--jump-forward), as a user may run it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from inferno.tools.schema_corpus import schema_corpus
-from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.conftest import MODEL_NAME, start_stack
 
 HAND_WRITTEN = [
     {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -39,6 +40,13 @@ HAND_WRITTEN = [
 
 
 SCHEMAS = HAND_WRITTEN + schema_corpus(190, seed=0, bounded=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("jf-stack"), tiny_model, worker_args=("--jump-forward", "8"))
+    yield s
+    s.stop()
 
 
 def client(stack) -> openai.OpenAI:

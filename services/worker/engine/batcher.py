@@ -23,6 +23,16 @@ class ScheduledRequest:
     start: int  # the first position computed (num_computed_tokens + tokens still in flight)
     samples: bool  # the chunk reaches the last known token, so a token is sampled after it
     pending_input: bool = False  # the input is the token the step in flight samples (on the device)
+    # Rows the step draws for it: 1, or 1 + its jump-forward draft (each draft token is checked
+    # against the draw before it); 0 when it does not sample.
+    num_logits: int = 1
+
+
+def drop_draft(request: Request) -> None:
+    """Forget the request's jump-forward draft (its tokens were never drawn)."""
+    if request.draft_len:
+        del request.all_token_ids[-request.draft_len:]
+        request.draft_len = 0
 
 
 @dataclass(slots=True)
@@ -37,6 +47,9 @@ class BatchPlan:
     sampling: list[Request] = field(default_factory=list)  # the requests of the rows that sample, in order
     plain: bool = False  # every unfinished request is Request.plain: the draw is one argmax
     handoffs: bool = False  # some unfinished request hands its KV on after its first token
+    # Per row of the draw, the request and its place in its jump-forward draft (0: the token after
+    # what it knows); None when no request checks a draft this step (one row a sampling request).
+    draft_rows: list[tuple[Request, int]] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -67,6 +80,7 @@ class Batcher:
         self._num_not_plain = 0
         self._num_handoff = 0
         self.num_constrained = 0  # unfinished requests with a grammar (their matchers take each token)
+        self.num_jump_forward = 0  # ... of which those that draft the tokens their grammar forces
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -82,12 +96,14 @@ class Batcher:
         self._num_not_plain += not request.plain
         self._num_handoff += request.handoff
         self.num_constrained += request.matcher is not None
+        self.num_jump_forward += request.jump_forward
 
     def _untrack(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._num_not_plain -= not request.plain
         self._num_handoff -= request.handoff
         self.num_constrained -= request.matcher is not None
+        self.num_jump_forward -= request.jump_forward
 
     def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager
@@ -236,6 +252,10 @@ class Batcher:
                 index += 1
                 continue
             num_new = min(total - start, budget, self.config.max_tokens_per_request_step)
+            if request.draft_len and num_new < total - start:
+                drop_draft(request)  # a draft is checked whole in one step, or not at all
+                total -= known - len(request.all_token_ids)
+                num_new = min(total - start, budget, self.config.max_tokens_per_request_step)
             while not bm.allocate_slots(request, request.num_inflight_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -276,13 +296,16 @@ class Batcher:
         plan.sampling = [s.request for s in plan.scheduled if s.samples]
         plan.plain = self.all_plain
         plan.handoffs = self._num_handoff > 0
+        if self.num_jump_forward and any(r.draft_len for r in plan.sampling):
+            plan.draft_rows = [(r, j) for r in plan.sampling for j in range(1 + r.draft_len)]
         return plan
 
     @staticmethod
     def _add_to_plan(scheduled: list[ScheduledRequest], request: Request, start: int, num_new: int) -> None:
         known = len(request.all_token_ids)
         samples = start + num_new == known + request.num_pending_tokens
-        scheduled.append(ScheduledRequest(request, num_new, start, samples, start == known))
+        scheduled.append(ScheduledRequest(request, num_new, start, samples, start == known,
+                                          (1 + request.draft_len) if samples else 0))
         request.num_inflight_tokens += num_new
         if samples:
             request.num_pending_tokens += 1
@@ -291,6 +314,7 @@ class Batcher:
         """Drop the request's KV and put it back at the head of the queue, to be recomputed
         (its own blocks are likely still cached then, so recompute is often a prefix hit)."""
         self.block_manager.free(request)
+        drop_draft(request)
         request.num_computed_tokens = 0
         request.num_inflight_tokens = 0  # a token in flight still arrives: num_pending_tokens stays
         request.status = RequestStatus.PREEMPTED
@@ -327,21 +351,40 @@ class Batcher:
                 continue  # aborted, failed, or finished by the token of an earlier step
             if samples:
                 request.num_pending_tokens -= 1
+                new_tokens = (token,)
+                if type(token) is list:
+                    # Jump-forward: the draft's tokens the draws confirmed, then the first draw that
+                    # differed (or the one after the whole draft). Only the KV of the confirmed ones
+                    # stands; the others' is rewritten by later steps. (A request preempted since
+                    # the launch has dropped its draft and recomputes all of it.)
+                    if request.draft_len and status is running:
+                        request.num_computed_tokens = after = after - (request.draft_len - (len(token) - 1))
+                    drop_draft(request)
+                    new_tokens = token
+                elif request.draft_len:  # no token for it: the draft goes too
+                    if status is running:
+                        request.num_computed_tokens = after = after - request.draft_len
+                    drop_draft(request)
                 if token is None:
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = "the engine returned no sampled token for this request"
                 else:
                     tokens = request.all_token_ids
-                    tokens.append(token)
-                    known = len(tokens)
-                    if token in request.stop_ids and (
-                            known - request.num_prompt_tokens >= request.sampling_params.min_tokens
-                            or request.matcher is not None):  # a grammar's end is the answer's
-                        request.status = RequestStatus.FINISHED_STOPPED
-                    elif known >= request.token_limit or known >= max_model_len:
-                        request.status = RequestStatus.FINISHED_LENGTH
-                    elif request.handoff:
-                        request.status = RequestStatus.HANDED_OFF
+                    for i, token in enumerate(new_tokens):
+                        tokens.append(token)
+                        known = len(tokens)
+                        if token in request.stop_ids and (
+                                known - request.num_prompt_tokens >= request.sampling_params.min_tokens
+                                or request.matcher is not None):  # a grammar's end is the answer's
+                            request.status = RequestStatus.FINISHED_STOPPED
+                        elif known >= request.token_limit or known >= max_model_len:
+                            request.status = RequestStatus.FINISHED_LENGTH
+                        elif request.handoff:
+                            request.status = RequestStatus.HANDED_OFF
+                        if request.status is not status:
+                            if type(new_tokens) is list:  # what the step emits: up to the end
+                                del new_tokens[i + 1:]
+                            break
             if status is running and after // block_size != before // block_size:
                 cache_full_blocks(request)  # a block filled up: make it findable
             if request.status is not status:  # it finished just now

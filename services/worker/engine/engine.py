@@ -121,6 +121,13 @@ def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
     rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
     if not rows:
         return
+    if any(type(tokens[i]) is list for i in rows):  # jump-forward rows: several tokens each
+        for i in rows:
+            for token in tokens[i] if type(tokens[i]) is list else (tokens[i],):
+                m = reqs[i].matcher
+                if not m.accept(token) and not m.terminated:
+                    log.warning("grammar refused a drawn token", request_id=reqs[i].request_id, token=token)
+        return
     matchers = [reqs[i].matcher for i in rows]
     accepted = accept_tokens(matchers, [tokens[i] for i in rows])
     for m, row, ok in zip(matchers, rows, accepted):
@@ -129,15 +136,41 @@ def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
             log.warning("grammar refused a drawn token", request_id=reqs[row].request_id, token=tokens[row])
 
 
-def _constrain(request: Request, matcher) -> None:
+def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
     """Each of the request's draws is masked by its grammar's matcher (grammar_mask.py), which takes
-    every drawn token."""
+    every drawn token. `jump_forward`: it drafts the tokens its grammar forces (LLMEngine._draft),
+    unless its draws need more than the logits (logprobs, bias, penalties): a draft is checked
+    against draws, so its next step waits for its last token (no overlap)."""
     request.matcher = matcher
     request.plain = False
+    p = request.sampling_params
+    if jump_forward and p.logprobs is None and not request.processes_logits:
+        request.jump_forward = request.needs_token_history = True
     # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
     # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
     request.stop_ids = request.stop_ids | frozenset(request.eos_token_ids)
     request.min_tokens_masked = 0
+
+
+def _checked_drafts(draft_rows: list, result: SampleResult) -> SampleResult:
+    """One entry a sampling request again: a jump-forward request's rows become the tokens of its
+    draft that its draws confirmed, then the first draw that differed (or the one after the draft),
+    exactly what token-by-token decoding would have drawn; the others' rows are theirs. Log-
+    probabilities come from a request's first row (drafting requests ask for none)."""
+    ids, firsts, i = [], [], 0
+    while i < len(draft_rows):
+        r = draft_rows[i][0]
+        k = r.draft_len
+        firsts.append(i)
+        if not k:
+            ids.append(result.token_ids[i])
+        else:
+            draws, draft = result.token_ids[i:i + k + 1], r.all_token_ids[-k:]
+            a = next((j for j in range(k) if draws[j] != draft[j]), k)
+            ids.append(draft[:a] + [draws[a]])
+        i += k + 1
+    pick = (lambda column: None if column is None else [column[j] for j in firsts])
+    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs))
 
 
 class LLMEngine:
@@ -231,6 +264,8 @@ class LLMEngine:
         self.prompt_sink: PromptSink | None = None
         # Copies out of the pool: hand-offs (from the buffer set aside for them) and the cluster store's.
         self.exporter = PageExporter(self.kv_cache, self.device, handoff_buffer_blocks(config))
+        # Jump-forward drafts (EngineConfig.jump_forward): not across a pipeline's micro-batches.
+        self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
 
@@ -252,7 +287,7 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
         request.handoff = handoff
         if matcher is not None:
-            _constrain(request, matcher)
+            _constrain(request, matcher, self._jump_forward)
         self.batcher.add_request(request)
         return request
 
@@ -284,7 +319,7 @@ class LLMEngine:
         self._need_whole_kv("receive a request's KV from another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=0)
         if matcher is not None:
-            _constrain(request, matcher)
+            _constrain(request, matcher, self._jump_forward)
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
@@ -379,7 +414,8 @@ class LLMEngine:
         constrained = self.batcher.num_constrained > 0
         defer = constrained and bool(self._inflight) and self.layout.pp == 1
         try:
-            draw = self.runner.execute(plan.scheduled, plan.sampling, plan.plain, constrained, defer)
+            draw = self.runner.execute(plan.scheduled, plan.sampling, plan.plain, constrained, defer,
+                                       plan.draft_rows)
             launched = (LaunchedStep(plan, None, deferred=draw) if isinstance(draw, DeferredDraw)
                         else LaunchedStep(plan, draw))
         except Exception as e:  # a bad step fails its requests, never the engine
@@ -427,13 +463,17 @@ class LLMEngine:
         if plan.handoffs or self.prompt_sink is not None:
             first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
+        if result is not None and plan.draft_rows is not None:
+            result = _checked_drafts(plan.draft_rows, result)
         tokens = result.token_ids if result is not None else []
         if self.batcher.num_constrained:
             _advance_matchers(reqs, tokens)
         finished = self.batcher.update_from_output(plan, tokens)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
-        outputs = self._outputs(live_reqs, tokens, live, result, bool(finished))
+        outputs = self._outputs(live_reqs, tokens, live, result, bool(finished), plan.draft_rows is not None)
+        if self.batcher.num_jump_forward:
+            self._draft(reqs)
         if first_blocks:
             for row, rid in enumerate(outputs.request_ids):
                 blocks = first_blocks.get(rid)
@@ -453,6 +493,19 @@ class LLMEngine:
                     except RuntimeError:  # sharing is an optimisation; a step's outputs must go out
                         pass
         return outputs
+
+    def _draft(self, reqs: list[Request]) -> None:
+        """Jump-forward: each running drafting request appends the tokens its grammar forces next,
+        which the next step computes and checks against the model's draws (_checked_drafts)."""
+        limit = self.config.jump_forward
+        for r in reqs:
+            if not r.jump_forward or r.status is not RequestStatus.RUNNING or r.draft_len or r.matcher.terminated:
+                continue
+            room = min(limit, r.token_limit - len(r.all_token_ids) - 1, self.max_model_len - len(r.all_token_ids) - 1)
+            draft = r.matcher.draft(room)
+            if draft:
+                r.all_token_ids.extend(draft)
+                r.draft_len = len(draft)
 
     def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None, after=None) -> None:
         """Offer the prompt's full blocks, past those the sink already has, to the cluster store."""
@@ -483,18 +536,23 @@ class LLMEngine:
         return self.exporter.export(blocks, r.seed, r.num_cached_tokens, after, shared=self.prompt_sink is not None)
 
     @staticmethod
-    def _outputs(reqs: list[Request], tokens: list[int], live: list[int] | None, result: SampleResult | None,
-                 any_finished: bool) -> StepOutputs:
+    def _outputs(reqs: list[Request], tokens: list, live: list[int] | None, result: SampleResult | None,
+                 any_finished: bool, drafts: bool = False) -> StepOutputs:
         """The sampled rows' columns, made by C-level maps (a thousand rows a step on a GPU); whole
         RequestOutputs only for the rows that end or carry logprobs. `reqs`: the requests of the rows
-        that produce a token, which are rows `live` of the step's draw (None: all of them)."""
+        that produce a token, which are rows `live` of the step's draw (None: all of them).
+        `drafts`: a row's entry may be a list of tokens (jump-forward)."""
         if live is not None:
             tokens = [tokens[i] for i in live]
         n = len(reqs)
         if not n:
             return StepOutputs()
+        counts = np.ones(n, dtype=np.int32)
+        if drafts:
+            counts = np.array([len(t) if type(t) is list else 1 for t in tokens], dtype=np.int32)
+            tokens = [t for entry in tokens for t in (entry if type(entry) is list else (entry,))]
         n_prompt = np.fromiter(map(_PROMPT, reqs), dtype=np.int32, count=n)
-        outputs = StepOutputs(list(map(_RID, reqs)), np.array(tokens, dtype=np.int32), np.ones(n, dtype=np.int32),
+        outputs = StepOutputs(list(map(_RID, reqs)), np.array(tokens, dtype=np.int32), counts,
                               n_prompt, np.fromiter(map(_CACHED, reqs), dtype=np.int32, count=n),
                               np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int32, count=n) - n_prompt)
         with_logprobs = result.logprobs is not None
@@ -510,7 +568,7 @@ class LLMEngine:
             if status in _REASONS:  # a hand-off is not an end: the decode worker goes on
                 out.finish_reason = _REASONS[status]
                 if status is RequestStatus.FINISHED_STOPPED:
-                    out.stop_token_id = out.new_token_ids[0]
+                    out.stop_token_id = out.new_token_ids[-1]
             if k is not None:
                 row = i if live is None else live[i]
                 out.logprobs = [result.logprobs[row]]

@@ -31,6 +31,9 @@ class EngineConfig:
     # Plan and launch step N+1 before reading step N's tokens, so the host work hides behind
     # the GPU's. Off by default until it has been measured on the GPU (it is CPU-tested).
     overlap: bool = False
+    # Jump-forward: at most this many tokens a structured output's grammar forces are checked in one
+    # forward against the model's own draws (0: off). Such requests do not overlap their steps.
+    jump_forward: int = 0
     max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
     mixed_graphs: bool = True  # steps with prefill chunks (up to 2,048 tokens) replay graphs too
     load_threads: int = 8

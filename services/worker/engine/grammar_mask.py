@@ -47,16 +47,24 @@ class GrammarMask:
         mask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
         return mask.pin_memory() if self._cuda else mask
 
-    def apply(self, logits: torch.Tensor, requests: list, rows: list[int], ready=None) -> None:
+    def apply(self, logits: torch.Tensor, requests: list, rows: list[int], ready=None,
+              places: list[int] | None = None) -> None:
         """Mask logits rows `rows` (their requests hold matchers) to what each grammar allows next.
-        `ready`: a CUDA event after the logits, from which the GPU's wait for the masks is timed."""
-        matchers, live = [], []
+        `ready`: a CUDA event after the logits, from which the GPU's wait for the masks is timed.
+        `places`: per row, its place j in its request's jump-forward draft: the mask after the
+        draft's first j tokens (the rows of one draft come in order, j = 0 .. its length)."""
+        matchers, live, drafted = [], [], []
         for row in rows:
-            m = requests[row].matcher
-            if not m.terminated:  # a request that ended in the step before: its row is dropped
+            r = requests[row]
+            m = r.matcher
+            if m.terminated:  # a request that ended in the step before: its row is dropped
+                continue
+            if places is not None and r.draft_len:
+                drafted.append(row)
+            else:
                 matchers.append(m)
                 live.append(row)
-        if not live:
+        if not live and not drafted:
             return
         t0 = time.perf_counter() if self.timing else 0.0
         n = len(requests)
@@ -65,7 +73,18 @@ class GrammarMask:
         if n > self._host[turn].shape[0]:
             self._host[turn] = self._empty(n)
         host = self._host[turn][:n]
-        self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], host, live)
+        if live:
+            self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], host, live)
+        for row in drafted:  # one matcher walked through its draft and back
+            r, j = requests[row], places[row]
+            m = r.matcher
+            if j:
+                m.accept(r.all_token_ids[j - 1 - r.draft_len])
+            m.raw.fill_next_token_bitmask(host, row)
+            if j == r.draft_len:
+                m.raw.rollback(j)
+            matchers.append(m)
+            live.append(row)
         if self.timing:
             self.fill_seconds += time.perf_counter() - t0
             if ready is not None:

@@ -113,7 +113,8 @@ class MixedGraphRunner:
 
     def covers(self, step: HostStep) -> bool:
         n_tokens, n_tiles = step.lens[0], step.lens[9] // 2
-        return (n_tokens <= self.max_tokens and step.n_seq <= self.max_seqs and step.max_blocks <= self.width
+        return (n_tokens <= self.max_tokens and step.n_seq <= self.max_seqs and step.lens[5] <= self.max_seqs
+                and step.max_blocks <= self.width
                 and step.max_seq_len <= self.max_graph_len and n_tiles <= self.max_tiles)
 
     def launch(self, step: HostStep, last_ids: torch.Tensor | None = None):

@@ -77,6 +77,10 @@ class Request:
     plain: bool = True
     # Structured output (services/worker/grammar.py): masks each draw to what the grammar allows.
     matcher: Any = None
+    # Jump-forward (engine.py): the last draft_len of all_token_ids are the grammar's forced tokens,
+    # not yet drawn; the next step computes them and checks each against the model's own draw.
+    jump_forward: bool = False
+    draft_len: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
 
     def __post_init__(self) -> None:

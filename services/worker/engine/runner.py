@@ -33,6 +33,7 @@ class DeferredDraw:
     plain: bool
     constrained: bool
     logits_ready: object = None  # a timing CUDA event after the logits (the grammar's wait), or None
+    draft_rows: list | None = None  # BatchPlan.draft_rows
 
 
 def logits_rows(m: int) -> int:
@@ -74,12 +75,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled, sampling: list | None = None, plain: bool = False, constrained: bool = False,
-                defer: bool = False) -> PendingSample | DeferredDraw | None:
+                defer: bool = False, draft_rows: list | None = None) -> PendingSample | DeferredDraw | None:
         """Launch one step; returns its draw still in flight (None when no request samples).
         `sampling`: the requests of the rows that sample (BatchPlan.sampling); `plain`: every one
         is greedy with nothing else to do (the draw is one argmax); `constrained`: some hold a
         grammar's matcher. `defer`: launch the forward only and return its logits, for draw() once
-        the matchers have taken the tokens of the step still in flight."""
+        the matchers have taken the tokens of the step still in flight. `draft_rows`: the draw's
+        rows when some request checks a jump-forward draft (BatchPlan.draft_rows)."""
         graphs = self.graphs
         decode_only = sum(map(_NUM_NEW, scheduled)) == len(scheduled)
         last_rows = (dict(zip(map(_RID, self._last_sampling), range(len(self._last_sampling))))
@@ -87,7 +89,8 @@ class ModelRunner:
         if graphs is not None and decode_only and graphs.covers(scheduled):
             step = graphs.stage(scheduled, last_rows, self.block_tables)
         else:
-            step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_tables)
+            step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_tables,
+                                    draft_rows is not None)
         if sampling is None:
             sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
@@ -100,16 +103,17 @@ class ModelRunner:
         if constrained and self.sampler.grammar_timing and logits.is_cuda:
             ready = torch.cuda.Event(enable_timing=True)
             ready.record()
-        draw = DeferredDraw(logits, sampling, plain, constrained, ready)
+        draw = DeferredDraw(logits, sampling, plain, constrained, ready, draft_rows)
         return draw if defer else self.draw(draw)
 
     @torch.inference_mode()
     def draw(self, d: DeferredDraw) -> PendingSample:
         """The step's tokens, queued on the device after its logits."""
-        pending = self.sampler(d.logits, d.sampling, d.plain, d.constrained, d.logits_ready)
+        pending = self.sampler(d.logits, d.sampling, d.plain, d.constrained, d.logits_ready, d.draft_rows)
         if self.share_ids:
             self.group.broadcast_ids(pending.token_ids)
-        self._last_ids, self._last_sampling = pending.token_ids, d.sampling
+        rows = d.sampling if d.draft_rows is None else [r for r, _ in d.draft_rows]
+        self._last_ids, self._last_sampling = pending.token_ids, rows
         return pending
 
     def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:

@@ -102,17 +102,23 @@ class Sampler:
         return mask.fill_seconds, mask.wait_seconds
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], plain: bool = False,
-                 constrained: bool = False, logits_ready=None) -> PendingSample:
+                 constrained: bool = False, logits_ready=None, draft_rows=None) -> PendingSample:
         """Queue the draw for `requests` (one per logits row); nothing waits for the device.
         `plain`: every request is Request.plain (greedy, nothing else), known without reading them.
         `constrained`: some hold a grammar's matcher, whose mask applies first (in place: the log-
-        probabilities are those of the constrained draw, as vLLM's); `logits_ready` times its wait."""
+        probabilities are those of the constrained draw, as vLLM's); `logits_ready` times its wait.
+        `draft_rows`: (request, place in its jump-forward draft) per logits row, when some request
+        checks a draft: row j of a draft is drawn as token-by-token decoding would draw it after
+        the draft's first j tokens (that grammar state, that seeded counter)."""
         if plain:
             return self._pending(logits.argmax(dim=-1), None)
+        places = None
+        if draft_rows is not None:
+            requests, places = [r for r, _ in draft_rows], [j for _, j in draft_rows]
         if constrained:
             rows = [row for row, r in enumerate(requests) if r.matcher is not None]
             if rows:
-                self.grammar_mask().apply(logits, requests, rows, logits_ready)
+                self.grammar_mask().apply(logits, requests, rows, logits_ready, places)
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
@@ -120,7 +126,7 @@ class Sampler:
         if all(p.temperature == 0.0 for p in params):
             token_ids = logits.argmax(dim=-1)  # greedy batch: no sampling kernel, no parameter upload
         else:
-            token_ids = self._sample(logits, requests)
+            token_ids = self._sample(logits, requests, places)
 
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = None
@@ -164,12 +170,13 @@ class Sampler:
                 future.result()
         torch.cuda.synchronize(self.device)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], places: list[int] | None = None) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
+        offsets = ([r.next_output_index for r in requests] if places is None else
+                   [r.next_output_index - r.draft_len + j for r, j in zip(requests, places)])
         return self._draw(logits, [[p.temperature for p in params], [p.top_p for p in params],
                                    [p.min_p for p in params]],
-                          [[p.top_k for p in params], [r.seed for r in requests],
-                           [r.next_output_index for r in requests]])
+                          [[p.top_k for p in params], [r.seed for r in requests], offsets])
 
     def _draw(self, logits: torch.Tensor, float_rows: list[list[float]], int_rows: list[list[int]]) -> torch.Tensor:
         """float_rows: temperature, top_p, min_p; int_rows: top_k, seed, offset; one column a row."""

@@ -75,9 +75,9 @@ def build_step_inputs(scheduled, block_size: int, device: torch.device, pin: boo
 
 
 def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | None = None,
-                     block_tables: BlockTables | None = None) -> HostStep:
+                     block_tables: BlockTables | None = None, drafts: bool = False) -> HostStep:
     """`scheduled`: ScheduledRequest items (request, start, num_new_tokens, samples,
-    pending_input). `last_rows`: the previous step's sampled row of each request, for the
+    pending_input, num_logits). `drafts`: some item checks a jump-forward draft. `last_rows`: the previous step's sampled row of each request, for the
     inputs that are still on the device. `block_tables`: the block manager's mirror of the requests'
     block ids, whose rows make the block table in one gather (without it, the lists are read).
 
@@ -117,8 +117,14 @@ def pack_step_inputs(scheduled, block_size: int, last_rows: dict[str, int] | Non
             flat_blocks
     slots = tables[row_of, positions // block_size] * block_size + positions % block_size
 
-    samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n_seq)
-    logits_idx = qsl[1:][samples] - 1
+    if drafts:  # jump-forward: a row for each token of a draft, and one after it
+        n_logits = np.fromiter((s.num_logits if s.samples else 0 for s in scheduled), dtype=np.int64, count=n_seq)
+        ends = np.cumsum(n_logits)
+        logits_idx = np.repeat(qsl[1:] - n_logits, n_logits) + np.arange(int(ends[-1]) if n_seq else 0) \
+            - np.repeat(ends - n_logits, n_logits)
+    else:
+        samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n_seq)
+        logits_idx = qsl[1:][samples] - 1
     tiles = query_tiles(counts).reshape(-1)
     parts = [tokens, positions, slots, seq_lens, qsl, logits_idx, tables.reshape(-1), feed_dst, feed_src, tiles]
     pad = np.zeros(1, dtype=np.int64)
