@@ -2,11 +2,17 @@
 
     python bench/structured_bench.py schemas DIR   # DIR/one.json (a schema), DIR/sixteen.json (16)
     python bench/structured_bench.py valid URL [--requests 128] [--out FILE]
+    python bench/structured_bench.py jump MODEL [--device cuda] [--out FILE]
 
 `schemas`: W2's schemas. Each is an object whose "rows" array needs 500 items, so a W2 answer never
 ends before its max_tokens: constrained and unconstrained runs make the same tokens, and their tok/s
 compare. They differ in what the rows hold (enums, bounded integers, numbers, booleans, short
 strings, a nested object), hence in how many tokens each step's mask allows.
+
+`jump`: jump-forward at batch 1, in-process: one request at a time under each of four schemas of
+fixed keys (a person, an order, an event, a sensor reading), greedy, asked through the model's chat
+template; forwards per output token and decode tok/s with --jump-forward 16 against plain constrained
+decoding (with overlapped steps on a GPU, as a worker runs it), and whether the answers are the same.
 
 `valid`: answers that end under bounded schemas (inferno.tools.schema_corpus, bounded=True) through
 /v1/chat/completions, greedy and sampled; every one that stops must validate (jsonschema).
@@ -84,6 +90,78 @@ async def _valid(url: str, requests: int) -> dict:
             "cut_by_length": sum(reason == "length" for reason, _ in results)}
 
 
+JUMP_SCHEMAS = [
+    {"type": "object", "properties": {"first_name": {"type": "string", "maxLength": 16},
+                                      "last_name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                      "employed": {"type": "boolean"}},
+     "required": ["first_name", "last_name", "age", "employed"], "additionalProperties": False},
+    {"type": "object", "properties": {"order_id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                      "status": {"enum": ["pending", "shipped", "delivered"]},
+                                      "items": {"type": "array", "maxItems": 3, "items": {
+                                          "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
+                                                                           "quantity": {"type": "integer", "minimum": 1,
+                                                                                        "maximum": 9}},
+                                          "required": ["sku", "quantity"], "additionalProperties": False}}},
+     "required": ["order_id", "status", "items"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                                      "start_time": {"type": "string", "pattern": "^[0-9]{2}:[0-9]{2}$"},
+                                      "location": {"enum": ["office", "home", "remote"]},
+                                      "attendees": {"type": "integer", "minimum": 1, "maximum": 50}},
+     "required": ["title", "start_time", "location", "attendees"], "additionalProperties": False},
+    {"type": "object", "properties": {"sensor_name": {"enum": ["temperature", "humidity", "pressure"]},
+                                      "reading_value": {"type": "integer", "minimum": -50, "maximum": 150},
+                                      "unit_of_measure": {"enum": ["celsius", "percent", "hectopascal"]},
+                                      "is_calibrated": {"type": "boolean"}},
+     "required": ["sensor_name", "reading_value", "unit_of_measure", "is_calibrated"],
+     "additionalProperties": False},
+]
+
+
+def _jump(model: str, device: str) -> dict:
+    import time
+
+    from services.worker.engine.engine import LLMEngine
+    from services.worker.engine.engine_config import EngineConfig
+    from services.worker.grammar import Grammars
+    from shared.sampling_params import SamplingParams
+    from shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(model)
+    eos = tuple(tok.eos_token_ids)
+    results = {}
+    answers = {}
+    for jf in (0, 16):
+        engine = LLMEngine(EngineConfig(model_dir=model, device=device, overlap=device.startswith("cuda"),
+                                        jump_forward=jf, max_num_seqs=8, max_num_batched_tokens=2048))
+        grammars = Grammars(model, engine.model_config.vocab_size, eos)
+        forwards = tokens = 0
+        seconds = 0.0
+        outs = []
+        for rep in range(3):  # the first round warms up (shapes, kernels, grammar tables)
+            for i, schema in enumerate(JUMP_SCHEMAS):
+                prompt = tok.encode_chat([{"role": "user", "content": "Answer with one JSON object of this shape: "
+                                           + json.dumps(schema)}])
+                matcher = asyncio.run(grammars.matcher("json_schema", json.dumps(schema)))
+                steps0, t0 = engine.steps, time.perf_counter()
+                r = engine.add_request(f"j{jf}-{rep}-{i}", prompt, SamplingParams(max_tokens=256, temperature=0.0),
+                                       eos, matcher=matcher)
+                while engine.has_unfinished():
+                    engine.step()
+                if rep:
+                    seconds += time.perf_counter() - t0
+                    forwards += engine.steps - steps0 - 1  # the prompt's own forward drew the first token
+                    tokens += r.num_output_tokens - 1
+                    outs.append(r.output_token_ids)
+        grammars.close()
+        answers[jf] = outs
+        results[f"jump_forward_{jf}"] = {"forwards_per_token": round(forwards / tokens, 3),
+                                         "decode_tok_s": round(tokens / seconds, 1), "tokens": tokens}
+    results["same_answers"] = answers[0] == answers[16]
+    results["example"] = tok.decode(answers[16][0])[:200]
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -93,7 +171,17 @@ def main() -> None:
     v.add_argument("url")
     v.add_argument("--requests", type=int, default=128)
     v.add_argument("--out")
+    j = sub.add_parser("jump")
+    j.add_argument("model")
+    j.add_argument("--device", default="cuda")
+    j.add_argument("--out")
     args = ap.parse_args()
+    if args.command == "jump":
+        result = _jump(args.model, args.device)
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result))
+        return
     if args.command == "schemas":
         d = Path(args.dir)
         d.mkdir(parents=True, exist_ok=True)

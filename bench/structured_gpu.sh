@@ -3,8 +3,9 @@
 # answer under one JSON schema, and under 16 (bench/structured_bench.py schemas: none ends before its
 # max_tokens, so the runs make the same tokens), on one stack in the order plain one sixteen sixteen
 # one plain; per run, the grammar masks' host fill and the GPU's wait for them per step (the worker's
-# step trace); then 128 answers that end, validated, and compile times over 200 schemas on the
-# model's vocabulary (bench/grammar_ab.py). Ends with one table (summary.txt).
+# step trace); then 128 answers that end, validated; compile times over 200 schemas on the model's
+# vocabulary (bench/grammar_ab.py); jump-forward at batch 1 (structured_bench.py jump). Ends with one
+# table (summary.txt).
 # Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh, plus xgrammar, apache-tvm-ffi, pydantic and
 # jsonschema with their dependencies (cp312 wheels; the image lacks them).
 # Usage: COMMIT=<sha> bash bench/structured_gpu.sh   (a CPU dry run: DEVICE=cpu MODEL=<tiny model dir> N=50 VOCAB=1000 SKIP_SETUP=1)
@@ -57,6 +58,8 @@ done
 timeout 300 python3 bench/structured_bench.py valid http://127.0.0.1:8001 --requests 128 --out "$RAW/valid.json"
 kill -INT "$UP"; wait "$UP"
 grep -h -i "traceback\|grammar refused\|error" "$RUN"/*.log | head -20 > "$OUT/errors.txt"; head -5 "$OUT/errors.txt"
+# Jump-forward at batch 1, in-process (no stack): four fixed-key schemas, plain against --jump-forward 16.
+timeout 600 python3 bench/structured_bench.py jump "$MODEL" --device "${DEVICE:-cuda}" --out "$RAW/jump.json" | tail -1
 
 python3 - "$RAW" "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
@@ -83,7 +86,11 @@ c = json.load(open(f"{raw}/compile.json"))["xgrammar/synthetic-128k"]
 print(f"compile over {c['compile_cold_ms']['of']} schemas: p50 {c['compile_cold_ms']['p50']:.2f} ms, "
       f"p99 {c['compile_cold_ms']['p99']:.2f} ms, cached p50 {c['compile_cached_ms_p50']:.3f} ms; "
       f"batch-256 fill p50 {c['mask_b256_us_per_step']['p50']:.0f} us")
-results.update(valid=v, compile=c)
+j = json.load(open(f"{raw}/jump.json"))
+print(f"jump-forward, batch 1: forwards per output token {j['jump_forward_0']['forwards_per_token']} -> "
+      f"{j['jump_forward_16']['forwards_per_token']} (target <= 0.75), decode {j['jump_forward_0']['decode_tok_s']} -> "
+      f"{j['jump_forward_16']['decode_tok_s']} tok/s, same answers: {j['same_answers']}")
+results.update(valid=v, compile=c, jump=j)
 json.dump(results, open(f"{out}/results.json", "w"), indent=1)
 PY
 echo "total: ${SECONDS} s"
