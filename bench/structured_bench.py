@@ -119,7 +119,10 @@ JUMP_SCHEMAS = [
 
 
 def _jump(model: str, device: str) -> dict:
+    import gc
     import time
+
+    import torch
 
     from services.worker.engine.engine import LLMEngine
     from services.worker.engine.engine_config import EngineConfig
@@ -133,7 +136,8 @@ def _jump(model: str, device: str) -> dict:
     answers = {}
     for jf in (0, 16):
         engine = LLMEngine(EngineConfig(model_dir=model, device=device, overlap=device.startswith("cuda"),
-                                        jump_forward=jf, max_num_seqs=8, max_num_batched_tokens=2048))
+                                        jump_forward=jf, max_num_seqs=8, max_num_batched_tokens=2048,
+                                        gpu_memory_utilization=0.4))
         grammars = Grammars(model, engine.model_config.vocab_size, eos)
         forwards = tokens = 0
         seconds = 0.0
@@ -154,6 +158,10 @@ def _jump(model: str, device: str) -> dict:
                     tokens += r.num_output_tokens - 1
                     outs.append(r.output_token_ids)
         grammars.close()
+        del engine  # its KV pool, before the next engine sizes its own
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
         answers[jf] = outs
         results[f"jump_forward_{jf}"] = {"forwards_per_token": round(forwards / tokens, 3),
                                          "decode_tok_s": round(tokens / seconds, 1), "tokens": tokens}
