@@ -136,7 +136,7 @@ def _jump(model: str, device: str) -> dict:
     answers = {}
     for jf in (0, 16):
         engine = LLMEngine(EngineConfig(model_dir=model, device=device, overlap=device.startswith("cuda"),
-                                        jump_forward=jf, max_num_seqs=8, max_num_batched_tokens=2048,
+                                        jump_forward=jf, max_num_seqs=32, max_num_batched_tokens=2048,
                                         gpu_memory_utilization=0.4))
         grammars = Grammars(model, engine.model_config.vocab_size, eos)
         forwards = tokens = 0
