@@ -166,6 +166,11 @@ def _jump(model: str, device: str) -> dict:
         results[f"jump_forward_{jf}"] = {"forwards_per_token": round(forwards / tokens, 3),
                                          "decode_tok_s": round(tokens / seconds, 1), "tokens": tokens}
     results["same_answers"] = answers[0] == answers[16]
+    # Where each answer first differs (None: identical): bf16 numerics of a multi-token step against
+    # a one-token step can flip a near-tie of a random-weight model.
+    results["first_difference"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                                        None if len(a) == len(b) else min(len(a), len(b)))
+                                   for a, b in zip(answers[0], answers[16])]
     results["example"] = tok.decode(answers[16][0])[:200]
     return results
 
