@@ -160,10 +160,14 @@ def _checked_drafts(draft_rows: list, result: SampleResult) -> SampleResult:
     ids, firsts, i = [], [], 0
     while i < len(draft_rows):
         r = draft_rows[i][0]
-        k = r.draft_len
+        k = 0  # the draft's length when the step was planned: its rows after the first
+        while i + k + 1 < len(draft_rows) and draft_rows[i + k + 1][0] is r:
+            k += 1
         firsts.append(i)
         if not k:
             ids.append(result.token_ids[i])
+        elif r.draft_len != k:  # dropped since (a preemption): only the first draw follows what it knows
+            ids.append([result.token_ids[i]])
         else:
             draws, draft = result.token_ids[i:i + k + 1], r.all_token_ids[-k:]
             a = next((j for j in range(k) if draws[j] != draft[j]), k)
