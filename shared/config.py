@@ -192,6 +192,7 @@ class WorkerServiceConfig:
     handoff_timeout: float = 10.0  # an offer's pages must arrive (and a push finish) within this
     grammar_compile_timeout: float = 10.0  # a structured output's grammar compiles within this, or the request fails
     jump_forward: int = 0  # forced grammar tokens checked per forward (engine_config.EngineConfig.jump_forward)
+    speculative_config: str = ""  # --speculative-config's JSON (services/worker/engine/speculative.py); "": off
     # Decode role on a GPU: prefill workers of this host write the pages into its receive slots over
     # CUDA IPC (else it copies them out of theirs).
     handoff_push: bool = True

@@ -45,6 +45,7 @@ class WireSamplingParams(Message):
     logprobs: int | None
     grammar_kind: str = ""
     grammar: str = ""
+    speculative: bool = True
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -390,6 +391,11 @@ class WorkerHeartbeat(Message):
     # typical one, 256 tokens): the scheduler counts the store's pages as cached here in proportion
     # to what a fetch saves (none at 1 or more). -1: this worker does not use a store.
     store_fetch_cost: float = -1.0
+    # Speculative decoding, cumulative (the worker's --speculative-config): steps that checked drafts,
+    # drafted tokens, and those the model's draws confirmed.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

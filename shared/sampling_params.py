@@ -73,6 +73,7 @@ class SamplingParams:
     # Structured output: the sampler draws only tokens this grammar allows (services/worker/grammar.py).
     grammar_kind: str = ""  # "" (none) or one of GRAMMAR_KINDS
     grammar: str = ""  # json_schema: the schema's JSON; regex; ebnf (root rule "root"); json: unused
+    speculative: bool = True  # False: never drafted for (the worker's --speculative-config), an extension
 
     @property
     def greedy(self) -> bool:

@@ -105,6 +105,14 @@ class WorkerStatsCollector:
                                   sum(hb.prefix_cache_hits for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",
                                   sum(hb.prefix_cache_queries for hb in live))
+        # Speculative decoding (vLLM's names): accepted / draft tokens is the acceptance rate, and
+        # 1 + accepted / drafts the tokens a checking step makes per request.
+        yield CounterMetricFamily("inferno:spec_decode_num_drafts", "Steps that checked speculative drafts.",
+                                  sum(hb.spec_steps for hb in live))
+        yield CounterMetricFamily("inferno:spec_decode_num_draft_tokens", "Tokens drafted by speculation.",
+                                  sum(hb.spec_draft_tokens for hb in live))
+        yield CounterMetricFamily("inferno:spec_decode_num_accepted_tokens", "Drafted tokens the model's draws "
+                                  "confirmed.", sum(hb.spec_accepted_tokens for hb in live))
 
 
 class GatewayMetrics:

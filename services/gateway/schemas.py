@@ -376,6 +376,7 @@ SAMPLING: tuple[Field, ...] = (
     Integer("min_tokens", 0, 0, None, "Tokens to generate before a stop token may end a choice."),
     TokenIds("stop_token_ids", MAX_STOP_TOKEN_IDS, doc="Tokens that end a choice, besides the model's eos."),
     Boolean("ignore_eos", False, "Keep generating past the model's eos token."),
+    Boolean("speculative", True, "False: no speculative drafts for this request (the worker's --speculative-config)."),
 )
 COMMON: tuple[Field, ...] = (MODEL, N, STREAM, STREAM_OPTIONS, STOP, *SAMPLING, SKIP_SPECIAL_TOKENS, CACHE_SALT,
                              *STRUCTURED_FIELDS)
@@ -435,7 +436,7 @@ def _spec(v: dict[str, Any], limits: Limits, max_tokens: int | None, logprobs: i
         # A stand-in until the prompt length is known (resolve_max_tokens); bounds it meanwhile.
         max_tokens=max_tokens if max_tokens is not None else limits.max_model_len,
         min_tokens=v["min_tokens"], stop_token_ids=v["stop_token_ids"] or [], ignore_eos=v["ignore_eos"],
-        logprobs=logprobs)
+        logprobs=logprobs, speculative=v["speculative"])
     params.grammar_kind, params.grammar = grammar_of(v)
     try:
         params.validate(limits.vocab_size)

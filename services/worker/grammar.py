@@ -54,10 +54,13 @@ class Matcher:
         if limit <= 0 or self._encode is None:
             return []
         text = self.raw.find_jump_forward_string()
-        if not text:
-            return []
+        return self.allowed_prefix(self._encode(text)[:limit]) if text else []
+
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of `tokens` the grammar allows from here, one after the other (a
+        draft's tokens the grammar forbids are never checked); the matcher is left where it was."""
         ids = []
-        for token in self._encode(text)[:limit]:
+        for token in tokens:
             if not self.raw.accept_token(token):
                 break
             ids.append(token)

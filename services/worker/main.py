@@ -66,6 +66,10 @@ def parse_args(argv):
                     help="structured outputs: check up to N tokens the grammar forces (a fixed key, a closing "
                          "brace) in one forward against the model's own draws, the answer unchanged; such "
                          "requests do not overlap their steps (default 0: off)")
+    ap.add_argument("--speculative-config", default=env_default("INFERNO_SPECULATIVE_CONFIG", ""), metavar="JSON",
+                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 32}; lossless '
+                         '(the answers are those without it); default: off')
     ap.add_argument("--handoff-push", action=argparse.BooleanOptionalAction,
                     default=env_default("INFERNO_HANDOFF_PUSH", True, parse_bool),
                     help="decode role on a GPU: prefill workers of this host write the prompt's KV into this "
@@ -205,12 +209,15 @@ def service_config(args) -> WorkerServiceConfig:
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
-                  handoff_push=args.handoff_push, kvstore=args.kvstore,
+                  speculative_config=args.speculative_config, handoff_push=args.handoff_push, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
+    if args.speculative_config:
+        from services.worker.engine.speculative import SpeculativeConfig
+        SpeculativeConfig.from_json(args.speculative_config)  # ValueError naming what is wrong, before any load
     return WorkerServiceConfig(**kwargs)
 
 

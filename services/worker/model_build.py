@@ -199,6 +199,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
 
     from services.worker.engine.engine import LLMEngine
     from services.worker.engine.engine_config import EngineConfig
+    from services.worker.engine.speculative import SpeculativeConfig
     from services.worker.engine.staged_graphs import StagedGraphs
 
     bind_thread(cfg.device)  # a pool thread: the sampler's warm-up and the graphs launch Triton kernels
@@ -215,6 +216,7 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce,
         fused_all_reduce_norm=cfg.fused_all_reduce_norm, jump_forward=cfg.jump_forward,
+        speculative=SpeculativeConfig.from_json(cfg.speculative_config) if cfg.speculative_config else None,
         handoff_buffer_tokens=handoff_buffer_tokens(cfg))
     kv = leftovers.kv_cache
     if kv is not None:

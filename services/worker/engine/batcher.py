@@ -80,7 +80,7 @@ class Batcher:
         self._num_not_plain = 0
         self._num_handoff = 0
         self.num_constrained = 0  # unfinished requests with a grammar (their matchers take each token)
-        self.num_jump_forward = 0  # ... of which those that draft the tokens their grammar forces
+        self.num_drafting = 0  # unfinished requests that may carry a draft (jump-forward, n-gram)
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -96,14 +96,14 @@ class Batcher:
         self._num_not_plain += not request.plain
         self._num_handoff += request.handoff
         self.num_constrained += request.matcher is not None
-        self.num_jump_forward += request.jump_forward
+        self.num_drafting += request.jump_forward or request.ngram
 
     def _untrack(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._num_not_plain -= not request.plain
         self._num_handoff -= request.handoff
         self.num_constrained -= request.matcher is not None
-        self.num_jump_forward -= request.jump_forward
+        self.num_drafting -= request.jump_forward or request.ngram
 
     def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager
@@ -296,7 +296,7 @@ class Batcher:
         plan.sampling = [s.request for s in plan.scheduled if s.samples]
         plan.plain = self.all_plain
         plan.handoffs = self._num_handoff > 0
-        if self.num_jump_forward and any(r.draft_len for r in plan.sampling):
+        if self.num_drafting and any(r.draft_len for r in plan.sampling):
             plan.draft_rows = [(r, j) for r in plan.sampling for j in range(1 + r.draft_len)]
         return plan
 

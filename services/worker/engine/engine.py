@@ -36,6 +36,7 @@ from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.request_output import RequestOutput
 from services.worker.engine.runner import DeferredDraw, ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
+from services.worker.engine.speculative import ngram_draft
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.kernels import triton_setup
 from shared.block_hash import request_block_key
@@ -109,6 +110,10 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_queries: int
     steps: int = 0
+    # Speculation, cumulative: steps that checked drafts, drafted tokens, confirmed ones.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -152,12 +157,13 @@ def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
     request.min_tokens_masked = 0
 
 
-def _checked_drafts(draft_rows: list, result: SampleResult) -> SampleResult:
-    """One entry a sampling request again: a jump-forward request's rows become the tokens of its
-    draft that its draws confirmed, then the first draw that differed (or the one after the draft),
+def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult, int, int]:
+    """One entry a sampling request again: a drafting request's rows become the tokens of its draft
+    that its draws confirmed, then the first draw that differed (or the one after the draft),
     exactly what token-by-token decoding would have drawn; the others' rows are theirs. Log-
-    probabilities come from a request's first row (drafting requests ask for none)."""
-    ids, firsts, i = [], [], 0
+    probabilities come from a request's first row (drafting requests ask for none). Also returns
+    the drafts' tokens and how many of them were confirmed."""
+    ids, firsts, i, drafted, confirmed = [], [], 0, 0, 0
     while i < len(draft_rows):
         r = draft_rows[i][0]
         k = 0  # the draft's length when the step was planned: its rows after the first
@@ -172,9 +178,10 @@ def _checked_drafts(draft_rows: list, result: SampleResult) -> SampleResult:
             draws, draft = result.token_ids[i:i + k + 1], r.all_token_ids[-k:]
             a = next((j for j in range(k) if draws[j] != draft[j]), k)
             ids.append(draft[:a] + [draws[a]])
+            drafted, confirmed = drafted + k, confirmed + a
         i += k + 1
     pick = (lambda column: None if column is None else [column[j] for j in firsts])
-    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs))
+    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), drafted, confirmed
 
 
 class LLMEngine:
@@ -268,8 +275,11 @@ class LLMEngine:
         self.prompt_sink: PromptSink | None = None
         # Copies out of the pool: hand-offs (from the buffer set aside for them) and the cluster store's.
         self.exporter = PageExporter(self.kv_cache, self.device, handoff_buffer_blocks(config))
-        # Jump-forward drafts (EngineConfig.jump_forward): not across a pipeline's micro-batches.
+        # Drafts (jump-forward, speculation) are checked in one step: not across a pipeline's micro-batches.
         self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
+        self._spec = config.speculative if self.layout.pp == 1 else None
+        # Speculation's counts, cumulative: steps that checked a draft, drafted and confirmed tokens.
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
 
@@ -304,8 +314,13 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary ({self.model_config.vocab_size})")
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
-                       arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
+        request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
+                          arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
+        # Speculation (n-gram drafts), unless the request opts out or its draws need more than the
+        # logits at each place (logprobs, bias, penalties: not per draft position yet).
+        request.ngram = (self._spec is not None and params.speculative and params.logprobs is None
+                         and not request.processes_logits)
+        return request
 
     def abort(self, request_id: str) -> bool:
         if self.cancel_import(request_id):
@@ -407,8 +422,17 @@ class LLMEngine:
         # Penalties need the values of every output token, so such a request cannot be
         # planned while its previous token is still on the device. (Pipeline micro-batches
         # never plan a request whose token is in flight.)
+        # A draft follows a known token, so speculation runs its steps one after the other, while it
+        # is on (up to disable_by_batch_size requests running; past that no drafts are made).
+        if self.batcher.num_drafting and self._speculating():
+            return False
         return self.layout.pp > 1 or (self.config.overlap and (self.batcher.all_plain or not any(
             r.needs_token_history for r in self.batcher.running_requests())))
+
+    def _speculating(self) -> bool:
+        spec = self._spec
+        return spec is not None and (not spec.disable_by_batch_size
+                                     or self.batcher.num_running <= spec.disable_by_batch_size)
 
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1
@@ -468,7 +492,10 @@ class LLMEngine:
             first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         if result is not None and plan.draft_rows is not None:
-            result = _checked_drafts(plan.draft_rows, result)
+            result, drafted, confirmed = _checked_drafts(plan.draft_rows, result)
+            self.spec_steps += 1
+            self.spec_draft_tokens += drafted
+            self.spec_accepted_tokens += confirmed
         tokens = result.token_ids if result is not None else []
         if self.batcher.num_constrained:
             _advance_matchers(reqs, tokens)
@@ -476,7 +503,7 @@ class LLMEngine:
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
         outputs = self._outputs(live_reqs, tokens, live, result, bool(finished), plan.draft_rows is not None)
-        if self.batcher.num_jump_forward:
+        if self.batcher.num_drafting:
             self._draft(reqs)
         if first_blocks:
             for row, rid in enumerate(outputs.request_ids):
@@ -499,14 +526,22 @@ class LLMEngine:
         return outputs
 
     def _draft(self, reqs: list[Request]) -> None:
-        """Jump-forward: each running drafting request appends the tokens its grammar forces next,
-        which the next step computes and checks against the model's draws (_checked_drafts)."""
-        limit = self.config.jump_forward
+        """Each running drafting request appends its draft: the tokens its grammar forces next
+        (jump-forward), else the n-gram prompt lookup's (speculation, while on), cut to what its
+        grammar allows. The next step computes them and checks them against the model's draws."""
+        spec = self._spec if self._speculating() else None
+        running = RequestStatus.RUNNING
         for r in reqs:
-            if not r.jump_forward or r.status is not RequestStatus.RUNNING or r.draft_len or r.matcher.terminated:
+            if r.status is not running or r.draft_len or not (r.jump_forward or (r.ngram and spec is not None)):
                 continue
-            room = min(limit, r.token_limit - len(r.all_token_ids) - 1, self.max_model_len - len(r.all_token_ids) - 1)
-            draft = r.matcher.draft(room)
+            known = len(r.all_token_ids)
+            room = min(r.token_limit, self.max_model_len) - known - 1
+            draft = r.matcher.draft(min(room, self.config.jump_forward)) if r.jump_forward else []
+            if not draft and r.ngram and spec is not None:
+                draft = ngram_draft(r.all_token_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_min,
+                                    spec.prompt_lookup_max)
+                if draft and r.matcher is not None:
+                    draft = r.matcher.allowed_prefix(draft)
             if draft:
                 r.all_token_ids.extend(draft)
                 r.draft_len = len(draft)
@@ -636,4 +671,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries,
             steps=self.steps,
+            spec_steps=self.spec_steps,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )

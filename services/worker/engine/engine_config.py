@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -34,6 +35,8 @@ class EngineConfig:
     # Jump-forward: at most this many tokens a structured output's grammar forces are checked in one
     # forward against the model's own draws (0: off). Such requests do not overlap their steps.
     jump_forward: int = 0
+    # Speculative decoding (speculative.SpeculativeConfig: n-gram prompt lookup), or None.
+    speculative: Any = None
     max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
     mixed_graphs: bool = True  # steps with prefill chunks (up to 2,048 tokens) replay graphs too
     load_threads: int = 8

@@ -77,9 +77,11 @@ class Request:
     plain: bool = True
     # Structured output (services/worker/grammar.py): masks each draw to what the grammar allows.
     matcher: Any = None
-    # Jump-forward (engine.py): the last draft_len of all_token_ids are the grammar's forced tokens,
-    # not yet drawn; the next step computes them and checks each against the model's own draw.
+    # Drafts (engine.py): the last draft_len of all_token_ids are proposed tokens, not yet drawn
+    # (the grammar's forced ones: jump_forward; n-gram prompt lookup: ngram); the next step computes
+    # them and checks each against the model's own draw.
     jump_forward: bool = False
+    ngram: bool = False
     draft_len: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
 

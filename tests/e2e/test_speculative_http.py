@@ -1,0 +1,55 @@
+"""Speculative decoding through the stack (issue 36): a worker with n-gram drafts answers exactly as
+without them (a request may opt out with "speculative": false), alone and eight at once, and
+/metrics counts the drafts and the confirmed tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME, start_stack
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("spec"), tiny_model,
+                    worker_args=("--speculative-config", json.dumps(SPEC)))
+    yield s
+    s.stop()
+
+
+def test_answers_are_those_without_speculation(stack):
+    c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompts = ["one two three one two three one two three one two", "Tell me a story about a dog.",
+               "a b c d a b c d a b", "The quick brown fox", "x y x y x y x y", "Hello", "1 2 1 2 1 2",
+               "red green blue red green blue"]
+
+    def ask(prompt: str, seed: int, speculative: bool) -> str:
+        kw = dict(temperature=0.0) if seed < 0 else dict(temperature=0.9, seed=seed)
+        r = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, **kw,
+                                 extra_body={"ignore_eos": True, "speculative": speculative})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        for seed in (-1, 3):  # greedy, then seeded
+            alone = [ask(p, seed, True) for p in prompts[:2]]
+            together = list(pool.map(lambda p: ask(p, seed, True), prompts))
+            plain = list(pool.map(lambda p: ask(p, seed, False), prompts))
+            assert together == plain and alone == plain[:2]
+    deadline = time.monotonic() + 5  # the counts come with the workers' heartbeats
+    while True:
+        metrics = urllib.request.urlopen(stack.url + "/metrics").read().decode()
+        drafted = float(re.search(r"^inferno:spec_decode_num_draft_tokens_total (\S+)", metrics, re.M).group(1))
+        accepted = float(re.search(r"^inferno:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M).group(1))
+        if accepted > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert drafted > 0 and 0 < accepted <= drafted

@@ -1,0 +1,147 @@
+"""Speculative decoding with n-gram drafts (issue 36): the answers are those without speculation,
+greedy and seeded, at batch 1 and in a mixed batch; max_tokens and stop tokens inside a confirmed run
+cut it exactly; a grammar-constrained request with drafts stays valid; a draft with the wrong token
+everywhere leaves the next-token distribution that of the model (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from services.worker.engine.speculative import SpeculativeConfig, ngram_draft
+from shared.sampling_params import SamplingParams
+from tests.models.conftest import eos_ids, make_engine, random_prompt
+
+ARCH = "LlamaForCausalLM"
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs):
+    return model_dirs[ARCH]
+
+
+def repetitive(n: int, vocab: int, seed: int) -> list[int]:
+    """A prompt that repeats a phrase, so that prompt lookup finds drafts."""
+    phrase = random_prompt(5 + seed % 4, vocab, seed)
+    return (phrase * (n // len(phrase) + 1))[:n]
+
+
+def run(engine, prompts, params, eos=(), grammar=None):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp, eos, matcher=grammar() if grammar else None)
+    out, finish, steps = {f"r{i}": [] for i in range(len(prompts))}, {}, engine.steps
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+    return [(out[f"r{i}"], finish.get(f"r{i}")) for i in range(len(prompts))], engine.steps - steps
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3, 1, 3) == [7, 8, 1]
+    assert ngram_draft([5, 6, 7], 2, 1, 2) == []
+    assert ngram_draft([4, 4], 5, 1, 1) == [4]
+    with pytest.raises(ValueError, match="not built yet"):
+        SpeculativeConfig.from_json('{"method": "eagle3"}')
+    with pytest.raises(ValueError, match="unknown keys"):
+        SpeculativeConfig.from_json('{"method": "ngram", "num_spec": 3}')
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_speculation_changes_no_answer(model_dir, batch, sampled):
+    vocab = make_engine(model_dir).model_config.vocab_size
+    prompts = [repetitive(24 + 3 * i, vocab, seed=i) if i % 2 == 0 else random_prompt(10 + i, vocab, seed=i)
+               for i in range(batch)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9 if sampled else 0.0, seed=i,
+                             top_k=30 if sampled else 0, speculative=i != 3) for i in range(batch)]
+    plain, plain_steps = run(make_engine(model_dir), prompts, params)
+    engine = make_engine(model_dir, speculative=SPEC, overlap=True)
+    spec, steps = run(engine, prompts, params)
+    assert spec == plain
+    assert engine.spec_draft_tokens > 0 and steps <= plain_steps
+    if not sampled:  # a random model repeats its greedy loops: drafts are confirmed
+        assert engine.spec_accepted_tokens > 0
+        assert steps < plain_steps or batch > 1  # in a batch the request that never drafts sets the pace
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_max_tokens_and_stop_ids_cut_a_confirmed_run(model_dir):
+    vocab = make_engine(model_dir).model_config.vocab_size
+    prompt = repetitive(30, vocab, seed=2)
+    free, _ = run(make_engine(model_dir), [prompt], [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)])
+    tokens = free[0][0]
+    stop = tokens[13]
+    for sp in (SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.0),
+               SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0, stop_token_ids=[stop])):
+        plain, _ = run(make_engine(model_dir), [prompt], [sp])
+        spec, _ = run(make_engine(model_dir, speculative=SPEC), [prompt], [sp])
+        assert spec == plain
+    assert len(run(make_engine(model_dir, speculative=SPEC), [prompt], [SamplingParams(
+        max_tokens=11, ignore_eos=True, temperature=0.0)])[0][0][0]) == 11
+
+
+def test_a_constrained_request_with_drafts_stays_valid(model_dir):
+    import jsonschema
+
+    from services.worker.grammar import Grammars
+    from shared.tokenizer import Tokenizer
+
+    eos = eos_ids(model_dir)
+    vocab = make_engine(model_dir).model_config.vocab_size
+    grammars = Grammars(str(model_dir), vocab, eos)
+    schema = {"type": "array", "items": {"enum": ["ab", "cd"]}, "minItems": 3, "maxItems": 12}
+
+    def grammar():
+        return asyncio.run(grammars.matcher("json_schema", json.dumps(schema)))
+
+    prompts = [random_prompt(12, vocab, seed=7)]
+    params = [SamplingParams(max_tokens=80, temperature=0.0)]
+    plain, _ = run(make_engine(model_dir), prompts, params, eos, grammar)
+    spec, _ = run(make_engine(model_dir, speculative=SPEC, jump_forward=4), prompts, params, eos, grammar)
+    assert spec == plain and plain[0][1] == "stop"
+    jsonschema.validate(json.loads(Tokenizer.from_path(model_dir).decode(spec[0][0])), schema)
+    grammars.close()
+
+
+def test_a_wrong_draft_leaves_the_distribution_the_models():
+    """The check's rule on a 16-token vocabulary: each of 20,000 requests drafts token 0 (unlikely
+    under the target), the sampler draws its rows as a step would, and the engine keeps the draft
+    where the draw confirms it, else the draw. The kept tokens must follow the target's softmax
+    (chi-square, 15 degrees of freedom, p = 0.001); keeping the draft 5 % more often fails it."""
+    from services.worker.engine.engine import _checked_drafts
+    from services.worker.engine.ops import make_ops
+    from services.worker.engine.request import Request
+    from services.worker.engine.sampler import Sampler
+
+    torch.manual_seed(0)
+    n, vocab = 20_000, 16
+    logits = torch.randn(vocab) * 1.5
+    logits[0] = -2.0
+    sampler = Sampler(make_ops("torch"), vocab, torch.device("cpu"), 2 * n)
+    requests = []
+    for i in range(n):
+        r = Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, max_tokens=4, seed=i), seed=i)
+        r.all_token_ids.append(0)  # the draft
+        r.draft_len, r.num_pending_tokens = 1, 1
+        requests.append(r)
+    rows = [(r, j) for r in requests for j in (0, 1)]
+    result = sampler(logits.expand(2 * n, vocab).clone(), requests, draft_rows=rows).result()
+    checked, drafted, confirmed = _checked_drafts(rows, result)
+    kept = torch.tensor([e[0] for e in checked.token_ids])
+    assert drafted == n and 0 < confirmed < n * 0.05
+
+    def chi2(tokens):
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        expected = torch.softmax(logits.double(), 0) * n
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi2(kept) < 37.7
+    wrong = kept.clone()
+    wrong[torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.05] = 0
+    assert chi2(wrong) > 37.7
