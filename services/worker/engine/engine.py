@@ -263,7 +263,7 @@ class LLMEngine:
                 from services.worker.engine.mixed_graphs import MixedGraphRunner
                 mixed = MixedGraphRunner(self.model, self.kv_cache, config.max_num_seqs,
                                          config.max_num_batched_tokens, min(self.max_model_len, config.max_graph_len),
-                                         self.device)
+                                         self.device, config.drafts)
                 self.graph_capture_seconds += mixed.capture(graphs.pool)
                 self.runner.mixed_graphs = mixed
             self.runner.warm_logits(config.max_num_seqs)

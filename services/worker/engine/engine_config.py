@@ -82,3 +82,8 @@ class EngineConfig:
     @property
     def kernel_backend(self) -> str:
         return self.kernels or ("triton" if self.is_cuda else "torch")
+
+    @property
+    def drafts(self) -> bool:
+        """Some steps check drafts of a few tokens (mixed_graphs.DRAFT_BUCKETS)."""
+        return self.jump_forward > 0 or self.speculative is not None

@@ -49,7 +49,7 @@ class StagedGraphs:
         self.cuda = engine.device.type == "cuda"
         self.decode = CudaGraphRunner(engine.model, engine.kv_cache, cfg.max_num_seqs, max_len, engine.device)
         self.mixed = (MixedGraphRunner(engine.model, engine.kv_cache, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                       max_len, engine.device) if cfg.mixed_graphs else None)
+                                       max_len, engine.device, cfg.drafts) if cfg.mixed_graphs else None)
         self.memory = memory
         self.pool = memory.pool if memory is not None else None
         self.before_ready = before_ready
