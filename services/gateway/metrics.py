@@ -105,10 +105,10 @@ class WorkerStatsCollector:
                                   sum(hb.prefix_cache_hits for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",
                                   sum(hb.prefix_cache_queries for hb in live))
-        # Speculative decoding (vLLM's names): accepted / draft tokens is the acceptance rate, and
-        # 1 + accepted / drafts the tokens a checking step makes per request.
-        yield CounterMetricFamily("inferno:spec_decode_num_drafts", "Steps that checked speculative drafts.",
-                                  sum(hb.spec_steps for hb in live))
+        # Speculative decoding and jump-forward (vLLM's names): accepted / draft tokens is the acceptance
+        # rate, and 1 + accepted / drafts the tokens a request makes in a step that checks its draft.
+        yield CounterMetricFamily("inferno:spec_decode_num_drafts", "Drafts checked (a request's in a step).",
+                                  sum(hb.spec_drafts for hb in live))
         yield CounterMetricFamily("inferno:spec_decode_num_draft_tokens", "Tokens drafted by speculation.",
                                   sum(hb.spec_draft_tokens for hb in live))
         yield CounterMetricFamily("inferno:spec_decode_num_accepted_tokens", "Drafted tokens the model's draws "

@@ -110,8 +110,9 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_queries: int
     steps: int = 0
-    # Speculation, cumulative: steps that checked drafts, drafted tokens, confirmed ones.
-    spec_steps: int = 0
+    # Drafts (speculation, jump-forward), cumulative: drafts checked (a request's in a step), their tokens,
+    # and the tokens the model's draws confirmed.
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     extra: dict = field(default_factory=dict)
@@ -278,8 +279,8 @@ class LLMEngine:
         # Drafts (jump-forward, speculation) are checked in one step: not across a pipeline's micro-batches.
         self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
         self._spec = config.speculative if self.layout.pp == 1 else None
-        # Speculation's counts, cumulative: steps that checked a draft, drafted and confirmed tokens.
-        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative.
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
 
@@ -493,7 +494,7 @@ class LLMEngine:
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         if result is not None and plan.draft_rows is not None:
             result, drafted, confirmed = _checked_drafts(plan.draft_rows, result)
-            self.spec_steps += 1
+            self.spec_drafts += sum(1 for e in result.token_ids if type(e) is list)
             self.spec_draft_tokens += drafted
             self.spec_accepted_tokens += confirmed
         tokens = result.token_ids if result is not None else []
@@ -671,7 +672,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries,
             steps=self.steps,
-            spec_steps=self.spec_steps,
+            spec_drafts=self.spec_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
         )
