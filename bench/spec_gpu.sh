@@ -4,6 +4,8 @@
 # each on its own stack after 200 warm-up requests, in the order off on off; then the speculation
 # counters from /metrics. Ends with one table (summary.txt).
 # Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh (and xgrammar, jsonschema, pydantic wheels).
+# Three stacks on a fresh machine (the first compiles the Triton kernels): give it a call of its own,
+# 600 s, and no pipe that holds its output back (a 400 s call ran out with nothing printed, 2026-11-29).
 # Usage: COMMIT=<sha> bash bench/spec_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
