@@ -145,3 +145,34 @@ def test_a_wrong_draft_leaves_the_distribution_the_models():
     wrong = kept.clone()
     wrong[torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.05] = 0
     assert chi2(wrong) > 37.7
+
+
+def test_logprobs_are_the_targets_for_every_kept_token(model_dir):
+    """A request with logprobs speculates too: each kept token comes with its own row's log-
+    probabilities, those of decoding without drafts."""
+    vocab = make_engine(model_dir).model_config.vocab_size
+    prompts = [repetitive(30, vocab, seed=4), repetitive(22, vocab, seed=6)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=9, logprobs=1)]
+
+    def run_logprobs(engine):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", p, sp)
+        got = {f"r{i}": ([], [], []) for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens, lps, tops = got[o.request_id]
+                tokens += o.new_token_ids
+                lps += o.logprobs
+                tops += o.top_logprobs
+        return got
+
+    plain = run_logprobs(make_engine(model_dir))
+    engine = make_engine(model_dir, speculative=SPEC)
+    spec = run_logprobs(engine)
+    assert engine.spec_accepted_tokens > 0
+    for rid in plain:
+        (t0, lp0, top0), (t1, lp1, top1) = plain[rid], spec[rid]
+        assert t1 == t0 and len(lp1) == len(t1) == len(top1)
+        assert max(abs(a - b) for a, b in zip(lp0, lp1)) < 1e-4
+        assert [[t for t, _ in alts] for alts in top1] == [[t for t, _ in alts] for alts in top0]

@@ -145,12 +145,11 @@ def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
 def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
     """Each of the request's draws is masked by its grammar's matcher (grammar_mask.py), which takes
     every drawn token. `jump_forward`: it drafts the tokens its grammar forces (LLMEngine._draft),
-    unless its draws need more than the logits (logprobs, bias, penalties): a draft is checked
-    against draws, so its next step waits for its last token (no overlap)."""
+    unless its draws need more than the logits (bias, penalties): a draft is checked against draws,
+    so its next step waits for its last token (no overlap)."""
     request.matcher = matcher
     request.plain = False
-    p = request.sampling_params
-    if jump_forward and p.logprobs is None and not request.processes_logits:
+    if jump_forward and not request.processes_logits:
         request.jump_forward = request.needs_token_history = True
     # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
     # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
@@ -161,27 +160,34 @@ def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
 def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult, int, int]:
     """One entry a sampling request again: a drafting request's rows become the tokens of its draft
     that its draws confirmed, then the first draw that differed (or the one after the draft),
-    exactly what token-by-token decoding would have drawn; the others' rows are theirs. Log-
-    probabilities come from a request's first row (drafting requests ask for none). Also returns
-    the drafts' tokens and how many of them were confirmed."""
-    ids, firsts, i, drafted, confirmed = [], [], 0, 0, 0
+    exactly what token-by-token decoding would have drawn; the others' rows are theirs. So are the
+    log-probabilities: a list of the kept tokens' rows for a drafting request. Also returns the
+    drafts' tokens and how many of them were confirmed."""
+    ids, rows, i, drafted, confirmed = [], [], 0, 0, 0
     while i < len(draft_rows):
         r = draft_rows[i][0]
         k = 0  # the draft's length when the step was planned: its rows after the first
         while i + k + 1 < len(draft_rows) and draft_rows[i + k + 1][0] is r:
             k += 1
-        firsts.append(i)
         if not k:
             ids.append(result.token_ids[i])
+            rows.append(i)
         elif r.draft_len != k:  # dropped since (a preemption): only the first draw follows what it knows
             ids.append([result.token_ids[i]])
+            rows.append([i])
         else:
             draws, draft = result.token_ids[i:i + k + 1], r.all_token_ids[-k:]
             a = next((j for j in range(k) if draws[j] != draft[j]), k)
             ids.append(draft[:a] + [draws[a]])
+            rows.append(list(range(i, i + a + 1)))
             drafted, confirmed = drafted + k, confirmed + a
         i += k + 1
-    pick = (lambda column: None if column is None else [column[j] for j in firsts])
+
+    def pick(column):
+        if column is None:
+            return None
+        return [[column[j] for j in row] if type(row) is list else column[row] for row in rows]
+
     return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), drafted, confirmed
 
 
@@ -318,9 +324,8 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
                           arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
         # Speculation (n-gram drafts), unless the request opts out or its draws need more than the
-        # logits at each place (logprobs, bias, penalties: not per draft position yet).
-        request.ngram = (self._spec is not None and params.speculative and params.logprobs is None
-                         and not request.processes_logits)
+        # logits at each place (bias, penalties: not per draft position yet).
+        request.ngram = self._spec is not None and params.speculative and not request.processes_logits
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -611,8 +616,14 @@ class LLMEngine:
                     out.stop_token_id = out.new_token_ids[-1]
             if k is not None:
                 row = i if live is None else live[i]
-                out.logprobs = [result.logprobs[row]]
-                out.top_logprobs = [list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))]
+                chosen, top_ids, top_lps = result.logprobs[row], result.top_ids[row], result.top_logprobs[row]
+                if drafts and type(chosen) is list:  # a checked draft: one entry per kept token
+                    n_kept = len(out.new_token_ids)  # (a stop or max_tokens may have cut the run)
+                    out.logprobs = chosen[:n_kept]
+                    out.top_logprobs = [list(zip(t[:k], lp[:k])) for t, lp in zip(top_ids[:n_kept], top_lps[:n_kept])]
+                else:
+                    out.logprobs = [chosen]
+                    out.top_logprobs = [list(zip(top_ids[:k], top_lps[:k]))]
         return outputs
 
     def _fail_step(self, plan: BatchPlan, error: Exception) -> StepOutputs:
