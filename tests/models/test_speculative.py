@@ -60,6 +60,10 @@ def test_speculation_changes_no_answer(model_dir, batch, sampled):
                for i in range(batch)]
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9 if sampled else 0.0, seed=i,
                              top_k=30 if sampled else 0, speculative=i != 3) for i in range(batch)]
+    if batch > 1:  # penalties and min_tokens at each draft place: the history up to it
+        params[4] = SamplingParams(max_tokens=40, temperature=0.7 if sampled else 0.0, seed=4, min_tokens=20,
+                                   repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
+                                   logit_bias={5: 2.0})
     plain, plain_steps = run(make_engine(model_dir), prompts, params)
     engine = make_engine(model_dir, speculative=SPEC, overlap=True)
     spec, steps = run(engine, prompts, params)

@@ -144,12 +144,11 @@ def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
 
 def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
     """Each of the request's draws is masked by its grammar's matcher (grammar_mask.py), which takes
-    every drawn token. `jump_forward`: it drafts the tokens its grammar forces (LLMEngine._draft),
-    unless its draws need more than the logits (bias, penalties): a draft is checked against draws,
-    so its next step waits for its last token (no overlap)."""
+    every drawn token. `jump_forward`: it drafts the tokens its grammar forces (LLMEngine._draft):
+    a draft is checked against draws, so its next step waits for its last token (no overlap)."""
     request.matcher = matcher
     request.plain = False
-    if jump_forward and not request.processes_logits:
+    if jump_forward:
         request.jump_forward = request.needs_token_history = True
     # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
     # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
@@ -323,9 +322,8 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
                           arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
-        # Speculation (n-gram drafts), unless the request opts out or its draws need more than the
-        # logits at each place (bias, penalties: not per draft position yet).
-        request.ngram = self._spec is not None and params.speculative and not request.processes_logits
+        # Speculation (n-gram drafts), unless the request opts out.
+        request.ngram = self._spec is not None and params.speculative
         return request
 
     def abort(self, request_id: str) -> bool:

@@ -122,7 +122,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         raw = logits
         if self._needs_processing(requests):
-            logits = self._process(logits.to(torch.float32, copy=True), requests)  # penalties in fp32, as vLLM
+            logits = self._process(logits.to(torch.float32, copy=True), requests, places)  # penalties in fp32, as vLLM
         if all(p.temperature == 0.0 for p in params):
             token_ids = logits.argmax(dim=-1)  # greedy batch: no sampling kernel, no parameter upload
         else:
@@ -221,23 +221,29 @@ class Sampler:
                 return True
         return False
 
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Row by row for the rare requests that use these knobs; the common case skips it all."""
+    def _process(self, logits: torch.Tensor, requests: list[Request], places: list[int] | None = None) -> torch.Tensor:
+        """Row by row for the rare requests that use these knobs; the common case skips it all.
+        `places`: a row's place j in its request's draft, whose history then ends at the draft's
+        first j tokens (the penalties and min_tokens of token-by-token decoding at that place)."""
         for row, r in enumerate(requests):
             p = r.sampling_params
+            known, index = r.all_token_ids, r.next_output_index
+            if places is not None and r.draft_len:
+                back = r.draft_len - places[row]
+                known, index = known[:len(known) - back], index - back
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[row].index_add_(0, ids, bias)
-            if r.next_output_index < r.min_tokens_masked:
+            if index < r.min_tokens_masked:
                 logits[row, torch.tensor(sorted(r.stop_ids), device=logits.device)] = float("-inf")
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=logits.device)
+                seen = torch.tensor(sorted(set(known)), dtype=torch.long, device=logits.device)
                 vals = logits[row, seen]
                 logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                                 vals * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
-                out = r.output_token_ids
+                out = known[r.num_prompt_tokens:]
                 if out:
                     ids, counts = torch.tensor(out, dtype=torch.long, device=logits.device).unique(
                         return_counts=True)
