@@ -67,3 +67,20 @@ def test_logprobs_come_for_every_token_of_a_confirmed_run(stack):
     (text, lp), (ref_text, ref_lp) = ask(True), ask(False)
     assert text == ref_text and lp.tokens == ref_lp.tokens and len(lp.token_logprobs) == 30
     assert max(abs(a - b) for a, b in zip(lp.token_logprobs, ref_lp.token_logprobs)) < 1e-4
+
+
+def test_a_stop_string_inside_a_confirmed_run_cuts_it_exactly(stack):
+    c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "one two three one two three one two three one two"
+    free = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=30, temperature=0.0,
+                                extra_body={"ignore_eos": True, "speculative": False}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+
+    def ask(speculative: bool):
+        return c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=30, temperature=0.0, stop=[stop],
+                                    extra_body={"ignore_eos": True, "speculative": speculative})
+
+    r, ref = ask(True), ask(False)
+    assert r.choices[0].text == ref.choices[0].text == free[:free.index(stop)]
+    assert r.choices[0].finish_reason == ref.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == ref.usage.completion_tokens
