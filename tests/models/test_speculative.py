@@ -180,3 +180,39 @@ def test_logprobs_are_the_targets_for_every_kept_token(model_dir):
         assert t1 == t0 and len(lp1) == len(t1) == len(top1)
         assert max(abs(a - b) for a, b in zip(lp0, lp1)) < 1e-4
         assert [[t for t, _ in alts] for alts in top1] == [[t for t, _ in alts] for alts in top0]
+
+
+def test_a_draft_made_before_the_batch_grew_is_checked_before_steps_overlap(model_dir, monkeypatch):
+    """Speculation turns off above disable_by_batch_size and the steps overlap again; a draft made
+    just before must still be checked in a step of its own (that step yields several tokens). Wrong
+    drafts (rejected at once) make the difference show: the answers must stay the same."""
+    from services.worker.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ngram_draft", lambda tokens, k, n_min, n_max: [1, 2, 3][:k])
+    vocab = make_engine(model_dir).model_config.vocab_size
+    late = [random_prompt(8 + i, vocab, seed=30 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+
+    def run_growing(engine, wait_for_draft):
+        out = {}
+
+        def step():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+        a = engine.add_request("a", random_prompt(12, vocab, seed=3), params)
+        for _ in range(6):
+            step()
+        while wait_for_draft and not a.draft_len:
+            step()
+        for i, p in enumerate(late):  # the batch grows past the bound with a's draft still to check
+            engine.add_request(f"b{i}", p, params)
+        while engine.has_unfinished():
+            step()
+        return out
+
+    plain = run_growing(make_engine(model_dir, overlap=True), False)
+    spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    engine = make_engine(model_dir, speculative=spec, overlap=True)
+    assert run_growing(engine, True) == plain
+    assert engine.spec_draft_tokens > 0

@@ -427,8 +427,10 @@ class LLMEngine:
         # planned while its previous token is still on the device. (Pipeline micro-batches
         # never plan a request whose token is in flight.)
         # A draft follows a known token, so speculation runs its steps one after the other, while it
-        # is on (up to disable_by_batch_size requests running; past that no drafts are made).
-        if self.batcher.num_drafting and self._speculating():
+        # is on (up to disable_by_batch_size requests running; past that no drafts are made) and while
+        # a draft made before is still to be checked (its step yields more than one token).
+        if self.batcher.num_drafting and (self._speculating() or any(
+                r.draft_len for r in self.batcher.running_requests())):
             return False
         return self.layout.pp > 1 or (self.config.overlap and (self.batcher.all_plain or not any(
             r.needs_token_history for r in self.batcher.running_requests())))
