@@ -83,6 +83,25 @@ def test_group_equals_one_process(tp, pp, arch, model_dirs, single_runs):
     assert max(abs(a - b) for a, b in zip(got_lp[2], want_lp[2])) < 1e-9
 
 
+def test_a_tensor_parallel_group_speculates_like_one_process(model_dirs, single_runs):
+    """n-gram drafts on a TP=2 group with overlapped steps: the ranks compute a draft's rows too, and
+    the answers (penalties and logprobs included) are those of one process without drafts."""
+    from services.worker.engine.speculative import SpeculativeConfig
+
+    arch = "LlamaForCausalLM"
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    engine = make_engine(model_dirs[arch], dtype="float64", tensor_parallel_size=2, max_num_batched_tokens=16,
+                         overlap=True, speculative=spec)
+    try:
+        got_tokens, got_lp = run(engine, prompts(engine.model_config.vocab_size), mixed_params())
+        assert engine.spec_draft_tokens > 0
+    finally:
+        engine.close()
+    want_tokens, want_lp = single_runs(arch, max_num_batched_tokens=16, overlap=True)
+    assert got_tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(got_lp[2], want_lp[2])) < 1e-9
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_float32_group_matches_transformers(tp, pp, model_dirs, hf_models):
     arch = "LlamaForCausalLM"

@@ -94,7 +94,7 @@ class ModelRunner:
         if sampling is None:
             sampling = [s.request for s in scheduled if s.samples]
         if self.group is not None:
-            self._send(step, scheduled, len(sampling))
+            self._send(step, scheduled, len(draft_rows) if draft_rows is not None else len(sampling))  # rows drawn
         hidden, rows = self._forward(step)
         if not sampling:
             return None
