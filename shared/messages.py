@@ -176,6 +176,8 @@ class TokenDelta(Message):
     completion_tokens: int = 0  # total so far, including these
     stop_token_id: int | None = None  # the eos/stop token that finished the request, if one did
     error_param: str | None = None  # an "error" the request's own input caused: the field at fault (a 400)
+    drafted_tokens: int = 0  # with the finish: its drafts' tokens over its life (Finish's)
+    accepted_tokens: int = 0
 
     @property
     def token_id_list(self) -> list[int]:
@@ -212,7 +214,8 @@ class Delta:
     plain slotted object (a frozen dataclass costs several times more to build per token)."""
 
     __slots__ = ("request_id", "token_ids", "logprobs", "top_ids", "top_lps", "finish_reason", "error",
-                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id", "error_param")
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "stop_token_id", "error_param",
+                 "drafted_tokens", "accepted_tokens")
 
     def __init__(self, request_id, token_ids, prompt_tokens, cached_tokens, completion_tokens):
         self.request_id = request_id
@@ -222,6 +225,7 @@ class Delta:
         self.completion_tokens = completion_tokens
         self.logprobs = self.top_ids = self.top_lps = None
         self.finish_reason = self.error = self.stop_token_id = self.error_param = None
+        self.drafted_tokens = self.accepted_tokens = 0
 
     @property
     def token_id_list(self) -> list[int]:
@@ -249,6 +253,9 @@ class Finish(Message):
     error: str | None = None
     stop_token_id: int | None = None
     param: str | None = None  # the request's own input failed: a 400 naming this field
+    # Its drafts (speculation, jump-forward) over its life: tokens checked, and those confirmed.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def _check(self) -> None:
         _require(self.reason in FINISH_REASONS, f"reason must be one of {FINISH_REASONS}")
@@ -294,7 +301,8 @@ class TokenBatch(Message):
     @classmethod
     def of(cls, worker_id: str, items: list[TokenDelta]) -> TokenBatch:
         """A batch from per-request deltas (tests, peers, rare paths; the worker builds columns)."""
-        finishes = [Finish(index=i, reason=d.finish_reason, error=d.error, stop_token_id=d.stop_token_id)
+        finishes = [Finish(index=i, reason=d.finish_reason, error=d.error, stop_token_id=d.stop_token_id,
+                           drafted_tokens=d.drafted_tokens, accepted_tokens=d.accepted_tokens)
                     for i, d in enumerate(items) if d.finish_reason is not None]
         logprobs = [TokenLogprobs(index=i, logprobs=d.logprobs, top_ids=d.top_ids, top_lps=d.top_lps)
                     for i, d in enumerate(items) if d.logprobs is not None]
@@ -324,6 +332,7 @@ class TokenBatch(Message):
             d = out.get(f.index)
             if d is not None:
                 d.finish_reason, d.error, d.stop_token_id, d.error_param = f.reason, f.error, f.stop_token_id, f.param
+                d.drafted_tokens, d.accepted_tokens = f.drafted_tokens, f.accepted_tokens
         for lp in self.logprobs:
             d = out.get(lp.index)
             if d is not None:

@@ -51,11 +51,18 @@ class PromptTokensDetails(ApiObject):
 
 
 @dataclass(slots=True)
+class CompletionTokensDetails(ApiObject):
+    accepted_prediction_tokens: int = 0  # drafted tokens the model confirmed (speculation, jump-forward)
+    rejected_prediction_tokens: int = 0
+
+
+@dataclass(slots=True)
 class CompletionUsage(ApiObject):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ class ChoiceUpdate:
 class ChoiceState:
     __slots__ = ("index", "request_id", "detok", "matcher", "want_logprobs", "num_tokens", "cached_tokens",
                  "prompt_tokens", "finish_reason", "error", "error_param", "stopped_here", "last_arrival", "parts",
-                 "logprobs")
+                 "logprobs", "drafted_tokens", "accepted_tokens")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str], want_logprobs: bool, skip_special_tokens: bool = True):
@@ -47,6 +47,7 @@ class ChoiceState:
         self.last_arrival = 0.0
         self.parts: list[str] = []  # the whole text, for a non-streaming answer
         self.logprobs: Any = None  # the format's accumulator, for a non-streaming answer
+        self.drafted_tokens = self.accepted_tokens = 0  # its drafts' tokens, from the worker at its end
 
     @property
     def finished(self) -> bool:
@@ -62,6 +63,8 @@ class ChoiceState:
             self.prompt_tokens = d.prompt_tokens
         raw = d.token_ids
         finish = d.finish_reason
+        if finish is not None and d.drafted_tokens:
+            self.drafted_tokens, self.accepted_tokens = d.drafted_tokens, d.accepted_tokens
         if len(raw) == 4 and finish is None and self.matcher is None and not self.want_logprobs:
             # The per-token path: one token mid-stream, no stop token, stop string or logprobs to mind.
             self.num_tokens += 1

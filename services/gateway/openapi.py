@@ -47,7 +47,9 @@ def _usage() -> dict:
     return {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"},
-        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+        "completion_tokens_details": {"type": "object", "properties": {
+            "accepted_prediction_tokens": {"type": "integer"}, "rejected_prediction_tokens": {"type": "integer"}}}}}
 
 
 def _completion(obj: str, choice: dict) -> dict:

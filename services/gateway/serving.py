@@ -167,8 +167,14 @@ def usage(gen: Generation) -> dict:
     prompt = len(gen.prompt_ids)
     completion = sum(c.num_tokens for c in gen.choices)
     cached = min(prompt, max(c.cached_tokens for c in gen.choices))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    drafted = sum(c.drafted_tokens for c in gen.choices)
+    if drafted:  # speculation or jump-forward: OpenAI's predicted-output counts say what the drafts gave
+        accepted = sum(c.accepted_tokens for c in gen.choices)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def _record_success(gw: Gateway, gen: Generation, tenant: Tenant) -> None:

@@ -13,7 +13,8 @@ from shared.wire import pack_ids
 def _batch(worker_id: str, outs: StepOutputs) -> TokenBatch:
     """The step's columns as they are; ends and logprobs from the few rows that have them."""
     special = sorted(outs.special.items())
-    finishes = [Finish(index=i, reason=o.finish_reason, error=o.error, stop_token_id=o.stop_token_id)
+    finishes = [Finish(index=i, reason=o.finish_reason, error=o.error, stop_token_id=o.stop_token_id,
+                       drafted_tokens=o.drafted_tokens, accepted_tokens=o.accepted_tokens)
                 for i, o in special if o.finish_reason is not None]
     logprobs = [_logprobs(i, o) for i, o in special if o.logprobs is not None]
     return TokenBatch(worker_id=worker_id, request_ids=outs.request_ids,

@@ -55,16 +55,20 @@ def test_answers_are_those_without_speculation(stack):
     assert drafted > 0 and 0 < accepted <= drafted
 
 
-def test_logprobs_come_for_every_token_of_a_confirmed_run(stack):
+def test_logprobs_and_usage_come_for_every_token_of_a_confirmed_run(stack):
     c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def ask(speculative: bool):
         r = c.completions.create(model=MODEL_NAME, prompt="a b c d a b c d a b c d a b", max_tokens=30,
                                  temperature=0.0, logprobs=2, extra_body={"ignore_eos": True,
                                                                           "speculative": speculative})
-        return r.choices[0].text, r.choices[0].logprobs
+        return r.choices[0].text, r.choices[0].logprobs, r.usage
 
-    (text, lp), (ref_text, ref_lp) = ask(True), ask(False)
+    (text, lp, usage), (ref_text, ref_lp, ref_usage) = ask(True), ask(False)
+    # What the drafts gave, in OpenAI's predicted-output counts; none without speculation.
+    details = usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert ref_usage.completion_tokens_details is None
     assert text == ref_text and lp.tokens == ref_lp.tokens and len(lp.token_logprobs) == 30
     assert max(abs(a - b) for a, b in zip(lp.token_logprobs, ref_lp.token_logprobs)) < 1e-4
 

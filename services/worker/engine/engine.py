@@ -180,6 +180,8 @@ def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResul
             ids.append(draft[:a] + [draws[a]])
             rows.append(list(range(i, i + a + 1)))
             drafted, confirmed = drafted + k, confirmed + a
+            r.drafted_tokens += k
+            r.accepted_tokens += a
         i += k + 1
 
     def pick(column):
@@ -614,6 +616,7 @@ class LLMEngine:
                 out.finish_reason = _REASONS[status]
                 if status is RequestStatus.FINISHED_STOPPED:
                     out.stop_token_id = out.new_token_ids[-1]
+                out.drafted_tokens, out.accepted_tokens = r.drafted_tokens, r.accepted_tokens
             if k is not None:
                 row = i if live is None else live[i]
                 chosen, top_ids, top_lps = result.logprobs[row], result.top_ids[row], result.top_logprobs[row]

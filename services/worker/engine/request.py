@@ -83,6 +83,8 @@ class Request:
     jump_forward: bool = False
     ngram: bool = False
     draft_len: int = 0
+    drafted_tokens: int = 0  # over its life: draft tokens checked, and those the draws confirmed
+    accepted_tokens: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
 
     def __post_init__(self) -> None:

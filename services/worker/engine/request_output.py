@@ -24,6 +24,8 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     handoff: Handoff | None = None  # the request stops here; its KV goes to a decode worker
+    drafted_tokens: int = 0  # at its end: draft tokens checked over its life, and those confirmed
+    accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
