@@ -73,7 +73,12 @@ def test_a_restarted_childs_log_continues_in_the_same_file(tmp_path, no_nats):
         path = stack.cfg.run_dir / "scheduler-0.log"
         wait_for_line(path, "nats_unreachable")
         child.proc.send_signal(signal.SIGTERM)
-        child.proc.wait(timeout=30)
+        # poll(), not wait(timeout): wait's loop asserted on a waitpid answer once under load (CI-like
+        # 2-core run, 2026-11-29), while the launcher's thread polls the same child.
+        deadline = time.monotonic() + 30
+        while child.proc.poll() is None:
+            assert time.monotonic() < deadline, "the child did not stop on SIGTERM"
+            time.sleep(0.05)
         first_run = path.read_text()
         stack.restart(child)
         wait_for_line(path, "nats_unreachable", times=2)
