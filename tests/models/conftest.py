@@ -64,3 +64,18 @@ def hf_greedy(hf_model, prompt: list[int], n: int, eos: tuple[int, ...]) -> list
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                 do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
     return out[0, len(prompt):].tolist()
+
+
+def run_requests(engine, prompts, params, eos=(), matchers=None):
+    """Add every request (`matchers`: per request a function making its grammar's matcher, or None),
+    step until done; per request its tokens and finish reason, and the forwards taken."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        make = matchers[i] if matchers else None
+        engine.add_request(f"r{i}", p, sp, eos, matcher=make() if make else None)
+    out, finish, steps = {f"r{i}": [] for i in range(len(prompts))}, {}, engine.steps
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+    return [(out[f"r{i}"], finish.get(f"r{i}")) for i in range(len(prompts))], engine.steps - steps

@@ -12,7 +12,7 @@ import pytest
 
 from inferno.tools.schema_corpus import schema_corpus
 from shared.sampling_params import SamplingParams
-from tests.models.conftest import eos_ids, make_engine, random_prompt
+from tests.models.conftest import eos_ids, make_engine, random_prompt, run_requests
 
 ARCH = "LlamaForCausalLM"
 SCHEMAS = schema_corpus(50, seed=9, bounded=True)
@@ -32,16 +32,9 @@ def setup(model_dirs):
 
 def run(engine, grammars, prompts, params, eos):
     """Every request under its schema; per request its tokens and finish reason, and the forwards taken."""
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        matcher = asyncio.run(grammars.matcher("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))
-        engine.add_request(f"r{i}", prompt, sp, eos, matcher=matcher)
-    tokens, finish, steps = {f"r{i}": [] for i in range(len(prompts))}, {}, engine.steps
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finish[out.request_id] = out.finish_reason
-    return [(tokens[f"r{i}"], finish.get(f"r{i}")) for i in range(len(prompts))], engine.steps - steps
+    def matcher(i):
+        return lambda: asyncio.run(grammars.matcher("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))
+    return run_requests(engine, prompts, params, eos, [matcher(i) for i in range(len(prompts))])
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])

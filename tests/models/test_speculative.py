@@ -13,7 +13,7 @@ import torch
 
 from services.worker.engine.speculative import SpeculativeConfig, ngram_draft
 from shared.sampling_params import SamplingParams
-from tests.models.conftest import eos_ids, make_engine, random_prompt
+from tests.models.conftest import eos_ids, make_engine, random_prompt, run_requests
 
 ARCH = "LlamaForCausalLM"
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -31,15 +31,7 @@ def repetitive(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def run(engine, prompts, params, eos=(), grammar=None):
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp, eos, matcher=grammar() if grammar else None)
-    out, finish, steps = {f"r{i}": [] for i in range(len(prompts))}, {}, engine.steps
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                finish[o.request_id] = o.finish_reason
-    return [(out[f"r{i}"], finish.get(f"r{i}")) for i in range(len(prompts))], engine.steps - steps
+    return run_requests(engine, prompts, params, eos, [grammar] * len(prompts) if grammar else None)
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
