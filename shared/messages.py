@@ -400,11 +400,9 @@ class WorkerHeartbeat(Message):
     # typical one, 256 tokens): the scheduler counts the store's pages as cached here in proportion
     # to what a fetch saves (none at 1 or more). -1: this worker does not use a store.
     store_fetch_cost: float = -1.0
-    # Drafts, cumulative (the worker's --speculative-config, --jump-forward): drafts checked (a request's
-    # in a step), drafted tokens, and those the model's draws confirmed.
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    # Drafts, cumulative (the worker's --speculative-config, --jump-forward), by method ("jump_forward",
+    # "ngram"): [drafts checked (a request's in a step), drafted tokens, those the draws confirmed].
+    spec_by_method: dict[str, list[int]] = field(default_factory=dict)
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

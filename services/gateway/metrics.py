@@ -105,14 +105,23 @@ class WorkerStatsCollector:
                                   sum(hb.prefix_cache_hits for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",
                                   sum(hb.prefix_cache_queries for hb in live))
-        # Speculative decoding and jump-forward (vLLM's names): accepted / draft tokens is the acceptance
-        # rate, and 1 + accepted / drafts the tokens a request makes in a step that checks its draft.
-        yield CounterMetricFamily("inferno:spec_decode_num_drafts", "Drafts checked (a request's in a step).",
-                                  sum(hb.spec_drafts for hb in live))
-        yield CounterMetricFamily("inferno:spec_decode_num_draft_tokens", "Tokens drafted by speculation.",
-                                  sum(hb.spec_draft_tokens for hb in live))
-        yield CounterMetricFamily("inferno:spec_decode_num_accepted_tokens", "Drafted tokens the model's draws "
-                                  "confirmed.", sum(hb.spec_accepted_tokens for hb in live))
+        # Speculative decoding and jump-forward (vLLM's names), by method: accepted / draft tokens is
+        # the acceptance rate, and 1 + accepted / drafts the tokens a request makes in a step that
+        # checks its draft.
+        by_method: dict[str, list[int]] = {}
+        for hb in live:
+            for method, counts in hb.spec_by_method.items():
+                total = by_method.setdefault(method, [0, 0, 0])
+                for i, c in enumerate(counts[:3]):
+                    total[i] += c
+        for i, (name, doc) in enumerate((
+                ("inferno:spec_decode_num_drafts", "Drafts checked (a request's in a step)."),
+                ("inferno:spec_decode_num_draft_tokens", "Tokens drafted (speculation, jump-forward)."),
+                ("inferno:spec_decode_num_accepted_tokens", "Drafted tokens the model's draws confirmed."))):
+            family = CounterMetricFamily(name, doc, labels=["method"])
+            for method, counts in sorted(by_method.items()):
+                family.add_metric([method], counts[i])
+            yield family
 
 
 class GatewayMetrics:

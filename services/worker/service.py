@@ -421,8 +421,7 @@ class WorkerService:
                       queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
                       kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
-                      prefix_cache_queries=s.prefix_cache_queries, spec_drafts=s.spec_drafts,
-                      spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
+                      prefix_cache_queries=s.prefix_cache_queries, spec_by_method=s.draft_counts,
                       **self._handoff_counts())
         cache = self.cluster_cache
         hb["store_fetch_cost"] = -1.0 if cache is None else min(cache.fetch_cost_ratio, 10.0)

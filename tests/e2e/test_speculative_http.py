@@ -47,8 +47,9 @@ def test_answers_are_those_without_speculation(stack):
     deadline = time.monotonic() + 5  # the counts come with the workers' heartbeats
     while True:
         metrics = urllib.request.urlopen(stack.url + "/metrics").read().decode()
-        drafted = float(re.search(r"^inferno:spec_decode_num_draft_tokens_total (\S+)", metrics, re.M).group(1))
-        accepted = float(re.search(r"^inferno:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M).group(1))
+        found = [re.search(rf'^inferno:spec_decode_num_{name}_total{{method="ngram"}} (\S+)', metrics, re.M)
+                 for name in ("draft_tokens", "accepted_tokens")]
+        drafted, accepted = (float(m.group(1)) if m else 0.0 for m in found)
         if accepted > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

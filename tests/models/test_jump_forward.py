@@ -50,6 +50,7 @@ def test_jump_forward_answers_are_plain_constrained_decodings(setup, sampled):
     jumped, jumped_steps = run(engine, grammars, prompts, params, eos)
     assert jumped == plain
     assert jumped_steps < plain_steps
+    assert list(engine.draft_counts) == ["jump_forward"]  # [drafts, tokens, confirmed], by method
     tok = Tokenizer.from_path(d)
     ended = [(i, t) for i, (t, reason) in enumerate(plain) if reason == "stop"]
     assert len(ended) >= 25

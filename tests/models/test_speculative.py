@@ -61,6 +61,7 @@ def test_speculation_changes_no_answer(model_dir, batch, sampled):
     spec, steps = run(engine, prompts, params)
     assert spec == plain
     assert engine.spec_draft_tokens > 0 and steps <= plain_steps
+    assert list(engine.draft_counts) == ["ngram"] and engine.draft_counts["ngram"][1] == engine.spec_draft_tokens
     if not sampled:  # a random model repeats its greedy loops: drafts are confirmed
         assert engine.spec_accepted_tokens > 0
         assert steps < plain_steps or batch > 1  # in a batch the request that never drafts sets the pace
@@ -124,11 +125,12 @@ def test_a_wrong_draft_leaves_the_distribution_the_models():
     for i in range(n):
         r = Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, max_tokens=4, seed=i), seed=i)
         r.all_token_ids.append(0)  # the draft
-        r.draft_len, r.num_pending_tokens = 1, 1
+        r.draft_len, r.num_pending_tokens, r.draft_method = 1, 1, "ngram"
         requests.append(r)
     rows = [(r, j) for r in requests for j in (0, 1)]
     result = sampler(logits.expand(2 * n, vocab).clone(), requests, draft_rows=rows).result()
-    checked, drafted, confirmed = _checked_drafts(rows, result)
+    checked, counts = _checked_drafts(rows, result)
+    _, drafted, confirmed = counts["ngram"]
     kept = torch.tensor([e[0] for e in checked.token_ids])
     assert drafted == n and 0 < confirmed < n * 0.05
 

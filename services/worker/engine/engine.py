@@ -115,6 +115,7 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    draft_counts: dict = field(default_factory=dict)  # by method: [drafts, tokens, confirmed]
     extra: dict = field(default_factory=dict)
 
 
@@ -156,13 +157,13 @@ def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
     request.min_tokens_masked = 0
 
 
-def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult, int, int]:
+def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult, dict[str, list[int]]]:
     """One entry a sampling request again: a drafting request's rows become the tokens of its draft
     that its draws confirmed, then the first draw that differed (or the one after the draft),
     exactly what token-by-token decoding would have drawn; the others' rows are theirs. So are the
-    log-probabilities: a list of the kept tokens' rows for a drafting request. Also returns the
-    drafts' tokens and how many of them were confirmed."""
-    ids, rows, i, drafted, confirmed = [], [], 0, 0, 0
+    log-probabilities: a list of the kept tokens' rows for a drafting request. Also returns, by
+    draft method, [drafts checked, their tokens, the tokens confirmed]."""
+    ids, rows, i, counts = [], [], 0, {}
     while i < len(draft_rows):
         r = draft_rows[i][0]
         k = 0  # the draft's length when the step was planned: its rows after the first
@@ -179,7 +180,8 @@ def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResul
             a = next((j for j in range(k) if draws[j] != draft[j]), k)
             ids.append(draft[:a] + [draws[a]])
             rows.append(list(range(i, i + a + 1)))
-            drafted, confirmed = drafted + k, confirmed + a
+            c = counts.setdefault(r.draft_method, [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + a
             r.drafted_tokens += k
             r.accepted_tokens += a
         i += k + 1
@@ -189,7 +191,7 @@ def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResul
             return None
         return [[column[j] for j in row] if type(row) is list else column[row] for row in rows]
 
-    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), drafted, confirmed
+    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), counts
 
 
 class LLMEngine:
@@ -286,8 +288,10 @@ class LLMEngine:
         # Drafts (jump-forward, speculation) are checked in one step: not across a pipeline's micro-batches.
         self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
         self._spec = config.speculative if self.layout.pp == 1 else None
-        # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative.
+        # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative: in
+        # all, and by method ("jump_forward", "ngram": [drafts, tokens, confirmed]).
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.draft_counts: dict[str, list[int]] = {}
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
 
@@ -500,10 +504,13 @@ class LLMEngine:
             first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         if result is not None and plan.draft_rows is not None:
-            result, drafted, confirmed = _checked_drafts(plan.draft_rows, result)
-            self.spec_drafts += sum(1 for e in result.token_ids if type(e) is list)
-            self.spec_draft_tokens += drafted
-            self.spec_accepted_tokens += confirmed
+            result, counts = _checked_drafts(plan.draft_rows, result)
+            for method, (drafts, drafted, confirmed) in counts.items():
+                total = self.draft_counts.setdefault(method, [0, 0, 0])
+                total[0], total[1], total[2] = total[0] + drafts, total[1] + drafted, total[2] + confirmed
+                self.spec_drafts += drafts
+                self.spec_draft_tokens += drafted
+                self.spec_accepted_tokens += confirmed
         tokens = result.token_ids if result is not None else []
         if self.batcher.num_constrained:
             _advance_matchers(reqs, tokens)
@@ -545,14 +552,16 @@ class LLMEngine:
             known = len(r.all_token_ids)
             room = min(r.token_limit, self.max_model_len) - known - 1
             draft = r.matcher.draft(min(room, self.config.jump_forward)) if r.jump_forward else []
+            method = "jump_forward"
             if not draft and r.ngram and spec is not None:
                 draft = ngram_draft(r.all_token_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_min,
                                     spec.prompt_lookup_max)
                 if draft and r.matcher is not None:
                     draft = r.matcher.allowed_prefix(draft)
+                method = "ngram"
             if draft:
                 r.all_token_ids.extend(draft)
-                r.draft_len = len(draft)
+                r.draft_len, r.draft_method = len(draft), method
 
     def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None, after=None) -> None:
         """Offer the prompt's full blocks, past those the sink already has, to the cluster store."""
@@ -689,4 +698,5 @@ class LLMEngine:
             spec_drafts=self.spec_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            draft_counts={m: list(c) for m, c in self.draft_counts.items()},
         )

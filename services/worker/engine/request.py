@@ -83,6 +83,7 @@ class Request:
     jump_forward: bool = False
     ngram: bool = False
     draft_len: int = 0
+    draft_method: str = ""  # the current draft's: "jump_forward" or "ngram"
     drafted_tokens: int = 0  # over its life: draft tokens checked, and those the draws confirmed
     accepted_tokens: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
