@@ -21,7 +21,7 @@ import json
 import random
 import time
 
-from services.worker.engine import engine as engine_module
+from services.worker.engine import drafts as drafts_module
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.speculative import SpeculativeConfig
@@ -70,7 +70,7 @@ def main() -> None:
         at = len(tokens) - n_prompt  # outputs known so far: the draft continues the recorded answer
         return [t if rng.random() < state["alpha"] else (t + 1) % vocab for t in truth[at:at + k]]
 
-    engine_module.ngram_draft = oracle  # the benchmark's drafter in place of prompt lookup
+    drafts_module.ngram_draft = oracle  # the benchmark's drafter in place of prompt lookup
     table, same = [], True
     for k in KS:
         engine._spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=0)

@@ -49,7 +49,7 @@ class Matcher:
     def draft(self, limit: int) -> list[int]:
         """Jump-forward: the tokens of the text the grammar forces from here (a fixed key, `": "`,
         a closing brace), at most `limit`, each one the grammar allows in turn. The engine checks
-        them against the model's own draws in one forward (engine.py), so the answer stays that of
+        them against the model's own draws in one forward (engine/drafts.py), so the answer stays that of
         token-by-token decoding; the matcher is left where it was."""
         if limit <= 0 or self._encode is None:
             return []

@@ -111,7 +111,7 @@ def test_a_wrong_draft_leaves_the_distribution_the_models():
     under the target), the sampler draws its rows as a step would, and the engine keeps the draft
     where the draw confirms it, else the draw. The kept tokens must follow the target's softmax
     (chi-square, 15 degrees of freedom, p = 0.001); keeping the draft 5 % more often fails it."""
-    from services.worker.engine.engine import _checked_drafts
+    from services.worker.engine.drafts import checked_drafts
     from services.worker.engine.ops import make_ops
     from services.worker.engine.request import Request
     from services.worker.engine.sampler import Sampler
@@ -129,7 +129,7 @@ def test_a_wrong_draft_leaves_the_distribution_the_models():
         requests.append(r)
     rows = [(r, j) for r in requests for j in (0, 1)]
     result = sampler(logits.expand(2 * n, vocab).clone(), requests, draft_rows=rows).result()
-    checked, counts = _checked_drafts(rows, result)
+    checked, counts = checked_drafts(rows, result)
     _, drafted, confirmed = counts["ngram"]
     kept = torch.tensor([e[0] for e in checked.token_ids])
     assert drafted == n and 0 < confirmed < n * 0.05
@@ -180,9 +180,9 @@ def test_a_draft_made_before_the_batch_grew_is_checked_before_steps_overlap(mode
     """Speculation turns off above disable_by_batch_size and the steps overlap again; a draft made
     just before must still be checked in a step of its own (that step yields several tokens). Wrong
     drafts (rejected at once) make the difference show: the answers must stay the same."""
-    from services.worker.engine import engine as engine_module
+    from services.worker.engine import drafts as drafts_module
 
-    monkeypatch.setattr(engine_module, "ngram_draft", lambda tokens, k, n_min, n_max: [1, 2, 3][:k])
+    monkeypatch.setattr(drafts_module, "ngram_draft", lambda tokens, k, n_min, n_max: [1, 2, 3][:k])
     vocab = make_engine(model_dir).model_config.vocab_size
     late = [random_prompt(8 + i, vocab, seed=30 + i) for i in range(4)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
-import structlog
 import torch
 
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.grammar_mask import accept_tokens
+from services.worker.engine.drafts import advance_matchers, checked_drafts, constrain, make_drafts
 from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
@@ -36,7 +35,6 @@ from services.worker.engine.request import FINISHED, Request, RequestStatus
 from services.worker.engine.request_output import RequestOutput
 from services.worker.engine.runner import DeferredDraw, ModelRunner
 from services.worker.engine.sampler import PendingSample, SampleResult, Sampler
-from services.worker.engine.speculative import ngram_draft
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.kernels import triton_setup
 from shared.block_hash import request_block_key
@@ -110,88 +108,8 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_queries: int
     steps: int = 0
-    # Drafts (speculation, jump-forward), cumulative: drafts checked (a request's in a step), their tokens,
-    # and the tokens the model's draws confirmed.
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    draft_counts: dict = field(default_factory=dict)  # by method: [drafts, tokens, confirmed]
+    draft_counts: dict = field(default_factory=dict)  # LLMEngine.draft_counts
     extra: dict = field(default_factory=dict)
-
-
-log = structlog.get_logger("worker.engine")
-
-
-def _advance_matchers(reqs: list[Request], tokens: list[int]) -> None:
-    """Each constrained row's grammar takes its drawn token (the sampler drew only allowed ones), in
-    one call into xgrammar for the batch (a thousand rows a step on a GPU)."""
-    rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-    if not rows:
-        return
-    if any(type(tokens[i]) is list for i in rows):  # jump-forward rows: several tokens each
-        for i in rows:
-            for token in tokens[i] if type(tokens[i]) is list else (tokens[i],):
-                m = reqs[i].matcher
-                if not m.accept(token) and not m.terminated:
-                    log.warning("grammar refused a drawn token", request_id=reqs[i].request_id, token=token)
-        return
-    matchers = [reqs[i].matcher for i in rows]
-    accepted = accept_tokens(matchers, [tokens[i] for i in rows])
-    for m, row, ok in zip(matchers, rows, accepted):
-        # A terminated matcher's row was a request that ended in the step before: its token is dropped.
-        if not ok and not m.terminated:
-            log.warning("grammar refused a drawn token", request_id=reqs[row].request_id, token=tokens[row])
-
-
-def _constrain(request: Request, matcher, jump_forward: bool = False) -> None:
-    """Each of the request's draws is masked by its grammar's matcher (grammar_mask.py), which takes
-    every drawn token. `jump_forward`: it drafts the tokens its grammar forces (LLMEngine._draft):
-    a draft is checked against draws, so its next step waits for its last token (no overlap)."""
-    request.matcher = matcher
-    request.plain = False
-    if jump_forward:
-        request.jump_forward = request.needs_token_history = True
-    # The answer ends where its grammar does (xgrammar's end is the model's eos), whatever
-    # ignore_eos and min_tokens say: past it nothing is allowed, and before it eos is not.
-    request.stop_ids = request.stop_ids | frozenset(request.eos_token_ids)
-    request.min_tokens_masked = 0
-
-
-def _checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult, dict[str, list[int]]]:
-    """One entry a sampling request again: a drafting request's rows become the tokens of its draft
-    that its draws confirmed, then the first draw that differed (or the one after the draft),
-    exactly what token-by-token decoding would have drawn; the others' rows are theirs. So are the
-    log-probabilities: a list of the kept tokens' rows for a drafting request. Also returns, by
-    draft method, [drafts checked, their tokens, the tokens confirmed]."""
-    ids, rows, i, counts = [], [], 0, {}
-    while i < len(draft_rows):
-        r = draft_rows[i][0]
-        k = 0  # the draft's length when the step was planned: its rows after the first
-        while i + k + 1 < len(draft_rows) and draft_rows[i + k + 1][0] is r:
-            k += 1
-        if not k:
-            ids.append(result.token_ids[i])
-            rows.append(i)
-        elif r.draft_len != k:  # dropped since (a preemption): only the first draw follows what it knows
-            ids.append([result.token_ids[i]])
-            rows.append([i])
-        else:
-            draws, draft = result.token_ids[i:i + k + 1], r.all_token_ids[-k:]
-            a = next((j for j in range(k) if draws[j] != draft[j]), k)
-            ids.append(draft[:a] + [draws[a]])
-            rows.append(list(range(i, i + a + 1)))
-            c = counts.setdefault(r.draft_method, [0, 0, 0])
-            c[0], c[1], c[2] = c[0] + 1, c[1] + k, c[2] + a
-            r.drafted_tokens += k
-            r.accepted_tokens += a
-        i += k + 1
-
-    def pick(column):
-        if column is None:
-            return None
-        return [[column[j] for j in row] if type(row) is list else column[row] for row in rows]
-
-    return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), counts
 
 
 class LLMEngine:
@@ -288,9 +206,8 @@ class LLMEngine:
         # Drafts (jump-forward, speculation) are checked in one step: not across a pipeline's micro-batches.
         self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
         self._spec = config.speculative if self.layout.pp == 1 else None
-        # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative: in
-        # all, and by method ("jump_forward", "ngram": [drafts, tokens, confirmed]).
-        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative, by
+        # method ("jump_forward", "ngram": [drafts, tokens, confirmed]).
         self.draft_counts: dict[str, list[int]] = {}
         self.last_step_tokens = 0  # tokens computed by the last finished step (prefill speed)
         self.last_step_rows = 0  # ... and the sequences in it
@@ -313,7 +230,7 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt)
         request.handoff = handoff
         if matcher is not None:
-            _constrain(request, matcher, self._jump_forward)
+            constrain(request, matcher, self._jump_forward)
         self.batcher.add_request(request)
         return request
 
@@ -348,7 +265,7 @@ class LLMEngine:
         self._need_whole_kv("receive a request's KV from another worker")
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=0)
         if matcher is not None:
-            _constrain(request, matcher, self._jump_forward)
+            constrain(request, matcher, self._jump_forward)
         skip = self.batcher.reserve(request)
         if skip is None:
             return None
@@ -441,6 +358,19 @@ class LLMEngine:
         return self.layout.pp > 1 or (self.config.overlap and (self.batcher.all_plain or not any(
             r.needs_token_history for r in self.batcher.running_requests())))
 
+    # Totals over the methods (tests, benchmarks).
+    @property
+    def spec_drafts(self) -> int:
+        return sum(c[0] for c in self.draft_counts.values())
+
+    @property
+    def spec_draft_tokens(self) -> int:
+        return sum(c[1] for c in self.draft_counts.values())
+
+    @property
+    def spec_accepted_tokens(self) -> int:
+        return sum(c[2] for c in self.draft_counts.values())
+
     def _speculating(self) -> bool:
         spec = self._spec
         return spec is not None and (not spec.disable_by_batch_size
@@ -504,22 +434,20 @@ class LLMEngine:
             first_blocks = {r.request_id: list(r.block_ids) for r in live_reqs
                             if r.handoff or (self.prompt_sink is not None and r.num_output_tokens == 0)}
         if result is not None and plan.draft_rows is not None:
-            result, counts = _checked_drafts(plan.draft_rows, result)
+            result, counts = checked_drafts(plan.draft_rows, result)
             for method, (drafts, drafted, confirmed) in counts.items():
                 total = self.draft_counts.setdefault(method, [0, 0, 0])
                 total[0], total[1], total[2] = total[0] + drafts, total[1] + drafted, total[2] + confirmed
-                self.spec_drafts += drafts
-                self.spec_draft_tokens += drafted
-                self.spec_accepted_tokens += confirmed
         tokens = result.token_ids if result is not None else []
         if self.batcher.num_constrained:
-            _advance_matchers(reqs, tokens)
+            advance_matchers(reqs, tokens)
         finished = self.batcher.update_from_output(plan, tokens)
         self.last_step_tokens = plan.num_batched_tokens
         self.last_step_rows = len(plan.scheduled)
         outputs = self._outputs(live_reqs, tokens, live, result, bool(finished), plan.draft_rows is not None)
         if self.batcher.num_drafting:
-            self._draft(reqs)
+            make_drafts(reqs, self._spec if self._speculating() else None, self.config.jump_forward,
+                        self.max_model_len)
         if first_blocks:
             for row, rid in enumerate(outputs.request_ids):
                 blocks = first_blocks.get(rid)
@@ -539,29 +467,6 @@ class LLMEngine:
                     except RuntimeError:  # sharing is an optimisation; a step's outputs must go out
                         pass
         return outputs
-
-    def _draft(self, reqs: list[Request]) -> None:
-        """Each running drafting request appends its draft: the tokens its grammar forces next
-        (jump-forward), else the n-gram prompt lookup's (speculation, while on), cut to what its
-        grammar allows. The next step computes them and checks them against the model's draws."""
-        spec = self._spec if self._speculating() else None
-        running = RequestStatus.RUNNING
-        for r in reqs:
-            if r.status is not running or r.draft_len or not (r.jump_forward or (r.ngram and spec is not None)):
-                continue
-            known = len(r.all_token_ids)
-            room = min(r.token_limit, self.max_model_len) - known - 1
-            draft = r.matcher.draft(min(room, self.config.jump_forward)) if r.jump_forward else []
-            method = "jump_forward"
-            if not draft and r.ngram and spec is not None:
-                draft = ngram_draft(r.all_token_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_min,
-                                    spec.prompt_lookup_max)
-                if draft and r.matcher is not None:
-                    draft = r.matcher.allowed_prefix(draft)
-                method = "ngram"
-            if draft:
-                r.all_token_ids.extend(draft)
-                r.draft_len, r.draft_method = len(draft), method
 
     def _share_prompt(self, r: Request, block_ids: list[int], handoff: Handoff | None, after=None) -> None:
         """Offer the prompt's full blocks, past those the sink already has, to the cluster store."""
@@ -695,8 +600,5 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries,
             steps=self.steps,
-            spec_drafts=self.spec_drafts,
-            spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens,
             draft_counts={m: list(c) for m, c in self.draft_counts.items()},
         )

@@ -77,7 +77,7 @@ class Request:
     plain: bool = True
     # Structured output (services/worker/grammar.py): masks each draw to what the grammar allows.
     matcher: Any = None
-    # Drafts (engine.py): the last draft_len of all_token_ids are proposed tokens, not yet drawn
+    # Drafts (drafts.py): the last draft_len of all_token_ids are proposed tokens, not yet drawn
     # (the grammar's forced ones: jump_forward; n-gram prompt lookup: ngram); the next step computes
     # them and checks each against the model's own draw.
     jump_forward: bool = False

@@ -1,6 +1,6 @@
 """Speculative decoding's configuration (vLLM's `--speculative-config` keys) and its n-gram drafter.
 
-A draft is checked the way jump-forward's is (engine.py): the step computes the draft's tokens and
+A draft is checked the way jump-forward's is (drafts.py): the step computes the draft's tokens and
 draws a row after each, with the mask and the seeded counter token-by-token decoding would use at
 that place, and keeps the draft's tokens the draws confirm, then the first draw that differs. For a
 draft of single tokens that is speculative sampling's rule (accept with probability p(draft), else
