@@ -210,3 +210,25 @@ def test_a_draft_made_before_the_batch_grew_is_checked_before_steps_overlap(mode
     engine = make_engine(model_dir, speculative=spec, overlap=True)
     assert run_growing(engine, True) == plain
     assert engine.spec_draft_tokens > 0
+
+
+def test_draft_checks_run_in_the_decode_graphs(model_dir):
+    """A step of decodes and draft checks replays a decode graph, a row per token of each draft (the
+    CPU's graphs rerun the forward on the static buffers): the answers stay those without drafts."""
+    from tests.models.test_graph_decode_path import with_graphs
+
+    vocab = make_engine(model_dir).model_config.vocab_size
+    prompts = [repetitive(24 + 3 * i, vocab, seed=i) for i in range(3)] + [random_prompt(9, vocab, seed=9)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0 if i < 3 else 0.8, seed=i)
+              for i in range(4)]
+    plain, _ = run(make_engine(model_dir), prompts, params)
+    engine = make_engine(model_dir, speculative=SPEC, max_num_seqs=16)
+    graphs = with_graphs(engine)
+    checks = []
+    stage_checks = graphs._stage_checks
+    graphs._stage_checks = lambda *a: checks.append(stage_checks(*a)) or checks[-1]
+    spec, _ = run(engine, prompts, params)
+    assert spec == plain
+    assert checks and max(c.n for c in checks) > len(prompts)  # rows beyond one per request: drafts
+    assert engine.spec_accepted_tokens > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks

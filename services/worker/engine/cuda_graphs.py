@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -20,6 +21,7 @@ _REQUEST = attrgetter("request")
 _START = attrgetter("start")
 _PENDING = attrgetter("pending_input")
 _RID = attrgetter("request_id")
+_NUM_NEW = attrgetter("num_new_tokens")
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -127,10 +129,14 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
-    def covers(self, scheduled) -> bool:
-        if len(scheduled) > self.max_seqs:
+    def covers(self, scheduled, rows: int | None = None) -> bool:
+        """`rows`: the step's tokens when some request checks a draft (a row for each, see stage)."""
+        if (rows or len(scheduled)) > self.max_seqs:
             return False
-        return not scheduled or max(map(_START, scheduled)) + 1 <= self.max_graph_len
+        if not scheduled:
+            return True
+        ends = map(_START, scheduled) if rows is None else (s.start + s.num_new_tokens - 1 for s in scheduled)
+        return max(ends) + 1 <= self.max_graph_len
 
     def run(self, scheduled, last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None):
         return self.launch(self.stage(scheduled, last_rows), last_ids)
@@ -139,6 +145,8 @@ class CudaGraphRunner:
         """Write a decode step's static inputs into the next host stage. block_tables: the block
         manager's BlockTables, from which the rows' tables are gathered (else the lists are read).
         Per row only C-level maps; the arithmetic is numpy's (a thousand rows a step)."""
+        if any(s.num_new_tokens != 1 for s in scheduled):
+            return self._stage_checks(scheduled, last_rows, block_tables)
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
@@ -171,6 +179,44 @@ class CudaGraphRunner:
             for i, r in enumerate(reqs):
                 tables[i, :len(r.block_ids)] = r.block_ids
         stage.slots[:n] = tables[self.row_ids[:n], pos // bs] * bs + pos % bs
+        return GraphStep(stage, n, b, k)
+
+    def _stage_checks(self, scheduled, last_rows, block_tables) -> GraphStep:
+        """A step in which some request checks a draft of k tokens (speculation, jump-forward): each of
+        its k + 1 tokens is a row of its own, as if a request of its own whose context ends at that
+        token, with the request's block table. Every layer writes the step's KV before it attends,
+        so row j sees the draft up to j: causal attention over the draft, by the decode kernel. A
+        draft check then costs a decode step of k + 1 rows (one read of the weights) in the decode
+        graphs, not a mixed step (whose extend kernel gives one short query one program per head and
+        reads the whole context serially: an 8B check of 5 tokens cost 1.43 x a decode step)."""
+        counts = np.fromiter(map(_NUM_NEW, scheduled), dtype=np.int64, count=len(scheduled))
+        first = np.cumsum(counts) - counts  # each request's first row
+        n = int(counts.sum())
+        b = next(x for x in self.buckets if x >= n)
+        bs = self.block_size
+        stage = self.stages[self.turn]
+        self.turn ^= 1
+        reqs = list(map(_REQUEST, scheduled))
+        pos = np.repeat(np.fromiter(map(_START, scheduled), dtype=np.int64, count=len(reqs)) - first, counts) \
+            + self.row_ids[:n]
+        stage.tokens[:n] = list(chain.from_iterable(
+            (0, *r.all_token_ids[s.start + 1:s.start + s.num_new_tokens]) if s.pending_input
+            else r.all_token_ids[s.start:s.start + s.num_new_tokens] for s, r in zip(scheduled, reqs)))
+        fed = [i for i, s in enumerate(scheduled) if s.pending_input]
+        k = len(fed)
+        if k:
+            stage.feed_dst[:k] = first[fed]
+            stage.feed_src[:k] = [last_rows[reqs[i].request_id] for i in fed]
+        stage.pos[:n] = pos
+        stage.seq_lens[:n] = pos + 1
+        width = min(int(pos.max()) // bs + 1, stage.tables.shape[1])
+        rows = block_tables.rows(reqs) if block_tables is not None else None
+        if rows is not None and rows.min() >= 0 and width <= block_tables.ids.shape[1]:
+            stage.tables[:n, :width] = block_tables.ids[np.repeat(rows, counts), :width]
+        else:
+            for i, (r, c) in enumerate(zip(reqs, counts.tolist())):
+                stage.tables[first[i]:first[i] + c, :len(r.block_ids)] = r.block_ids
+        stage.slots[:n] = stage.tables[self.row_ids[:n], pos // bs] * bs + pos % bs
         return GraphStep(stage, n, b, k)
 
     def launch(self, step: GraphStep, last_ids: torch.Tensor | None = None):

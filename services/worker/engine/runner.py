@@ -83,10 +83,15 @@ class ModelRunner:
         the matchers have taken the tokens of the step still in flight. `draft_rows`: the draw's
         rows when some request checks a jump-forward draft (BatchPlan.draft_rows)."""
         graphs = self.graphs
-        decode_only = sum(map(_NUM_NEW, scheduled)) == len(scheduled)
+        tokens = sum(map(_NUM_NEW, scheduled))
+        decode_only = tokens == len(scheduled)
+        # A step of decodes and draft checks only (every token is drawn after) runs in the decode
+        # graphs too, a row per token (CudaGraphRunner._stage_checks).
+        checks = (not decode_only and draft_rows is not None and len(draft_rows) == tokens
+                  and all(s.samples and s.num_logits == s.num_new_tokens for s in scheduled))
         last_rows = (dict(zip(map(_RID, self._last_sampling), range(len(self._last_sampling))))
                      if any(map(_PENDING, scheduled)) else None)
-        if graphs is not None and decode_only and graphs.covers(scheduled):
+        if graphs is not None and (decode_only or checks) and graphs.covers(scheduled, tokens if checks else None):
             step = graphs.stage(scheduled, last_rows, self.block_tables)
         else:
             step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_tables,
