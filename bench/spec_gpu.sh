@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 36 on one GPU: W2 (1,000 requests at once, 8B random weights, one worker) with n-gram
+# Issue 36 on one GPU: the oracle draft at batch 1 (bench/spec_oracle.py; ORACLE=0 skips it), then W2 (1,000 requests at once, 8B random weights, one worker) with n-gram
 # speculation on (its default disable_by_batch_size, 32: off while more requests run) against off,
 # each on its own stack after 200 warm-up requests, in the order off on off; then the speculation
 # counters from /metrics. Ends with one table (summary.txt).
@@ -18,6 +18,11 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TRITON_CACHE_DIR=/tmp/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RAW/gpu.txt"
 [ -f "$MODEL/config.json" ] || python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 \
   --device cuda --seed 0 --quiet
+if [ "${ORACLE:-1}" = 1 ]; then  # the mechanism at batch 1: checking steps' cost against k, tok/s against alpha
+  python3 bench/spec_oracle.py "$MODEL" --tokens 256 --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warning
+  echo "oracle done at ${SECONDS} s"
+fi
+[ "${W2:-1}" = 1 ] || exit 0
 SPEC='--speculative-config={"method":"ngram","num_speculative_tokens":4}'
 for tag in off on off_b; do
   run=/tmp/run-spec-$tag; rm -rf "$run"
