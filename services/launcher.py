@@ -365,7 +365,24 @@ def parse_args(argv):
     ap.add_argument("--decode-worker-arg", action="append", default=[],
                     help="extra flag passed to decode workers only (after --worker-arg), e.g. "
                          "--decode-worker-arg='--max-num-batched-tokens 512'")
-    return ap.parse_args(argv)
+    return ap.parse_args(_glue_worker_args(sys.argv[1:] if argv is None else list(argv)))
+
+
+WORKER_ARG_FLAGS = ("--worker-arg", "--prefill-worker-arg", "--decode-worker-arg")
+
+
+def _glue_worker_args(argv: list[str]) -> list[str]:
+    """`--worker-arg --flag=value` as `--worker-arg=--flag=value`: argparse takes a value that starts
+    with a dash for another option and refuses the call, and a worker flag always starts with one."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in WORKER_ARG_FLAGS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _split(extras: list[str]) -> tuple[str, ...]:

@@ -31,6 +31,13 @@ def test_role_flags_reach_their_role_only_and_come_last(tmp_path):
     assert tail["decode-2"] == ["--max-num-batched-tokens", "8192", "--max-num-batched-tokens", "512"]
 
 
+def test_a_flag_without_spaces_passes_as_the_value_of_worker_arg(tmp_path):
+    """argparse takes `--speculative-config={...}` for an option of its own; the launcher glues it on."""
+    spec = '--speculative-config={"method":"ngram","num_speculative_tokens":4}'
+    got = _argv_of_workers(tmp_path, ["--worker-arg", spec])
+    assert got["worker-0"][-1] == spec
+
+
 def test_a_decode_worker_keeps_room_for_hand_offs_whatever_its_own_step_budget():
     from services.worker.model_build import DECODE_HANDOFF_TOKENS, handoff_buffer_tokens
     from shared.config import WorkerServiceConfig
