@@ -96,14 +96,14 @@ class Batcher:
         self._num_not_plain += not request.plain
         self._num_handoff += request.handoff
         self.num_constrained += request.matcher is not None
-        self.num_drafting += request.jump_forward or request.ngram
+        self.num_drafting += request.jump_forward or request.speculates
 
     def _untrack(self, request: Request) -> None:
         del self._requests[request.request_id]
         self._num_not_plain -= not request.plain
         self._num_handoff -= request.handoff
         self.num_constrained -= request.matcher is not None
-        self.num_drafting -= request.jump_forward or request.ngram
+        self.num_drafting -= request.jump_forward or request.speculates
 
     def _check_fits(self, request: Request) -> None:
         cfg, bm = self.config, self.block_manager
@@ -315,6 +315,7 @@ class Batcher:
         (its own blocks are likely still cached then, so recompute is often a prefix hit)."""
         self.block_manager.free(request)
         drop_draft(request)
+        request.draft_kv_len, request.draft_kv_tail = 0, []  # a drafting model's KV goes with the blocks
         request.num_computed_tokens = 0
         request.num_inflight_tokens = 0  # a token in flight still arrives: num_pending_tokens stays
         request.status = RequestStatus.PREEMPTED

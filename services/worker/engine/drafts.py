@@ -87,24 +87,39 @@ def checked_drafts(draft_rows: list, result: SampleResult) -> tuple[SampleResult
     return SampleResult(ids, pick(result.logprobs), pick(result.top_ids), pick(result.top_logprobs)), counts
 
 
-def make_drafts(reqs: list[Request], spec: SpeculativeConfig | None, jump_forward: int, max_model_len: int) -> None:
+def make_drafts(reqs: list[Request], spec: SpeculativeConfig | None, jump_forward: int, max_model_len: int,
+                drafter=None) -> None:
     """Each running drafting request appends its draft: the tokens its grammar forces next
-    (jump-forward, at most `jump_forward`), else the n-gram prompt lookup's (`spec`: speculation, when
-    on), cut to what its grammar allows. The next step computes them and checks them against the
-    model's draws (checked_drafts)."""
+    (jump-forward, at most `jump_forward`), else speculation's (`spec`, when on): the n-gram prompt
+    lookup's, or `drafter`'s (a model's: model_drafter.py, one batch for every request), cut to what
+    its grammar allows. The next step computes them and checks them against the model's draws
+    (checked_drafts)."""
     running = RequestStatus.RUNNING
+    by_model: list[tuple[Request, int]] = []
     for r in reqs:
-        if r.status is not running or r.draft_len or not (r.jump_forward or (r.ngram and spec is not None)):
+        # A token still in flight (speculation just turned on) comes first: no draft before it.
+        if (r.status is not running or r.draft_len or r.num_pending_tokens
+                or not (r.jump_forward or (r.speculates and spec is not None))):
             continue
         room = min(r.token_limit, max_model_len) - len(r.all_token_ids) - 1
         draft = r.matcher.draft(min(room, jump_forward)) if r.jump_forward else []
         method = "jump_forward"
-        if not draft and r.ngram and spec is not None:
-            draft = ngram_draft(r.all_token_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_min,
-                                spec.prompt_lookup_max)
-            if draft and r.matcher is not None:
-                draft = r.matcher.allowed_prefix(draft)
+        if not draft and r.speculates and spec is not None:
+            k = min(room, spec.num_speculative_tokens)
+            if drafter is not None:
+                by_model.append((r, k))
+                continue
+            draft = ngram_draft(r.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
             method = "ngram"
-        if draft:
-            r.all_token_ids.extend(draft)
-            r.draft_len, r.draft_method = len(draft), method
+        _append(r, draft, method)
+    if by_model:
+        for (r, _), draft in zip(by_model, drafter.propose(by_model)):
+            _append(r, draft, drafter.method)
+
+
+def _append(r: Request, draft: list[int], method: str) -> None:
+    if draft and method != "jump_forward" and r.matcher is not None:
+        draft = r.matcher.allowed_prefix(draft)
+    if draft:
+        r.all_token_ids.extend(draft)
+        r.draft_len, r.draft_method = len(draft), method

@@ -28,6 +28,7 @@ from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buff
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.model_drafter import build_drafter, draft_kv_bytes_per_block, load_draft_model
 from services.worker.engine.ops import make_ops
 from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
@@ -157,6 +158,13 @@ class LLMEngine:
         # Penalties, logprobs and overlap are the driver's business; its pending draws are those of
         # the steps in flight (one more than the pipeline's depth).
         self._depth = self.layout.pp - 1 if self.layout.pp > 1 else int(config.overlap)
+        # Speculation's drafting model (draft_model) is the driver's: loaded before the pool is sized,
+        # which holds its KV of every page beside the target's (model_drafter.py).
+        self._spec = config.speculative if self.layout.pp == 1 else None
+        draft = None
+        if self._spec is not None and self._spec.method == "draft_model" and self.layout.is_driver:
+            draft = load_draft_model(self._spec, self.device, dtype, self.ops, self.model_config)
+        self.draft_block_bytes = draft_kv_bytes_per_block(draft, config.block_size, self.kv_dtype)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
         if self.group is not None:
@@ -195,6 +203,8 @@ class LLMEngine:
                 self.graph_capture_seconds += mixed.capture(graphs.pool)
                 self.runner.mixed_graphs = mixed
             self.runner.warm_logits(config.max_num_seqs)
+        self.drafter = build_drafter(draft, num_blocks, self.block_manager, config, self.device, self.kv_dtype,
+                                     self.model_config.vocab_size, min(self.max_model_len, config.max_graph_len))
         self.steps = 0
         self._rng = random.Random(config.seed)
         self._inflight: deque[LaunchedStep] = deque()
@@ -205,7 +215,6 @@ class LLMEngine:
         self.exporter = PageExporter(self.kv_cache, self.device, handoff_buffer_blocks(config))
         # Drafts (jump-forward, speculation) are checked in one step: not across a pipeline's micro-batches.
         self._jump_forward = config.jump_forward > 0 and self.layout.pp == 1
-        self._spec = config.speculative if self.layout.pp == 1 else None
         # Drafts checked (a request's in a step), their tokens and the confirmed ones, cumulative, by
         # method ("jump_forward", "ngram": [drafts, tokens, confirmed]).
         self.draft_counts: dict[str, list[int]] = {}
@@ -245,8 +254,8 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids),
                           arrival_time=time.monotonic(), cache_salt=cache_salt, seed=seed & ((1 << 63) - 1))
-        # Speculation (n-gram drafts), unless the request opts out.
-        request.ngram = self._spec is not None and params.speculative
+        # Speculation, unless the request opts out.
+        request.speculates = self._spec is not None and params.speculative
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -447,7 +456,7 @@ class LLMEngine:
         outputs = self._outputs(live_reqs, tokens, live, result, bool(finished), plan.draft_rows is not None)
         if self.batcher.num_drafting:
             make_drafts(reqs, self._spec if self._speculating() else None, self.config.jump_forward,
-                        self.max_model_len)
+                        self.max_model_len, self.drafter)
         if first_blocks:
             for row, rid in enumerate(outputs.request_ids):
                 blocks = first_blocks.get(rid)

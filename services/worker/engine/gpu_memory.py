@@ -107,6 +107,7 @@ def profile_kv_blocks(engine) -> int:
               - mixed_graph_bytes(engine))
     per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.kv_dtype)
     handoff = handoff_buffer_blocks(engine.config) * per_block
+    per_block += engine.draft_block_bytes  # a drafting model's KV of each page (model_drafter.py)
     blocks = max(0, (budget - handoff) // per_block)
     engine.memory_report = {
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "torch_reserved_gib": reserved / 2**30,

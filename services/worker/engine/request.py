@@ -78,12 +78,16 @@ class Request:
     # Structured output (services/worker/grammar.py): masks each draw to what the grammar allows.
     matcher: Any = None
     # Drafts (drafts.py): the last draft_len of all_token_ids are proposed tokens, not yet drawn
-    # (the grammar's forced ones: jump_forward; n-gram prompt lookup: ngram); the next step computes
+    # (the grammar's forced ones: jump_forward; speculation's: speculates); the next step computes
     # them and checks each against the model's own draw.
     jump_forward: bool = False
-    ngram: bool = False
+    speculates: bool = False
     draft_len: int = 0
-    draft_method: str = ""  # the current draft's: "jump_forward" or "ngram"
+    draft_method: str = ""  # the current draft's: "jump_forward", "ngram", "draft_model" or "eagle3"
+    # A drafting model's KV of this request (model_drafter.py): positions it computed, the last
+    # draft_kv_tail of them from its own drafted tokens (valid as far as the draws confirmed them).
+    draft_kv_len: int = 0
+    draft_kv_tail: list[int] = field(default_factory=list)
     drafted_tokens: int = 0  # over its life: draft tokens checked, and those the draws confirmed
     accepted_tokens: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step

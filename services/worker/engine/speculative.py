@@ -16,7 +16,7 @@ import numpy as np
 
 METHODS = ("ngram", "draft_model", "eagle3")
 LOOKBACK = 4096  # tokens the n-gram lookup searches, the latest: a step's search stays ~0.1 ms
-BUILT = ("ngram",)
+BUILT = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,8 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config: {name} must be a non-negative int, got {value!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("--speculative-config: num_speculative_tokens must be in [1, 64]")
+        if self.method != "ngram" and not self.model:
+            raise ValueError(f"--speculative-config: method {self.method!r} needs \"model\": a directory")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("--speculative-config: needs 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -1,0 +1,150 @@
+"""Drafts made by a model on the engine's device: speculation's `draft_model` method, a smaller model
+of the same tokenizer, and the base of `eagle3` (eagle3_drafter.py).
+
+The drafting model keeps KV of its own shape in a pool of its own, indexed by the target's block
+ids: a request's pages hold both models' KV of the same positions, so the block manager allocates,
+shares and frees them once, and a preempted request loses both. Before drafting k tokens after a
+request's L known ones, the engine's blocks are grown to the L + k the check will need (the
+batcher would allocate them next step anyway); without free blocks the request does not draft.
+
+A draft is greedy: its model's argmax at each place. The check keeps what the target would have
+drawn (drafts.py), so the draft's quality costs speed, never the answer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.batcher import ScheduledRequest
+from services.worker.engine.request import Request
+from services.worker.engine.step_inputs import pack_step_inputs, upload_step_inputs
+
+
+def confirmed_kv_len(r: Request) -> int:
+    """Positions of the drafting model's KV that still hold the request's tokens: those computed
+    before its last draft, then as many of the drafted ones as the draws confirmed."""
+    tail = r.draft_kv_tail
+    base = r.draft_kv_len - len(tail)
+    known = r.all_token_ids
+    m = 0
+    while m < len(tail) and base + m < len(known) and known[base + m] == tail[m]:
+        m += 1
+    return min(base + m, len(known) - 1)  # the last known token is always computed again
+
+
+def grow_blocks(block_manager, r: Request, k: int) -> bool:
+    """The request's blocks cover the check of a k-token draft: its known tokens and k more."""
+    return block_manager.allocate_slots(r, r.num_inflight_tokens + len(r.all_token_ids) - r.num_computed_tokens + k)
+
+
+class DraftModel:
+    """`draft_model`: each step, the draft model computes the positions it has not (the accepted
+    tokens of the last check; a new request's whole prompt, in chunks of `max_tokens`), draws the
+    first draft token from the last, then one decode step per further token (in CUDA graphs where
+    `graphs`, a CudaGraphRunner over the draft model and its pool, covers the batch)."""
+
+    method = "draft_model"
+
+    def __init__(self, model, kv_cache, block_manager, device: torch.device, max_tokens: int, target_vocab: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.device = device
+        self.max_tokens = max_tokens
+        self.target_vocab = target_vocab
+        self.graphs = None
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        """Drafts of up to k tokens for each (request, k); [] for a request without blocks for one."""
+        drafts: dict[int, list[int]] = {}
+        todo = []
+        for i, (r, k) in enumerate(items):
+            drafts[i] = []
+            if k > 0 and grow_blocks(self.block_manager, r, k):
+                todo.append((i, r, k, len(r.all_token_ids), confirmed_kv_len(r)))
+        if not todo:
+            return [drafts[i] for i in range(len(items))]
+        # Catch up to the last known token, whose logits give the first draft token.
+        behind = {i: start for i, _, _, _, start in todo}
+        while behind:
+            budget, scheduled, owners = self.max_tokens, [], []
+            for i, r, k, n, _ in todo:
+                start = behind.get(i)
+                if start is None or budget <= 0:
+                    continue
+                num = min(n - start, budget)
+                budget -= num
+                last = start + num == n
+                scheduled.append(ScheduledRequest(r, num, start, last))
+                if last:
+                    owners.append(i)
+                    del behind[i]
+                else:
+                    behind[i] = start + num
+            for i, token in zip(owners, self._step(scheduled)):
+                drafts[i].append(token)
+        # Then one token at a time, each drafted token appended while the next is drafted.
+        for i, r, k, n, _ in todo:
+            r.all_token_ids.append(drafts[i][0])
+        for j in range(1, max(k for _, _, k, _, _ in todo)):
+            rows = [(i, r) for i, r, k, n, _ in todo if k > j]
+            scheduled = [ScheduledRequest(r, 1, len(r.all_token_ids) - 1, True) for _, r in rows]
+            for (i, r), token in zip(rows, self._step(scheduled)):
+                drafts[i].append(token)
+                r.all_token_ids.append(token)
+        for i, r, k, n, _ in todo:
+            del r.all_token_ids[n:]
+            r.draft_kv_len = n + k - 1  # the last draft token was drawn, never computed
+            r.draft_kv_tail = drafts[i][:k - 1]
+        return [drafts[i] for i in range(len(items))]
+
+    def _step(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """One forward of the draft model over `scheduled`; the greedy token of each sampling row."""
+        graphs = self.graphs
+        if graphs is not None and all(s.num_new_tokens == 1 for s in scheduled) and graphs.covers(scheduled):
+            hidden, rows = graphs.launch(graphs.stage(scheduled, None, self.block_manager.tables))
+            rows = rows.logits_indices
+        else:
+            step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
+            inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+            rows = inputs.logits_indices
+        logits = self.model.compute_logits(hidden[rows])
+        if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
+            logits = logits[:, :self.target_vocab]
+        return logits.argmax(dim=-1).tolist()
+
+
+def load_draft_model(spec, device, dtype, ops, target_cfg):
+    """The draft model of `spec` (method draft_model), loaded before the KV pool is sized (its
+    weights are in use then, and its KV per block is counted: draft_kv_bytes_per_block)."""
+    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(spec.model)
+    if cfg.vocab_size < target_cfg.vocab_size - 1024 or cfg.vocab_size > target_cfg.vocab_size + 1024:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
+                         f"target's ({target_cfg.vocab_size}): it needs the same tokenizer")
+    return load_model(spec.model, device, dtype, ops)
+
+
+def draft_kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    from services.worker.engine.kv_cache import kv_bytes_per_block
+    return kv_bytes_per_block(model.cfg, block_size, dtype) if model is not None else 0
+
+
+def build_drafter(model, num_blocks: int, block_manager, config, device, dtype, target_vocab: int,
+                  max_graph_len: int):
+    """The drafter over a loaded draft model: its pool of num_blocks pages of its own shape, and its
+    decode graphs on a GPU."""
+    from services.worker.engine.kv_cache import KVCache
+    if model is None:
+        return None
+    kv = KVCache(model.cfg, num_blocks, config.block_size, dtype, device)
+    drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
+    if config.is_cuda and config.cuda_graphs:
+        from services.worker.engine.cuda_graphs import CudaGraphRunner
+        drafter.graphs = CudaGraphRunner(model, kv, config.max_num_seqs, max_graph_len, device)
+        drafter.graphs.capture()
+    return drafter
