@@ -315,7 +315,8 @@ class Batcher:
         (its own blocks are likely still cached then, so recompute is often a prefix hit)."""
         self.block_manager.free(request)
         drop_draft(request)
-        request.draft_kv_len, request.draft_kv_tail = 0, []  # a drafting model's KV goes with the blocks
+        # A drafting model's KV goes with the blocks (and an EAGLE-3 head's inputs are computed again).
+        request.draft_kv_len, request.draft_kv_tail, request.draft_inputs = 0, [], []
         request.num_computed_tokens = 0
         request.num_inflight_tokens = 0  # a token in flight still arrives: num_pending_tokens stays
         request.status = RequestStatus.PREEMPTED

@@ -28,7 +28,7 @@ from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buff
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
-from services.worker.engine.model_drafter import build_drafter, draft_kv_bytes_per_block, load_draft_model
+from services.worker.engine.model_drafter import build_drafter, draft_kv_bytes_per_block, load_drafting_model
 from services.worker.engine.ops import make_ops
 from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model
@@ -162,8 +162,8 @@ class LLMEngine:
         # which holds its KV of every page beside the target's (model_drafter.py).
         self._spec = config.speculative if self.layout.pp == 1 else None
         draft = None
-        if self._spec is not None and self._spec.method == "draft_model" and self.layout.is_driver:
-            draft = load_draft_model(self._spec, self.device, dtype, self.ops, self.model_config)
+        if self._spec is not None and self._spec.method != "ngram" and self.layout.is_driver:
+            draft = load_drafting_model(self._spec, self.model, self.group, self.device, dtype, self.ops)
         self.draft_block_bytes = draft_kv_bytes_per_block(draft, config.block_size, self.kv_dtype)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
@@ -203,8 +203,9 @@ class LLMEngine:
                 self.graph_capture_seconds += mixed.capture(graphs.pool)
                 self.runner.mixed_graphs = mixed
             self.runner.warm_logits(config.max_num_seqs)
-        self.drafter = build_drafter(draft, num_blocks, self.block_manager, config, self.device, self.kv_dtype,
-                                     self.model_config.vocab_size, min(self.max_model_len, config.max_graph_len))
+        self.drafter = build_drafter(self._spec, draft, num_blocks, self.block_manager, config, self.device,
+                                     self.kv_dtype, self.model_config.vocab_size,
+                                     min(self.max_model_len, config.max_graph_len))
         self.steps = 0
         self._rng = random.Random(config.seed)
         self._inflight: deque[LaunchedStep] = deque()
@@ -397,6 +398,8 @@ class LLMEngine:
                                        plan.draft_rows)
             launched = (LaunchedStep(plan, None, deferred=draw) if isinstance(draw, DeferredDraw)
                         else LaunchedStep(plan, draw))
+            if self.drafter is not None and self._speculating():
+                self.drafter.after_launch(plan.scheduled, self.model)  # an EAGLE-3 head keeps the target's states
         except Exception as e:  # a bad step fails its requests, never the engine
             self._end_group_on(e)
             return LaunchedStep(plan, None, e)

@@ -41,9 +41,13 @@ class DraftModel:
     """`draft_model`: each step, the draft model computes the positions it has not (the accepted
     tokens of the last check; a new request's whole prompt, in chunks of `max_tokens`), draws the
     first draft token from the last, then one decode step per further token (in CUDA graphs where
-    `graphs`, a CudaGraphRunner over the draft model and its pool, covers the batch)."""
+    `graphs`, a CudaGraphRunner over the draft model and its pool, covers the batch).
+
+    `shift`: a drafter whose input at position p is token p + 1 (EAGLE's: the target's hidden state
+    at p with the token drawn from it) computes one position less of each request."""
 
     method = "draft_model"
+    shift = 0
 
     def __init__(self, model, kv_cache, block_manager, device: torch.device, max_tokens: int, target_vocab: int):
         self.model = model
@@ -57,50 +61,62 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, items: list[tuple[Request, int]]) -> list[list[int]]:
         """Drafts of up to k tokens for each (request, k); [] for a request without blocks for one."""
-        drafts: dict[int, list[int]] = {}
+        drafts: list[list[int]] = [[] for _ in items]
         todo = []
         for i, (r, k) in enumerate(items):
-            drafts[i] = []
-            if k > 0 and grow_blocks(self.block_manager, r, k):
-                todo.append((i, r, k, len(r.all_token_ids), confirmed_kv_len(r)))
+            start = self._first_position(r) if k > 0 else None
+            if start is not None and grow_blocks(self.block_manager, r, k):
+                todo.append((i, r, k, len(r.all_token_ids), start))
         if not todo:
-            return [drafts[i] for i in range(len(items))]
+            return drafts
         # Catch up to the last known token, whose logits give the first draft token.
         behind = {i: start for i, _, _, _, start in todo}
+        end = {i: n - self.shift for i, _, _, n, _ in todo}
         while behind:
             budget, scheduled, owners = self.max_tokens, [], []
             for i, r, k, n, _ in todo:
                 start = behind.get(i)
                 if start is None or budget <= 0:
                     continue
-                num = min(n - start, budget)
+                num = min(end[i] - start, budget)
                 budget -= num
-                last = start + num == n
+                last = start + num == end[i]
                 scheduled.append(ScheduledRequest(r, num, start, last))
                 if last:
                     owners.append(i)
                     del behind[i]
                 else:
                     behind[i] = start + num
-            for i, token in zip(owners, self._step(scheduled)):
+            for i, token in zip(owners, self._step(scheduled, owners, True)):
                 drafts[i].append(token)
         # Then one token at a time, each drafted token appended while the next is drafted.
         for i, r, k, n, _ in todo:
             r.all_token_ids.append(drafts[i][0])
         for j in range(1, max(k for _, _, k, _, _ in todo)):
             rows = [(i, r) for i, r, k, n, _ in todo if k > j]
-            scheduled = [ScheduledRequest(r, 1, len(r.all_token_ids) - 1, True) for _, r in rows]
-            for (i, r), token in zip(rows, self._step(scheduled)):
+            scheduled = [ScheduledRequest(r, 1, len(r.all_token_ids) - 1 - self.shift, True) for _, r in rows]
+            for (i, r), token in zip(rows, self._step(scheduled, [i for i, _ in rows], False)):
                 drafts[i].append(token)
                 r.all_token_ids.append(token)
         for i, r, k, n, _ in todo:
             del r.all_token_ids[n:]
-            r.draft_kv_len = n + k - 1  # the last draft token was drawn, never computed
-            r.draft_kv_tail = drafts[i][:k - 1]
-        return [drafts[i] for i in range(len(items))]
+            self._drafted(r, n, drafts[i])
+        return drafts
 
-    def _step(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """One forward of the draft model over `scheduled`; the greedy token of each sampling row."""
+    def _first_position(self, r: Request) -> int | None:
+        """Where the request's catch-up starts; None: it cannot draft now."""
+        return confirmed_kv_len(r)
+
+    def _drafted(self, r: Request, n: int, draft: list[int]) -> None:
+        r.draft_kv_len = n + len(draft) - 1  # the last draft token was drawn, never computed
+        r.draft_kv_tail = draft[:-1]
+
+    def after_launch(self, scheduled, model) -> None:
+        """Called after each target step is launched (a drafter that reads the target's states)."""
+
+    def _step(self, scheduled: list[ScheduledRequest], owners: list[int], first: bool) -> list[int]:
+        """One forward of the draft model over `scheduled`; the greedy token of each sampling row.
+        `owners`: the items of the sampling rows; `first`: the catch-up, before the first draft token."""
         graphs = self.graphs
         if graphs is not None and all(s.num_new_tokens == 1 for s in scheduled) and graphs.covers(scheduled):
             hidden, rows = graphs.launch(graphs.stage(scheduled, None, self.block_manager.tables))
@@ -110,38 +126,58 @@ class DraftModel:
             inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
             rows = inputs.logits_indices
-        logits = self.model.compute_logits(hidden[rows])
+        return self._greedy(self.model.compute_logits(hidden[rows]))
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
         if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
             logits = logits[:, :self.target_vocab]
         return logits.argmax(dim=-1).tolist()
 
 
-def load_draft_model(spec, device, dtype, ops, target_cfg):
-    """The draft model of `spec` (method draft_model), loaded before the KV pool is sized (its
-    weights are in use then, and its KV per block is counted: draft_kv_bytes_per_block)."""
+def load_drafting_model(spec, target, group, device, dtype, ops):
+    """The drafting model of `spec`, loaded before the KV pool is sized (its weights are in use then,
+    and its KV per page is counted: draft_kv_bytes_per_block): a draft model (draft_model) or an
+    EAGLE-3 head (eagle3), which makes the target keep the states it reads."""
+    if spec.method == "eagle3":
+        from services.worker.engine.eagle3 import load_eagle3
+        if group is not None:
+            raise ValueError("--speculative-config: eagle3 under tensor parallelism is not built (ngram and "
+                             "draft_model are)")
+        head = load_eagle3(spec.model, target, device, dtype, ops)
+        target.aux_layers = tuple(head.config.aux_layer_ids(target.cfg.num_hidden_layers))
+        return head
     from services.worker.engine.loader import load_model
     from services.worker.engine.model_config import ModelConfig
 
     cfg = ModelConfig.from_path(spec.model)
-    if cfg.vocab_size < target_cfg.vocab_size - 1024 or cfg.vocab_size > target_cfg.vocab_size + 1024:
+    vocab = target.cfg.vocab_size
+    if not vocab - 1024 <= cfg.vocab_size <= vocab + 1024:
         raise ValueError(f"--speculative-config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
-                         f"target's ({target_cfg.vocab_size}): it needs the same tokenizer")
+                         f"target's ({vocab}): it needs the same tokenizer")
     return load_model(spec.model, device, dtype, ops)
+
+
+def _kv_config(model):
+    """The ModelConfig of a drafting model's KV: its own, or an EAGLE-3 head's one layer."""
+    return model.config.kv_config() if hasattr(model, "fuse") else model.cfg
 
 
 def draft_kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     from services.worker.engine.kv_cache import kv_bytes_per_block
-    return kv_bytes_per_block(model.cfg, block_size, dtype) if model is not None else 0
+    return kv_bytes_per_block(_kv_config(model), block_size, dtype) if model is not None else 0
 
 
-def build_drafter(model, num_blocks: int, block_manager, config, device, dtype, target_vocab: int,
+def build_drafter(spec, model, num_blocks: int, block_manager, config, device, dtype, target_vocab: int,
                   max_graph_len: int):
-    """The drafter over a loaded draft model: its pool of num_blocks pages of its own shape, and its
-    decode graphs on a GPU."""
+    """The drafter over a loaded drafting model: its pool of num_blocks pages of its own shape, and a
+    draft model's decode graphs on a GPU."""
     from services.worker.engine.kv_cache import KVCache
     if model is None:
         return None
-    kv = KVCache(model.cfg, num_blocks, config.block_size, dtype, device)
+    kv = KVCache(_kv_config(model), num_blocks, config.block_size, dtype, device)
+    if spec.method == "eagle3":
+        from services.worker.engine.eagle3_drafter import Eagle3Drafter
+        return Eagle3Drafter(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
     drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
     if config.is_cuda and config.cuda_graphs:
         from services.worker.engine.cuda_graphs import CudaGraphRunner

@@ -88,6 +88,7 @@ class Request:
     # draft_kv_tail of them from its own drafted tokens (valid as far as the draws confirmed them).
     draft_kv_len: int = 0
     draft_kv_tail: list[int] = field(default_factory=list)
+    draft_inputs: list = field(default_factory=list)  # an EAGLE-3 head's: (position, target states) kept
     drafted_tokens: int = 0  # over its life: draft tokens checked, and those the draws confirmed
     accepted_tokens: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # a field, not a property: read per row per step
