@@ -101,6 +101,7 @@ class CudaGraphRunner:
         self.row_ids = np.arange(B, dtype=np.int64)
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor | None] = {}
         self.pool = None
         self.capture_seconds = 0.0
 
@@ -110,7 +111,9 @@ class CudaGraphRunner:
                                  max_query_len=1, max_seq_len=self.max_graph_len)
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.d_tokens[:b], self.d_pos[:b], self.kv_cache.layers, self._meta(b))
+        hidden = self.model(self.d_tokens[:b], self.d_pos[:b], self.kv_cache.layers, self._meta(b))
+        self.aux[b] = self.model.aux_hidden  # an EAGLE-3 head's inputs, when the model keeps them
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -227,6 +230,7 @@ class CudaGraphRunner:
         if k:
             self.d_tokens.index_copy_(0, self.d_feed_dst[:k], last_ids.index_select(0, self.d_feed_src[:k]))
         self.graphs[b].replay()
+        self.model.aux_hidden = self.aux[b]
         return self.outputs[b][:n], _Indices(self.rows[:n])
 
     # -- the same step on the other ranks of a parallel group ----------------------------------

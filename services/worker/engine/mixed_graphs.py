@@ -72,6 +72,7 @@ class MixedGraphRunner:
         self.d = self._views(self.dev)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor | None] = {}
         self.pool = None
         self.capture_seconds = 0.0
 
@@ -100,7 +101,9 @@ class MixedGraphRunner:
                                  tiles=d["tiles"][:, :n_tiles])
 
     def _forward(self, t: int) -> torch.Tensor:
-        return self.model(self.d["tokens"][:t], self.d["pos"][:t], self.kv_cache.layers, self._meta(t))
+        hidden = self.model(self.d["tokens"][:t], self.d["pos"][:t], self.kv_cache.layers, self._meta(t))
+        self.aux[t] = self.model.aux_hidden  # an EAGLE-3 head's inputs, when the model keeps them
+        return hidden
 
     @torch.inference_mode()
     def capture(self, pool=None) -> float:
@@ -150,6 +153,7 @@ class MixedGraphRunner:
         if self.cuda:
             self.graphs[t].replay()
             hidden = self.outputs[t]
+            self.model.aux_hidden = self.aux[t]
         else:
             hidden = self._forward(t)  # the CPU tests drive the same static path eagerly
         return hidden, d["logits"][:k_rows]

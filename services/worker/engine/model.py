@@ -136,6 +136,10 @@ class DecoderLM(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size))
         # Rotary tables are computed, not loaded: a buffer filled by init_rope() after loading.
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # Layers whose input (the residual stream there) an EAGLE-3 head reads, and that input of the
+        # last forward's tokens, concatenated [T, len(aux_layers) * hidden] (eagle3_drafter.py).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def init_rope(self, max_positions: int, device) -> None:
         cfg = self.cfg
@@ -145,8 +149,13 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = [] if self.aux_layers else None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if aux is not None and i in self.aux_layers:
+                aux.append(h if residual is None else h + residual)
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
+        if aux is not None:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
