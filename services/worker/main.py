@@ -68,7 +68,8 @@ def parse_args(argv):
                          "requests do not overlap their steps (default 0: off)")
     ap.add_argument("--speculative-config", default=env_default("INFERNO_SPECULATIVE_CONFIG", ""), metavar="JSON",
                     help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 32}; lossless '
+                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 32}, or method '
+                         '"draft_model" / "eagle3" with "model": a directory; lossless '
                          '(the answers are those without it); default: off')
     ap.add_argument("--handoff-push", action=argparse.BooleanOptionalAction,
                     default=env_default("INFERNO_HANDOFF_PUSH", True, parse_bool),
