@@ -149,13 +149,13 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         residual = None
-        aux = [] if self.aux_layers else None
+        aux = {} if self.aux_layers else None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if aux is not None and i in self.aux_layers:
-                aux.append(h if residual is None else h + residual)
+                aux[i] = h if residual is None else h + residual
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
         if aux is not None:
-            self.aux_hidden = torch.cat(aux, dim=-1)
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
