@@ -22,6 +22,15 @@ if [ "${ORACLE:-1}" = 1 ]; then  # the mechanism at batch 1: checking steps' cos
   python3 bench/spec_oracle.py "$MODEL" --tokens 256 --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warning
   echo "oracle done at ${SECONDS} s"
 fi
+if [ "${DRAFTERS:-1}" = 1 ]; then  # the model drafters' cost at batch 1: a random EAGLE-3 head, a 1B-shape draft model
+  [ -f /tmp/eagle3-8b/config.json ] || python3 -m services.cli make-model /tmp/eagle3-8b --preset eagle3-llama-3.1-8b \
+    --dtype bfloat16 --device cuda --seed 0 --quiet
+  [ -f /tmp/llama-1b/config.json ] || python3 -m services.cli make-model /tmp/llama-1b --preset llama-3.2-1b \
+    --dtype bfloat16 --device cuda --seed 0 --quiet
+  python3 bench/spec_drafters.py "$MODEL" --eagle3 /tmp/eagle3-8b --draft-model /tmp/llama-1b \
+    --out "$OUT/spec_drafters.json" 2>&1 | grep -v Warning | tail -4
+  echo "drafters done at ${SECONDS} s"
+fi
 [ "${W2:-1}" = 1 ] || exit 0
 SPEC='--speculative-config={"method":"ngram","num_speculative_tokens":4}'
 for tag in off on off_b; do
@@ -34,6 +43,7 @@ for tag in off on off_b; do
   for _ in $(seq 180); do grep -q "graphs captured" "$run"/worker-0.log 2>/dev/null && break; sleep 0.5; done
   python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 200 --vocab-size 128000 --seed 7 \
     --out "$RAW/warmup.json" > /dev/null 2>&1
+  [ -f "$run/pids.json" ] || { echo "the $tag stack did not start:"; tail -5 "$RAW/up_$tag.log"; tail -20 "$run"/worker-0.log; }
   timeout 300 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 1000 --vocab-size 128000 \
     --seed 101 --pids-file "$run/pids.json" --out "$RAW/w2_$tag.json" 2>&1 | tail -2
   sleep 1.5  # a heartbeat with the last counts

@@ -6,7 +6,9 @@ byte-identical files (weights are drawn tensor by tensor from a generator seeded
 seed and the tensor's name, and the tokenizer is trained on a corpus embedded in this module).
 
 The output loads in `transformers.AutoModelForCausalLM.from_pretrained(dir)` and
-`AutoTokenizer.from_pretrained(dir)` with no missing or unexpected keys.
+`AutoTokenizer.from_pretrained(dir)` with no missing or unexpected keys. `write_eagle3` (the
+`eagle3-*` presets) writes a random EAGLE-3 draft head for a target preset instead, in the
+published heads' layout, which the engine's eagle3.py loads.
 
 Memory stays at one tensor at a time: the safetensors files are written by hand (header first,
 then each tensor's bytes as soon as it is generated), so the 16 GB Llama-3.1-8B preset streams
@@ -97,6 +99,15 @@ PRESETS: dict[str, Preset] = {
         rope_scaling=LLAMA_3_1_ROPE_SCALING,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
+    ),
+    # Llama-3.2-1B shapes (Llama 3's tokenizer, tied embeddings): a draft model for the 8B.
+    "llama-3.2-1b": Preset(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={**LLAMA_3_1_ROPE_SCALING, "factor": 32.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     ),
     # Exact Llama-3.1-70B shapes (141 GB in bf16: serve it with --load-format dummy and a
     # directory written with --config-only, rather than writing its weights).
@@ -213,7 +224,7 @@ def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, ti
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "weight" N(0, 0.02) | "norm" 1 + N(0, 0.1) | "bias" N(0, 0.02)
+    kind: str  # "weight" N(0, 0.02) | "norm" 1 + N(0, 0.1) | "bias" N(0, 0.02) | an EAGLE3_MAPS key
 
     @property
     def numel(self) -> int:
@@ -312,10 +323,16 @@ def plan_shards(specs: list[TensorSpec], elem_bytes: int, max_shard_bytes: int) 
     return shards
 
 
-def _safetensors_header(specs: list[TensorSpec], st_dtype: str, elem_bytes: int) -> bytes:
+def _stored_dtype(spec: TensorSpec, dtype: str) -> tuple[str, int]:
+    """(safetensors dtype, bytes per element): the model's, or an EAGLE-3 vocabulary map's own."""
+    return EAGLE3_MAPS.get(spec.kind) or DTYPES[dtype][1:]
+
+
+def _safetensors_header(specs: list[TensorSpec], dtype: str) -> bytes:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
+        st_dtype, elem_bytes = _stored_dtype(spec, dtype)
         nbytes = spec.numel * elem_bytes
         header[spec.name] = {"dtype": st_dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -324,13 +341,14 @@ def _safetensors_header(specs: list[TensorSpec], st_dtype: str, elem_bytes: int)
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str, device: str) -> None:
-    _, st_dtype, elem_bytes = DTYPES[dtype]
+def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str, device: str,
+                 make=generate_tensor) -> None:
+    """make(spec, seed, dtype, device): a spec's tensor on the CPU (default: random, by its kind)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(_safetensors_header(specs, st_dtype, elem_bytes))
+        f.write(_safetensors_header(specs, dtype))
         for spec in specs:
-            t = generate_tensor(spec, seed, dtype, device)
+            t = make(spec, seed, dtype, device)
             f.write(_tensor_bytes(t))
             del t
     os.replace(tmp, path)
@@ -448,6 +466,110 @@ def iter_model_files(model_dir: str | Path) -> Iterator[Path]:
 
 
 # --------------------------------------------------------------------------------------------
+# EAGLE-3 draft heads, in the published layout (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)
+# --------------------------------------------------------------------------------------------
+
+# make-model presets that write a head for a target preset, and the heads' draft vocabularies:
+# the published head's 32000, and a small one for the tiny target's tests.
+EAGLE3_PRESETS = {"eagle3-llama-3.1-8b": "llama-3.1-8b", "eagle3-tiny": "tiny"}
+EAGLE3_DRAFT_VOCAB = {"llama-3.1-8b": 32000, "tiny": 64}
+# The vocabulary maps keep their own dtypes (safetensors dtype, bytes per element) whatever the head's.
+EAGLE3_MAPS = {"d2t": ("I64", 8), "t2d": ("BOOL", 1)}
+
+
+def eagle3_config_dict(p: Preset, vocab_size: int, draft_vocab_size: int, dtype: str) -> dict:
+    """A head's config.json: one Llama layer of the target's shapes (keys sorted, as save_pretrained does)."""
+    return dict(sorted({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": draft_vocab_size,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": p.hidden_size,
+        "initializer_range": INIT_STD,
+        "intermediate_size": p.intermediate_size,
+        "max_position_embeddings": p.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": p.num_attention_heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": p.num_key_value_heads,
+        "rms_norm_eps": p.rms_norm_eps,
+        "rope_scaling": p.rope_scaling_for("LlamaForCausalLM"),
+        "rope_theta": p.rope_theta,
+        "target_hidden_size": p.hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "vocab_size": vocab_size,
+    }.items()))
+
+
+def eagle3_tensor_specs(p: Preset, vocab_size: int, draft_vocab_size: int) -> list[TensorSpec]:
+    """Every tensor of a head but embeddings (it shares the target's); q/k/v read [embeds ; hidden], 2H wide.
+    The int64 map first and the bool mask last keep every float tensor 8-byte aligned in the file."""
+    h, hd = p.hidden_size, p.head_dim
+    q, kv, inter = p.num_attention_heads * hd, p.num_key_value_heads * hd, p.intermediate_size
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    return [
+        TensorSpec("d2t", (draft_vocab_size,), "d2t"),
+        TensorSpec("fc.weight", (h, 3 * h), "weight"),
+        TensorSpec("midlayer.input_layernorm.weight", (h,), "norm"),
+        TensorSpec("midlayer.hidden_norm.weight", (h,), "norm"),
+        TensorSpec(a + "q_proj.weight", (q, 2 * h), "weight"),
+        TensorSpec(a + "k_proj.weight", (kv, 2 * h), "weight"),
+        TensorSpec(a + "v_proj.weight", (kv, 2 * h), "weight"),
+        TensorSpec(a + "o_proj.weight", (h, q), "weight"),
+        TensorSpec("midlayer.post_attention_layernorm.weight", (h,), "norm"),
+        TensorSpec(m + "gate_proj.weight", (inter, h), "weight"),
+        TensorSpec(m + "up_proj.weight", (inter, h), "weight"),
+        TensorSpec(m + "down_proj.weight", (h, inter), "weight"),
+        TensorSpec("norm.weight", (h,), "norm"),
+        TensorSpec("lm_head.weight", (draft_vocab_size, h), "weight"),
+        TensorSpec("t2d", (vocab_size,), "t2d"),
+    ]
+
+
+def draft_vocabulary(seed: int, vocab_size: int, draft_vocab_size: int):
+    """The target ids a head drafts, ascending: a random subset (a trained head's are the most frequent),
+    drawn on the CPU from (seed, "d2t"), so the same on every device."""
+    import torch
+
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, "d2t"))
+    return torch.randperm(vocab_size, generator=gen)[:draft_vocab_size].sort().values
+
+
+def write_eagle3(out_dir: str | Path, target_preset: str = "llama-3.1-8b", seed: int = 0, dtype: str = "bfloat16",
+                 device: str = "cpu", draft_vocab_size: int | None = None,
+                 target_vocab_size: int | None = None) -> Path:
+    """Write a random-weight EAGLE-3 head for a target of `target_preset` (config.json, model.safetensors);
+    return its path. target_vocab_size None: the vocabulary write_model gives that preset."""
+    import torch
+
+    if target_preset not in PRESETS:
+        raise ValueError(f"unknown preset {target_preset!r}; choose from {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    device = _resolve_device(device)
+    p = PRESETS[target_preset]
+    vocab = target_vocab_size or p.vocab_size or _round_up(build_tokenizer_json(None).size, 64)
+    draft = draft_vocab_size or EAGLE3_DRAFT_VOCAB.get(target_preset, min(vocab, 32000))
+    if not 0 < draft <= vocab:
+        raise ValueError(f"draft_vocab_size {draft} must be in [1, vocab_size {vocab}]")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _dump_json(out / "config.json", eagle3_config_dict(p, vocab, draft, dtype))
+    target_ids = draft_vocabulary(seed, vocab, draft)
+
+    def make(spec: TensorSpec, seed: int, dtype: str, device: str):
+        if spec.kind == "d2t":  # target id = draft id + d2t[draft id]
+            return target_ids - torch.arange(draft)
+        if spec.kind == "t2d":  # which target ids the head can draft
+            return torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
+        return generate_tensor(spec, seed, dtype, device)
+
+    _write_shard(out / "model.safetensors", eagle3_tensor_specs(p, vocab, draft), seed, dtype, device, make)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # CLI: inferno make-model OUT_DIR ...
 # --------------------------------------------------------------------------------------------
 
@@ -473,7 +595,8 @@ def build_parser(prog: str = "inferno make-model") -> argparse.ArgumentParser:
     ap.add_argument("out_dir", help="directory to write (created if missing)")
     ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
                     help="architecture (default: the preset's, LlamaForCausalLM for tiny/small/llama-3.1-8b)")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + sorted(EAGLE3_PRESETS), default="tiny",
+                    help="model shapes; eagle3-*: a random EAGLE-3 draft head for that target preset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     tie = ap.add_mutually_exclusive_group()
@@ -491,9 +614,16 @@ def build_parser(prog: str = "inferno make-model") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        out = write_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
-                          tie_word_embeddings=args.tied, max_shard_bytes=args.max_shard_bytes,
-                          device=args.device, progress=not args.quiet, weights=not args.config_only)
+        if args.preset in EAGLE3_PRESETS:
+            if args.arch or args.tied is not None or args.max_shard_bytes or args.config_only:
+                raise ValueError("--arch, --tied/--untied, --max-shard-bytes and --config-only "
+                                 "do not apply to an EAGLE-3 head")
+            out = write_eagle3(args.out_dir, EAGLE3_PRESETS[args.preset], seed=args.seed, dtype=args.dtype,
+                               device=args.device)
+        else:
+            out = write_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
+                              tie_word_embeddings=args.tied, max_shard_bytes=args.max_shard_bytes,
+                              device=args.device, progress=not args.quiet, weights=not args.config_only)
     except (ValueError, RuntimeError) as e:
         print(f"make-model: error: {e}", file=sys.stderr)
         return 2

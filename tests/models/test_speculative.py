@@ -38,7 +38,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3, 1, 3) == [7, 8, 1]
     assert ngram_draft([5, 6, 7], 2, 1, 2) == []
     assert ngram_draft([4, 4], 5, 1, 1) == [4]
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="needs .model."):
         SpeculativeConfig.from_json('{"method": "eagle3"}')
     with pytest.raises(ValueError, match="unknown keys"):
         SpeculativeConfig.from_json('{"method": "ngram", "num_spec": 3}')

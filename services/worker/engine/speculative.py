@@ -16,7 +16,6 @@ import numpy as np
 
 METHODS = ("ngram", "draft_model", "eagle3")
 LOOKBACK = 4096  # tokens the n-gram lookup searches, the latest: a step's search stays ~0.1 ms
-BUILT = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +48,6 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {METHODS}, got {self.method!r}")
-        if self.method not in BUILT:
-            raise ValueError(f"--speculative-config: method {self.method!r} is not built yet (built: {BUILT})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
