@@ -1,6 +1,7 @@
-"""Speculative decoding through the stack (issue 36): a worker with n-gram drafts answers exactly as
-without them (a request may opt out with "speculative": false), alone and eight at once, and
-/metrics counts the drafts and the confirmed tokens."""
+"""Speculative decoding through the stack (issue 36): a worker with n-gram drafts (a draft model; an
+EAGLE-3 head on the decode worker of a split stack) answers exactly as without them (a request may
+opt out with "speculative": false), alone and eight at once, and /metrics counts the drafts and the
+confirmed tokens."""
 
 from __future__ import annotations
 
@@ -44,15 +45,7 @@ def test_answers_are_those_without_speculation(stack):
             together = list(pool.map(lambda p: ask(p, seed, True), prompts))
             plain = list(pool.map(lambda p: ask(p, seed, False), prompts))
             assert together == plain and alone == plain[:2]
-    deadline = time.monotonic() + 5  # the counts come with the workers' heartbeats
-    while True:
-        metrics = urllib.request.urlopen(stack.url + "/metrics").read().decode()
-        found = [re.search(rf'^inferno:spec_decode_num_{name}_total{{method="ngram"}} (\S+)', metrics, re.M)
-                 for name in ("draft_tokens", "accepted_tokens")]
-        drafted, accepted = (float(m.group(1)) if m else 0.0 for m in found)
-        if accepted > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    drafted, accepted = spec_metric(stack, "ngram")  # the counts come with the workers' heartbeats
     assert drafted > 0 and 0 < accepted <= drafted
 
 
@@ -89,3 +82,62 @@ def test_a_stop_string_inside_a_confirmed_run_cuts_it_exactly(stack):
     assert r.choices[0].text == ref.choices[0].text == free[:free.index(stop)]
     assert r.choices[0].finish_reason == ref.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == ref.usage.completion_tokens
+
+
+def spec_metric(stack, method: str) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) of `method` in /metrics, once a heartbeat carried them."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = urllib.request.urlopen(stack.url + "/metrics").read().decode()
+        found = [re.search(rf'^inferno:spec_decode_num_{name}_total{{method="{method}"}} (\S+)', text, re.M)
+                 for name in ("draft_tokens", "accepted_tokens")]
+        drafted, accepted = (float(m.group(1)) if m else 0.0 for m in found)
+        if drafted > 0 or time.monotonic() > deadline:
+            return drafted, accepted
+        time.sleep(0.2)
+
+
+def same_answers(stack, prompts) -> None:
+    c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(prompt: str, seed: int, speculative: bool) -> str:
+        kw = dict(temperature=0.0) if seed < 0 else dict(temperature=0.9, seed=seed)
+        return c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, **kw,
+                                    extra_body={"ignore_eos": True, "speculative": speculative}).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        for seed in (-1, 3):
+            spec = list(pool.map(lambda p: ask(p, seed, True), prompts))
+            assert spec == list(pool.map(lambda p: ask(p, seed, False), prompts))
+
+
+def test_a_draft_model_through_the_stack(tiny_model, tmp_path_factory):
+    """The target as its own draft model: the answers as without it, every greedy draft confirmed."""
+    draft = {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3}
+    stack = start_stack(tmp_path_factory.mktemp("spec-draft"), tiny_model,
+                        worker_args=("--speculative-config", json.dumps(draft)))
+    try:
+        same_answers(stack, ["Tell me a story.", "one two three", "The quick brown fox", "Hello"])
+        drafted, accepted = spec_metric(stack, "draft_model")
+        assert drafted > 0 and accepted > 0
+    finally:
+        stack.stop()
+
+
+def test_an_eagle3_head_on_the_decode_worker_of_a_split_stack(tiny_model, tmp_path_factory):
+    """Prefill and decode apart, the decode worker drafting with an EAGLE-3 head (its flag after the
+    others wins): the answers as without drafts."""
+    from inferno.tools.make_model import write_eagle3
+
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    head = write_eagle3(tmp_path_factory.mktemp("head") / "eagle3", target_preset="tiny", dtype="float32",
+                        target_vocab_size=vocab)
+    eagle = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    stack = start_stack(tmp_path_factory.mktemp("spec-pd"), tiny_model, workers=0, prefill_workers=1,
+                        decode_workers=1, scheduler_args=("--disagg-min-prefill-tokens", "1"),
+                        decode_worker_args=("--speculative-config", json.dumps(eagle)))
+    try:
+        same_answers(stack, ["Tell me a story.", "one two three one two three", "Hello there"])
+        assert spec_metric(stack, "eagle3")[0] > 0
+    finally:
+        stack.stop()
