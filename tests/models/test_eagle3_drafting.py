@@ -77,11 +77,23 @@ def fresh_draft(engine, tokens: list[int], k: int) -> list[int]:
     return draft
 
 
-def test_each_draft_is_the_heads_over_the_whole_sequence(model_dir, head_dir):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_each_draft_is_the_heads_over_the_whole_sequence(model_dir, head_dir, graphs):
     """The check is handed the target's own continuation instead of the random head's draft, so it
     confirms whole drafts and the head catches up on several positions at a time; each of the head's
-    own drafts must still be what it gives over the whole sequence afresh."""
+    own drafts must still be what it gives over the whole sequence afresh. With `graphs` the head's
+    steps (catch-ups too: a row per token) go through its decode graphs' static path (the CPU's
+    graphs rerun the forward on the same buffers)."""
     engine = make_engine(model_dir, speculative=spec(head_dir), block_size=8)
+    replays = []
+    if graphs:
+        from services.worker.engine.cuda_graphs import CudaGraphRunner
+        from services.worker.engine.eagle3_drafter import HeadGraphStep
+        d = engine.drafter
+        d.graphs = CudaGraphRunner(HeadGraphStep(d.model, 16), d.kv_cache, 16, 256, engine.device)
+        d.graphs.capture()
+        launch = d.graphs.launch
+        d.graphs.launch = lambda staged, *a: replays.append(staged.n) or launch(staged, *a)
     vocab = engine.model_config.vocab_size
     prompt = random_prompt(11, vocab, seed=5)
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
@@ -97,5 +109,6 @@ def test_each_draft_is_the_heads_over_the_whole_sequence(model_dir, head_dir):
     assert run_requests(engine, [prompt], [params])[0][0][0] == truth
     assert engine.spec_accepted_tokens > 10  # whole drafts confirmed: catch-ups of k + 1 positions
     assert len(seen) > 3
+    assert not graphs or max(replays) > 1  # catch-ups of several positions replayed too
     for tokens, draft in seen:
         assert draft == fresh_draft(engine, tokens, len(draft))

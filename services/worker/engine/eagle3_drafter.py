@@ -20,6 +20,7 @@ from itertools import chain
 
 import numpy as np
 import torch
+from torch import nn
 
 from services.worker.engine.model_drafter import DraftModel, confirmed_kv_len
 from services.worker.engine.request import Request
@@ -83,18 +84,43 @@ class Eagle3Drafter(DraftModel):
 
     def _step(self, scheduled, owners: list[int], first: bool) -> list[int]:
         head = self.model
-        step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
-        step.parts()[0][:] = list(chain.from_iterable(
-            s.request.all_token_ids[s.start + 1:s.start + 1 + s.num_new_tokens] for s in scheduled))
-        inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
         if first:
             hidden = head.fuse(torch.cat([self._aux_rows(s.request, s.start, s.num_new_tokens) for s in scheduled]))
         else:
             hidden = torch.cat([self._state[i] for i in owners])
-        normed, prenorm = head(inputs.input_ids, hidden, inputs.positions, self.kv_cache.layers[0], inputs.meta)
-        rows = inputs.logits_indices
+        tokens = list(chain.from_iterable(
+            s.request.all_token_ids[s.start + 1:s.start + 1 + s.num_new_tokens] for s in scheduled))
+        graph = self._graph_step(scheduled)
+        if graph is not None:
+            staged, rows = graph
+            staged.stage.tokens[:staged.n] = tokens
+            self.graphs.model.hidden_in[:staged.n].copy_(hidden)
+            out, _ = self.graphs.launch(staged)
+            normed, prenorm = out.split(head.config.hidden_size, dim=-1)
+        else:
+            step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
+            step.parts()[0][:] = tokens
+            inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+            normed, prenorm = head(inputs.input_ids, hidden, inputs.positions, self.kv_cache.layers[0], inputs.meta)
+            rows = inputs.logits_indices
         out = prenorm[rows]
         for j, i in enumerate(owners):
             self._state[i] = out[j:j + 1]
         draft_ids = head.compute_logits(normed[rows]).argmax(dim=-1)
         return head.to_target(draft_ids).tolist()
+
+
+class HeadGraphStep(nn.Module):
+    """The head as the decode graphs call a model, (tokens, positions, KV layers, metadata), its hidden
+    input in a static buffer the drafter fills before each replay; returns [normed | prenorm]."""
+
+    def __init__(self, head, max_rows: int):
+        super().__init__()
+        self.head = head
+        self.hidden_in = torch.zeros(max_rows, head.config.hidden_size, dtype=head.norm.dtype,
+                                     device=head.norm.device)
+        self.aux_hidden = None  # the graph runner's (a target's kept states): none here
+
+    def forward(self, input_ids, positions, kv_layers, meta):
+        normed, prenorm = self.head(input_ids, self.hidden_in[:input_ids.shape[0]], positions, kv_layers[0], meta)
+        return torch.cat([normed, prenorm], dim=-1)

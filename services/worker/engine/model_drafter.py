@@ -13,6 +13,7 @@ drawn (drafts.py), so the draft's quality costs speed, never the answer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from services.worker.engine.batcher import ScheduledRequest
@@ -117,16 +118,33 @@ class DraftModel:
     def _step(self, scheduled: list[ScheduledRequest], owners: list[int], first: bool) -> list[int]:
         """One forward of the draft model over `scheduled`; the greedy token of each sampling row.
         `owners`: the items of the sampling rows; `first`: the catch-up, before the first draft token."""
-        graphs = self.graphs
-        if graphs is not None and all(s.num_new_tokens == 1 for s in scheduled) and graphs.covers(scheduled):
-            hidden, rows = graphs.launch(graphs.stage(scheduled, None, self.block_manager.tables))
-            rows = rows.logits_indices
+        graph = self._graph_step(scheduled)
+        if graph is not None:
+            staged, rows = graph
+            hidden, _ = self.graphs.launch(staged)
         else:
             step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
             inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
             rows = inputs.logits_indices
         return self._greedy(self.model.compute_logits(hidden[rows]))
+
+    def _graph_step(self, scheduled: list[ScheduledRequest]):
+        """The step staged in the drafter's decode graphs, a row per token (as a target's draft check:
+        CudaGraphRunner._stage_checks), and the rows of the sampling requests' last tokens; None when
+        the graphs do not cover it (a new request's whole prompt). Eager, a drafter's step is ~20
+        launches from Python: more than the GPU's time for a 1B model's or a head's step."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        n = int(counts.sum())
+        if not graphs.covers(scheduled, n if n != len(scheduled) else None):
+            return None
+        staged = graphs.stage(scheduled, None, self.block_manager.tables)
+        last = np.cumsum(counts) - 1
+        rows = torch.from_numpy(last[[s.samples for s in scheduled]]).to(self.device, non_blocking=True)
+        return staged, rows
 
     def _greedy(self, logits: torch.Tensor) -> list[int]:
         if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
@@ -175,12 +193,15 @@ def build_drafter(spec, model, num_blocks: int, block_manager, config, device, d
     if model is None:
         return None
     kv = KVCache(_kv_config(model), num_blocks, config.block_size, dtype, device)
+    graph_model = model
     if spec.method == "eagle3":
-        from services.worker.engine.eagle3_drafter import Eagle3Drafter
-        return Eagle3Drafter(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
-    drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
+        from services.worker.engine.eagle3_drafter import Eagle3Drafter, HeadGraphStep
+        drafter = Eagle3Drafter(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
+        graph_model = HeadGraphStep(model, config.max_num_seqs)
+    else:
+        drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
     if config.is_cuda and config.cuda_graphs:
         from services.worker.engine.cuda_graphs import CudaGraphRunner
-        drafter.graphs = CudaGraphRunner(model, kv, config.max_num_seqs, max_graph_len, device)
+        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device)
         drafter.graphs.capture()
     return drafter
