@@ -154,8 +154,9 @@ class DecoderLM(nn.Module):
             if aux is not None and i in self.aux_layers:
                 aux[i] = h if residual is None else h + residual
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
-        if aux is not None:
-            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
+        if aux is not None:  # (a forward over the first layers only, as the memory profile's, keeps none)
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if all(
+                i in aux for i in self.aux_layers) else None
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
