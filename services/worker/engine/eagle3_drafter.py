@@ -24,7 +24,6 @@ from torch import nn
 
 from services.worker.engine.model_drafter import DraftModel, confirmed_kv_len
 from services.worker.engine.request import Request
-from services.worker.engine.step_inputs import pack_step_inputs, upload_step_inputs
 
 
 class Eagle3Drafter(DraftModel):
@@ -82,32 +81,30 @@ class Eagle3Drafter(DraftModel):
                 parts.append(t[lo - p:hi - p])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _step(self, scheduled, owners: list[int], first: bool) -> list[int]:
+    def _step(self, scheduled, owners: list[int], first: bool, last_ids=None, last_rows=None) -> torch.Tensor:
         head = self.model
-        if first:
+        if first:  # the catch-up: the target's states, the tokens drawn after them (known)
             hidden = head.fuse(torch.cat([self._aux_rows(s.request, s.start, s.num_new_tokens) for s in scheduled]))
-        else:
-            hidden = torch.cat([self._state[i] for i in owners])
-        tokens = list(chain.from_iterable(
-            s.request.all_token_ids[s.start + 1:s.start + 1 + s.num_new_tokens] for s in scheduled))
-        graph = self._graph_step(scheduled)
+            tokens = list(chain.from_iterable(
+                s.request.all_token_ids[s.start + 1:s.start + 1 + s.num_new_tokens] for s in scheduled))
+        else:  # a draft step: the head's own state, the token it drew (fed on the device)
+            hidden, tokens = torch.cat([self._state[i] for i in owners]), None
+        graph = self._graph_step(scheduled, last_rows)
         if graph is not None:
             staged, rows = graph
-            staged.stage.tokens[:staged.n] = tokens
+            if tokens is not None:
+                staged.stage.tokens[:staged.n] = tokens
             self.graphs.model.hidden_in[:staged.n].copy_(hidden)
-            out, _ = self.graphs.launch(staged)
+            out, _ = self.graphs.launch(staged, last_ids)
             normed, prenorm = out.split(head.config.hidden_size, dim=-1)
         else:
-            step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
-            step.parts()[0][:] = tokens
-            inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+            inputs = self._eager_inputs(scheduled, last_ids, last_rows, tokens)
             normed, prenorm = head(inputs.input_ids, hidden, inputs.positions, self.kv_cache.layers[0], inputs.meta)
             rows = inputs.logits_indices
         out = prenorm[rows]
         for j, i in enumerate(owners):
             self._state[i] = out[j:j + 1]
-        draft_ids = head.compute_logits(normed[rows]).argmax(dim=-1)
-        return head.to_target(draft_ids).tolist()
+        return head.to_target(head.compute_logits(normed[rows]).argmax(dim=-1))
 
 
 class HeadGraphStep(nn.Module):

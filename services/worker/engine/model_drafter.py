@@ -61,7 +61,9 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Request, int]]) -> list[list[int]]:
-        """Drafts of up to k tokens for each (request, k); [] for a request without blocks for one."""
+        """Drafts of up to k tokens for each (request, k); [] for a request without blocks for one.
+        The steps queue on the device one after the other, each fed the tokens the step before drew
+        there, and the host reads the drafts once at the end."""
         drafts: list[list[int]] = [[] for _ in items]
         todo = []
         for i, (r, k) in enumerate(items):
@@ -70,6 +72,7 @@ class DraftModel:
                 todo.append((i, r, k, len(r.all_token_ids), start))
         if not todo:
             return drafts
+        drawn: list[tuple[torch.Tensor, list[int]]] = []  # each step's drawn ids (on the device), its rows' items
         # Catch up to the last known token, whose logits give the first draft token.
         behind = {i: start for i, _, _, _, start in todo}
         end = {i: n - self.shift for i, _, _, n, _ in todo}
@@ -88,19 +91,24 @@ class DraftModel:
                     del behind[i]
                 else:
                     behind[i] = start + num
-            for i, token in zip(owners, self._step(scheduled, owners, True)):
-                drafts[i].append(token)
-        # Then one token at a time, each drafted token appended while the next is drafted.
-        for i, r, k, n, _ in todo:
-            r.all_token_ids.append(drafts[i][0])
+            drawn.append((self._step(scheduled, owners, True), owners))
+        last_ids = drawn[0][0] if len(drawn) == 1 else torch.cat([ids for ids, _ in drawn])
+        row = {i: j for j, i in enumerate(i for _, owners in drawn for i in owners)}
+        # Then one token at a time, its input the token drawn before it, still on the device.
         for j in range(1, max(k for _, _, k, _, _ in todo)):
-            rows = [(i, r) for i, r, k, n, _ in todo if k > j]
-            scheduled = [ScheduledRequest(r, 1, len(r.all_token_ids) - 1 - self.shift, True) for _, r in rows]
-            for (i, r), token in zip(rows, self._step(scheduled, [i for i, _ in rows], False)):
-                drafts[i].append(token)
-                r.all_token_ids.append(token)
+            rows = [(i, r, n) for i, r, k, n, _ in todo if k > j]
+            scheduled = [ScheduledRequest(r, 1, n - 1 - self.shift + j, True, True) for _, r, n in rows]
+            owners = [i for i, _, _ in rows]
+            last_ids = self._step(scheduled, owners, False, last_ids, {r.request_id: row[i] for i, r, _ in rows})
+            row = {i: j for j, i in enumerate(owners)}
+            drawn.append((last_ids, owners))
+        tokens = torch.cat([ids for ids, _ in drawn]).tolist()  # the one wait for the device
+        at = 0
+        for _, owners in drawn:
+            for i in owners:
+                drafts[i].append(tokens[at])
+                at += 1
         for i, r, k, n, _ in todo:
-            del r.all_token_ids[n:]
             self._drafted(r, n, drafts[i])
         return drafts
 
@@ -115,21 +123,32 @@ class DraftModel:
     def after_launch(self, scheduled, model) -> None:
         """Called after each target step is launched (a drafter that reads the target's states)."""
 
-    def _step(self, scheduled: list[ScheduledRequest], owners: list[int], first: bool) -> list[int]:
-        """One forward of the draft model over `scheduled`; the greedy token of each sampling row.
-        `owners`: the items of the sampling rows; `first`: the catch-up, before the first draft token."""
-        graph = self._graph_step(scheduled)
+    def _step(self, scheduled: list[ScheduledRequest], owners: list[int], first: bool,
+              last_ids: torch.Tensor | None = None, last_rows: dict[str, int] | None = None) -> torch.Tensor:
+        """One forward of the draft model over `scheduled`; the greedy token of each sampling row, on
+        the device. `owners`: the items of the sampling rows; `first`: the catch-up, before the first
+        draft token; `last_ids`/`last_rows`: the inputs still on the device (the rows' previous draws)."""
+        graph = self._graph_step(scheduled, last_rows)
         if graph is not None:
             staged, rows = graph
-            hidden, _ = self.graphs.launch(staged)
+            hidden, _ = self.graphs.launch(staged, last_ids)
         else:
-            step = pack_step_inputs(scheduled, self.kv_cache.block_size, None, self.block_manager.tables)
-            inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+            inputs = self._eager_inputs(scheduled, last_ids, last_rows)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
             rows = inputs.logits_indices
         return self._greedy(self.model.compute_logits(hidden[rows]))
 
-    def _graph_step(self, scheduled: list[ScheduledRequest]):
+    def _eager_inputs(self, scheduled, last_ids, last_rows, tokens: list[int] | None = None):
+        """A step's inputs built and moved as the target's eager steps' are (`tokens`: other inputs)."""
+        step = pack_step_inputs(scheduled, self.kv_cache.block_size, last_rows, self.block_manager.tables)
+        if tokens is not None:
+            step.parts()[0][:] = tokens
+        inputs = upload_step_inputs(step, self.device, self.device.type == "cuda")
+        if inputs.feed_dst is not None:
+            inputs.input_ids.index_copy_(0, inputs.feed_dst, last_ids.index_select(0, inputs.feed_src))
+        return inputs
+
+    def _graph_step(self, scheduled: list[ScheduledRequest], last_rows: dict[str, int] | None = None):
         """The step staged in the drafter's decode graphs, a row per token (as a target's draft check:
         CudaGraphRunner._stage_checks), and the rows of the sampling requests' last tokens; None when
         the graphs do not cover it (a new request's whole prompt). Eager, a drafter's step is ~20
@@ -141,15 +160,15 @@ class DraftModel:
         n = int(counts.sum())
         if not graphs.covers(scheduled, n if n != len(scheduled) else None):
             return None
-        staged = graphs.stage(scheduled, None, self.block_manager.tables)
+        staged = graphs.stage(scheduled, last_rows, self.block_manager.tables)
         last = np.cumsum(counts) - 1
         rows = torch.from_numpy(last[[s.samples for s in scheduled]]).to(self.device, non_blocking=True)
         return staged, rows
 
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
             logits = logits[:, :self.target_vocab]
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
 
 
 def load_drafting_model(spec, target, group, device, dtype, ops):
