@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RAW/gpu.t
 [ -f "$MODEL/config.json" ] || python3 -m services.cli make-model "$MODEL" --preset llama-3.1-8b --dtype bfloat16 \
   --device cuda --seed 0 --quiet
 if [ "${ORACLE:-1}" = 1 ]; then  # the mechanism at batch 1: checking steps' cost against k, tok/s against alpha
-  python3 bench/spec_oracle.py "$MODEL" --tokens 256 --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warning
+  python3 bench/spec_oracle.py "$MODEL" --tokens 256 --profile --out "$OUT/spec_oracle.json" 2>&1 | grep -v "Warning\|USDT"
   echo "oracle done at ${SECONDS} s"
 fi
 if [ "${DRAFTERS:-1}" = 1 ]; then  # the model drafters' cost at batch 1: a random EAGLE-3 head, a 1B-shape draft model

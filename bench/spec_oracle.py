@@ -43,12 +43,40 @@ def decode(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[list[int]
     return r.output_token_ids, time.perf_counter() - t0, engine.steps - steps0
 
 
+def profile(engine: LLMEngine, prompt: list[int], overlapped, state: dict) -> dict:
+    """Per step: wall ms, the GPU's busy ms (its kernels' time) and the host's top self-time ops, for
+    plain decoding overlapped and serial and for checks of k = 1 and 4 (alpha 1)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    out = {}
+    spec = engine._spec
+    state["alpha"] = 1.0
+    for name, overlap, k in (("plain", True, 0), ("plain_serial", False, 0), ("check_k1", False, 1),
+                             ("check_k4", False, 4)):
+        engine.config = dataclasses.replace(overlapped, overlap=overlap)
+        engine._spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=0) if k else None
+        decode(engine, prompt, 16)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            n, seconds, forwards = decode(engine, prompt, 64)
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        out[name] = {"wall_ms_per_step": round(1e3 * seconds / forwards, 3),
+                     "gpu_ms_per_step": round(gpu_us / 1e3 / forwards, 3),
+                     "host_top_us_per_step": {e.key[:40]: round(e.self_cpu_time_total / forwards, 1) for e in top}}
+        print(json.dumps({name: out[name]}), flush=True)
+    engine.config, engine._spec = overlapped, spec
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="also: GPU busy time per step (torch.profiler), "
+                    "plain overlapped, plain serial and checks of k = 1 and 4")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model_dir=args.model, device=args.device, overlap=args.device.startswith("cuda"),
                                     max_num_seqs=32, max_num_batched_tokens=2048, gpu_memory_utilization=0.5))
@@ -89,6 +117,8 @@ def main() -> None:
             print(json.dumps(table[-1]), flush=True)
     result = {"plain_tok_s": round(plain_tok_s, 1), "plain_serial_tok_s": round(serial_tok_s, 1),
               "same_answers": same, "table": table}
+    if args.profile:
+        result["profile"] = profile(engine, prompt, overlapped, state)
     print(json.dumps({k: v for k, v in result.items() if k != "table"}))
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)
