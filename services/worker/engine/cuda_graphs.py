@@ -75,7 +75,10 @@ class CudaGraphRunner:
     the device ("feed") before the replay.
     """
 
-    def __init__(self, model, kv_cache, max_num_seqs: int, max_graph_len: int, device: torch.device):
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_graph_len: int, device: torch.device,
+                 num_stages: int = 2):
+        """`num_stages`: host stages used in turn, one more than the steps a caller queues ahead (a
+        drafter queues a proposal's steps; the engine one step in flight)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -88,7 +91,7 @@ class CudaGraphRunner:
         n64, n32 = 5 * B, B + B * W
         self.nbytes = 8 * n64 + 4 * n32
         self.cuda = device.type == "cuda"
-        self.stages = [_HostStage(self.nbytes, n64, B, W, pin=self.cuda) for _ in range(2)]
+        self.stages = [_HostStage(self.nbytes, n64, B, W, pin=self.cuda) for _ in range(num_stages)]
         self.turn = 0
         self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         d64 = self.dev[:8 * n64].view(torch.int64)
@@ -104,6 +107,11 @@ class CudaGraphRunner:
         self.aux: dict[int, torch.Tensor | None] = {}
         self.pool = None
         self.capture_seconds = 0.0
+
+    def _next_stage(self) -> _HostStage:
+        stage = self.stages[self.turn]
+        self.turn = (self.turn + 1) % len(self.stages)
+        return stage
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.d_slots[:b], block_tables=self.d_tables[:b],
@@ -153,8 +161,7 @@ class CudaGraphRunner:
         n = len(scheduled)
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
-        stage = self.stages[self.turn]
-        self.turn ^= 1
+        stage = self._next_stage()
         reqs = list(map(_REQUEST, scheduled))
         pos = np.fromiter(map(_START, scheduled), dtype=np.int64, count=n)
         fed = np.fromiter(map(_PENDING, scheduled), dtype=bool, count=n)
@@ -197,8 +204,7 @@ class CudaGraphRunner:
         n = int(counts.sum())
         b = next(x for x in self.buckets if x >= n)
         bs = self.block_size
-        stage = self.stages[self.turn]
-        self.turn ^= 1
+        stage = self._next_stage()
         reqs = list(map(_REQUEST, scheduled))
         pos = np.repeat(np.fromiter(map(_START, scheduled), dtype=np.int64, count=len(reqs)) - first, counts) \
             + self.row_ids[:n]
@@ -243,8 +249,7 @@ class CudaGraphRunner:
 
     def from_message(self, fields, payload: np.ndarray) -> GraphStep:
         n, b, k, width = (int(x) for x in fields[:4])
-        stage = self.stages[self.turn]
-        self.turn ^= 1
+        stage = self._next_stage()
         offs = np.cumsum((0, n, n, n, k, k, n, n * width))
         stage.tokens[:n], stage.pos[:n], stage.slots[:n] = (payload[offs[i]:offs[i + 1]] for i in range(3))
         stage.feed_dst[:k], stage.feed_src[:k] = payload[offs[3]:offs[4]], payload[offs[4]:offs[5]]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.worker.engine.model_drafter import DraftModel, confirmed_kv_len
+from services.worker.engine.model_drafter import DraftModel, confirmed_kv_len, device_rows
 from services.worker.engine.request import Request
 
 
@@ -46,7 +46,7 @@ class Eagle3Drafter(DraftModel):
         if not keep:
             return
         rows = np.concatenate([np.arange(offsets[i], offsets[i] + counts[i]) for i in keep])
-        kept = aux.index_select(0, torch.from_numpy(rows).to(aux.device, non_blocking=True))
+        kept = aux.index_select(0, device_rows(rows, aux.device))
         at = 0
         for i in keep:
             s, n = scheduled[i], int(counts[i])

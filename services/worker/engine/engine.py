@@ -162,7 +162,7 @@ class LLMEngine:
         # which holds its KV of every page beside the target's (model_drafter.py).
         self._spec = config.speculative if self.layout.pp == 1 else None
         draft = None
-        if self._spec is not None and self._spec.method != "ngram" and self.layout.is_driver:
+        if self._spec is not None and self.layout.is_driver and self._spec.method != "ngram":
             draft = load_drafting_model(self._spec, self.model, self.group, self.device, dtype, self.ops)
         self.draft_block_bytes = draft_kv_bytes_per_block(draft, config.block_size, self.kv_dtype)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)

@@ -33,6 +33,15 @@ def confirmed_kv_len(r: Request) -> int:
     return min(base + m, len(known) - 1)  # the last known token is always computed again
 
 
+def device_rows(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Row indices on the device through pinned memory: a copy from pageable memory waits for the
+    device's queue to drain first, and a drafter queues its steps ahead of the device."""
+    host = torch.from_numpy(rows)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def grow_blocks(block_manager, r: Request, k: int) -> bool:
     """The request's blocks cover the check of a k-token draft: its known tokens and k more."""
     return block_manager.allocate_slots(r, r.num_inflight_tokens + len(r.all_token_ids) - r.num_computed_tokens + k)
@@ -58,6 +67,7 @@ class DraftModel:
         self.max_tokens = max_tokens
         self.target_vocab = target_vocab
         self.graphs = None
+        self._queued = 0  # graph steps queued on the device since the host last waited for it
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Request, int]]) -> list[list[int]]:
@@ -103,6 +113,7 @@ class DraftModel:
             row = {i: j for j, i in enumerate(owners)}
             drawn.append((last_ids, owners))
         tokens = torch.cat([ids for ids, _ in drawn]).tolist()  # the one wait for the device
+        self._queued = 0
         at = 0
         for _, owners in drawn:
             for i in owners:
@@ -156,14 +167,20 @@ class DraftModel:
         graphs = self.graphs
         if graphs is None:
             return None
+        if self._queued >= len(graphs.stages) - 1:  # a host stage's copy may still be queued: let it go
+            if graphs.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            self._queued = 0
+        self._queued += 1
         counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         n = int(counts.sum())
         if not graphs.covers(scheduled, n if n != len(scheduled) else None):
             return None
         staged = graphs.stage(scheduled, last_rows, self.block_manager.tables)
+        if n == len(scheduled) and all(s.samples for s in scheduled):
+            return staged, graphs.rows[:n]  # a row each: all of them (a device tensor kept by the graphs)
         last = np.cumsum(counts) - 1
-        rows = torch.from_numpy(last[[s.samples for s in scheduled]]).to(self.device, non_blocking=True)
-        return staged, rows
+        return staged, device_rows(last[[s.samples for s in scheduled]], self.device)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
@@ -221,6 +238,8 @@ def build_drafter(spec, model, num_blocks: int, block_manager, config, device, d
         drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
     if config.is_cuda and config.cuda_graphs:
         from services.worker.engine.cuda_graphs import CudaGraphRunner
-        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device)
+        # A proposal's steps queue on the device: a host stage for each, up to 9 before a wait.
+        stages = min(spec.num_speculative_tokens, 8) + 1
+        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device, stages)
         drafter.graphs.capture()
     return drafter
