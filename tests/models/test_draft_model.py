@@ -61,13 +61,14 @@ def test_draft_steps_replay_the_draft_models_graphs_and_survive_preemption(model
     draft's decode steps go through its graph runner's static path (the CPU's graphs rerun the
     forward on the same buffers)."""
     from services.worker.engine.cuda_graphs import CudaGraphRunner
+    from services.worker.engine.model_drafter import GreedyStep
 
     vocab = make_engine(model_dir).model_config.vocab_size
     prompts, params = prompts_and_params(vocab, 6)
     plain, _ = run_requests(make_engine(model_dir, num_blocks=14, block_size=8), prompts, params)
     engine = make_engine(model_dir, num_blocks=14, block_size=8, speculative=spec(model_dir))
     d = engine.drafter
-    d.graphs = CudaGraphRunner(d.model, d.kv_cache, 16, 256, engine.device)
+    d.graphs = CudaGraphRunner(GreedyStep(d.model, vocab), d.kv_cache, 16, 256, engine.device)
     d.graphs.capture()
     staged = []
     stage = d.graphs.stage

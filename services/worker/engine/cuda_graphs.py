@@ -120,7 +120,7 @@ class CudaGraphRunner:
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.d_tokens[:b], self.d_pos[:b], self.kv_cache.layers, self._meta(b))
-        self.aux[b] = self.model.aux_hidden  # an EAGLE-3 head's inputs, when the model keeps them
+        self.aux[b] = self.model.aux_hidden  # a side output: a target's states for EAGLE-3, a drafter's ids
         return hidden
 
     @torch.inference_mode()

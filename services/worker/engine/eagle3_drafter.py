@@ -90,34 +90,39 @@ class Eagle3Drafter(DraftModel):
         else:  # a draft step: the head's own state, the token it drew (fed on the device)
             hidden, tokens = torch.cat([self._state[i] for i in owners]), None
         graph = self._graph_step(scheduled, last_rows)
-        if graph is not None:
+        if graph is not None:  # the draw is in the graph too (HeadGraphStep): its ids are the side output
             staged, rows = graph
             if tokens is not None:
                 staged.stage.tokens[:staged.n] = tokens
             self.graphs.model.hidden_in[:staged.n].copy_(hidden)
-            out, _ = self.graphs.launch(staged, last_ids)
-            normed, prenorm = out.split(head.config.hidden_size, dim=-1)
+            prenorm, _ = self.graphs.launch(staged, last_ids)
+            ids = self.graphs.model.aux_hidden[rows]
         else:
             inputs = self._eager_inputs(scheduled, last_ids, last_rows, tokens)
             normed, prenorm = head(inputs.input_ids, hidden, inputs.positions, self.kv_cache.layers[0], inputs.meta)
             rows = inputs.logits_indices
+            ids = head.to_target(head.compute_logits(normed[rows]).argmax(dim=-1))
         out = prenorm[rows]
         for j, i in enumerate(owners):
             self._state[i] = out[j:j + 1]
-        return head.to_target(head.compute_logits(normed[rows]).argmax(dim=-1))
+        return ids
 
 
 class HeadGraphStep(nn.Module):
     """The head as the decode graphs call a model, (tokens, positions, KV layers, metadata), its hidden
-    input in a static buffer the drafter fills before each replay; returns [normed | prenorm]."""
+    input in a static buffer the drafter fills before each replay; returns its output state (prenorm),
+    and draws inside the graph: every row's draft id (the target's) is the runner's side output,
+    `aux_hidden` (eager, the draw was four launches from Python a step)."""
 
     def __init__(self, head, max_rows: int):
         super().__init__()
         self.head = head
         self.hidden_in = torch.zeros(max_rows, head.config.hidden_size, dtype=head.norm.dtype,
                                      device=head.norm.device)
-        self.aux_hidden = None  # the graph runner's (a target's kept states): none here
+        self.aux_hidden = None
 
     def forward(self, input_ids, positions, kv_layers, meta):
-        normed, prenorm = self.head(input_ids, self.hidden_in[:input_ids.shape[0]], positions, kv_layers[0], meta)
-        return torch.cat([normed, prenorm], dim=-1)
+        head = self.head
+        normed, prenorm = head(input_ids, self.hidden_in[:input_ids.shape[0]], positions, kv_layers[0], meta)
+        self.aux_hidden = head.to_target(head.compute_logits(normed).argmax(dim=-1))
+        return prenorm

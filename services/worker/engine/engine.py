@@ -28,7 +28,7 @@ from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buff
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_config import ModelConfig
-from services.worker.engine.model_drafter import build_drafter, draft_kv_bytes_per_block, load_drafting_model
+from services.worker.engine.drafting import build_drafter, draft_kv_bytes_per_block, load_drafting_model
 from services.worker.engine.ops import make_ops
 from services.worker.engine.parallel.layout import ParallelLayout
 from services.worker.engine.parallel.sharded_model import join_or_start_group, load_rank_model

@@ -140,14 +140,13 @@ class DraftModel:
         the device. `owners`: the items of the sampling rows; `first`: the catch-up, before the first
         draft token; `last_ids`/`last_rows`: the inputs still on the device (the rows' previous draws)."""
         graph = self._graph_step(scheduled, last_rows)
-        if graph is not None:
+        if graph is not None:  # the draw is in the graph too (GreedyStep): its ids are the side output
             staged, rows = graph
-            hidden, _ = self.graphs.launch(staged, last_ids)
-        else:
-            inputs = self._eager_inputs(scheduled, last_ids, last_rows)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
-            rows = inputs.logits_indices
-        return self._greedy(self.model.compute_logits(hidden[rows]))
+            self.graphs.launch(staged, last_ids)
+            return self.graphs.model.aux_hidden[rows]
+        inputs = self._eager_inputs(scheduled, last_ids, last_rows)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        return self._greedy(self.model.compute_logits(hidden[inputs.logits_indices]))
 
     def _eager_inputs(self, scheduled, last_ids, last_rows, tokens: list[int] | None = None):
         """A step's inputs built and moved as the target's eager steps' are (`tokens`: other inputs)."""
@@ -183,63 +182,26 @@ class DraftModel:
         return staged, device_rows(last[[s.samples for s in scheduled]], self.device)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        if logits.shape[-1] > self.target_vocab:  # a draft vocabulary padded past the target's
-            logits = logits[:, :self.target_vocab]
-        return logits.argmax(dim=-1)
+        return greedy(logits, self.target_vocab)
 
 
-def load_drafting_model(spec, target, group, device, dtype, ops):
-    """The drafting model of `spec`, loaded before the KV pool is sized (its weights are in use then,
-    and its KV per page is counted: draft_kv_bytes_per_block): a draft model (draft_model) or an
-    EAGLE-3 head (eagle3), which makes the target keep the states it reads."""
-    if spec.method == "eagle3":
-        from services.worker.engine.eagle3 import load_eagle3
-        if group is not None:
-            raise ValueError("--speculative-config: eagle3 under tensor parallelism is not built (ngram and "
-                             "draft_model are)")
-        head = load_eagle3(spec.model, target, device, dtype, ops)
-        target.aux_layers = tuple(head.config.aux_layer_ids(target.cfg.num_hidden_layers))
-        return head
-    from services.worker.engine.loader import load_model
-    from services.worker.engine.model_config import ModelConfig
-
-    cfg = ModelConfig.from_path(spec.model)
-    vocab = target.cfg.vocab_size
-    if not vocab - 1024 <= cfg.vocab_size <= vocab + 1024:
-        raise ValueError(f"--speculative-config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
-                         f"target's ({vocab}): it needs the same tokenizer")
-    return load_model(spec.model, device, dtype, ops)
+def greedy(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    if logits.shape[-1] > target_vocab:  # a draft vocabulary padded past the target's
+        logits = logits[:, :target_vocab]
+    return logits.argmax(dim=-1)
 
 
-def _kv_config(model):
-    """The ModelConfig of a drafting model's KV: its own, or an EAGLE-3 head's one layer."""
-    return model.config.kv_config() if hasattr(model, "fuse") else model.cfg
+class GreedyStep(torch.nn.Module):
+    """A draft model as the decode graphs call a model, with its draw inside: the LM head and the
+    argmax of every row join the captured step (eager, they were four launches from Python a step).
+    The drawn ids are the graph runner's side output (`aux_hidden`, as a target's kept states)."""
 
+    def __init__(self, model, target_vocab: int):
+        super().__init__()
+        self.model, self.target_vocab = model, target_vocab
+        self.aux_hidden = None
 
-def draft_kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    from services.worker.engine.kv_cache import kv_bytes_per_block
-    return kv_bytes_per_block(_kv_config(model), block_size, dtype) if model is not None else 0
-
-
-def build_drafter(spec, model, num_blocks: int, block_manager, config, device, dtype, target_vocab: int,
-                  max_graph_len: int):
-    """The drafter over a loaded drafting model: its pool of num_blocks pages of its own shape, and a
-    draft model's decode graphs on a GPU."""
-    from services.worker.engine.kv_cache import KVCache
-    if model is None:
-        return None
-    kv = KVCache(_kv_config(model), num_blocks, config.block_size, dtype, device)
-    graph_model = model
-    if spec.method == "eagle3":
-        from services.worker.engine.eagle3_drafter import Eagle3Drafter, HeadGraphStep
-        drafter = Eagle3Drafter(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
-        graph_model = HeadGraphStep(model, config.max_num_seqs)
-    else:
-        drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
-    if config.is_cuda and config.cuda_graphs:
-        from services.worker.engine.cuda_graphs import CudaGraphRunner
-        # A proposal's steps queue on the device: a host stage for each, up to 9 before a wait.
-        stages = min(spec.num_speculative_tokens, 8) + 1
-        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device, stages)
-        drafter.graphs.capture()
-    return drafter
+    def forward(self, input_ids, positions, kv_layers, meta):
+        hidden = self.model(input_ids, positions, kv_layers, meta)
+        self.aux_hidden = greedy(self.model.compute_logits(hidden), self.target_vocab)
+        return hidden

@@ -1,0 +1,66 @@
+"""Speculation's drafting model, set up beside the engine's: loaded before the KV pool is sized (its
+weights in use then, its KV per page counted), then its drafter over a pool of its own pages and, on a
+GPU, its decode graphs (model_drafter.py, eagle3_drafter.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.engine.eagle3_drafter import Eagle3Drafter, HeadGraphStep
+from services.worker.engine.model_drafter import DraftModel, GreedyStep
+
+
+def load_drafting_model(spec, target, group, device, dtype, ops):
+    """The drafting model of `spec`, loaded before the KV pool is sized (its weights are in use then,
+    and its KV per page is counted: draft_kv_bytes_per_block): a draft model (draft_model) or an
+    EAGLE-3 head (eagle3), which makes the target keep the states it reads."""
+    if spec.method == "eagle3":
+        from services.worker.engine.eagle3 import load_eagle3
+        if group is not None:
+            raise ValueError("--speculative-config: eagle3 under tensor parallelism is not built (ngram and "
+                             "draft_model are)")
+        head = load_eagle3(spec.model, target, device, dtype, ops)
+        target.aux_layers = tuple(head.config.aux_layer_ids(target.cfg.num_hidden_layers))
+        return head
+    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(spec.model)
+    vocab = target.cfg.vocab_size
+    if not vocab - 1024 <= cfg.vocab_size <= vocab + 1024:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
+                         f"target's ({vocab}): it needs the same tokenizer")
+    return load_model(spec.model, device, dtype, ops)
+
+
+def _kv_config(model):
+    """The ModelConfig of a drafting model's KV: its own, or an EAGLE-3 head's one layer."""
+    return model.config.kv_config() if hasattr(model, "fuse") else model.cfg
+
+
+def draft_kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    from services.worker.engine.kv_cache import kv_bytes_per_block
+    return kv_bytes_per_block(_kv_config(model), block_size, dtype) if model is not None else 0
+
+
+def build_drafter(spec, model, num_blocks: int, block_manager, config, device, dtype, target_vocab: int,
+                  max_graph_len: int):
+    """The drafter over a loaded drafting model: its pool of num_blocks pages of its own shape, and a
+    draft model's decode graphs on a GPU."""
+    from services.worker.engine.kv_cache import KVCache
+    if model is None:
+        return None
+    kv = KVCache(_kv_config(model), num_blocks, config.block_size, dtype, device)
+    if spec.method == "eagle3":
+        drafter = Eagle3Drafter(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
+        graph_model = HeadGraphStep(model, config.max_num_seqs)
+    else:
+        drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
+        graph_model = GreedyStep(model, target_vocab)
+    if config.is_cuda and config.cuda_graphs:
+        from services.worker.engine.cuda_graphs import CudaGraphRunner
+        # A proposal's steps queue on the device: a host stage for each, up to 9 before a wait.
+        stages = min(spec.num_speculative_tokens, 8) + 1
+        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device, stages)
+        drafter.graphs.capture()
+    return drafter
