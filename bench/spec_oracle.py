@@ -10,7 +10,8 @@ that holds is each k's cost per checking step (ms per forward, every step there 
 k), and tok/s at alpha is derived from it: (1 - alpha^(k+1)) / (1 - alpha) tokens per step over
 that cost ("derived", labelled so). On the CPU in fp32 the answers stay the recorded ones.
 
-    python bench/spec_oracle.py MODEL_DIR [--device cuda] [--tokens 256] [--out FILE]
+    python bench/spec_oracle.py MODEL_DIR [--device cuda] [--tokens 256] [--profile] [--out FILE]
+    python bench/spec_oracle.py --replot FILE.json OUT.png   (the α-plot, matplotlib)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 import time
 
 from services.worker.engine import drafts as drafts_module
@@ -69,8 +71,36 @@ def profile(engine: LLMEngine, prompt: list[int], overlapped, state: dict) -> di
     return out
 
 
+def plot(result: dict, path: str) -> None:
+    """tok/s against alpha, a line per k (derived from each k's measured ms per checking step), and
+    plain decoding: the α-plot of bench/RESULTS.md."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    alphas = [0.5 + i / 100 for i in range(51)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({row["k"] for row in result["table"]}):
+        rows = [row for row in result["table"] if row["k"] == k]
+        ms = sorted(row["ms_per_forward"] for row in rows)[len(rows) // 2]  # the median: one run may be slow
+        ax.plot(alphas, [1e3 * (k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)) / ms for a in alphas],
+                label=f"k = {k} ({ms:.2f} ms a step)")
+    ax.axhline(result["plain_tok_s"], color="grey", linestyle="--", label=f"plain ({result['plain_tok_s']} tok/s)")
+    ax.set_xlabel("α, the chance each drafted token is confirmed")
+    ax.set_ylabel("decode tok/s at batch 1 (derived)")
+    ax.set_title(result.get("title", "oracle draft, 8B, batch 1"))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if len(sys.argv) == 4 and sys.argv[1] == "--replot":  # --replot RESULT.json OUT.png
+        _, _, src, dst = sys.argv
+        plot(json.load(open(src)), dst)
+        return
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=256)
