@@ -232,3 +232,18 @@ def test_draft_checks_run_in_the_decode_graphs(model_dir):
     assert checks and max(c.n for c in checks) > len(prompts)  # rows beyond one per request: drafts
     assert engine.spec_accepted_tokens > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_speculation_pauses_where_its_checks_would_be_compute_bound(model_dir):
+    """k + 1 rows a request: past engine.COMPUTE_BOUND_ROWS no drafts, whatever disable_by_batch_size."""
+    from services.worker.engine.engine import COMPUTE_BOUND_ROWS
+
+    vocab = make_engine(model_dir).model_config.vocab_size
+    k = 50
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=0)
+    fits = COMPUTE_BOUND_ROWS // (k + 1)
+    for n, drafts in ((fits + 1, False), (fits, True)):
+        engine = make_engine(model_dir, speculative=spec)
+        prompts = [repetitive(30, vocab, seed=i) for i in range(n)]
+        run(engine, prompts, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)] * n)
+        assert (engine.spec_draft_tokens > 0) == drafts
