@@ -4,33 +4,53 @@ GPU, its decode graphs (model_drafter.py, eagle3_drafter.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import torch
+from safetensors import safe_open
 
 from services.worker.engine.eagle3_drafter import Eagle3Drafter, HeadGraphStep
+from services.worker.engine.model import Embedding
 from services.worker.engine.model_drafter import DraftModel, GreedyStep
 
 
-def load_drafting_model(spec, target, group, device, dtype, ops):
+def load_drafting_model(spec, target, target_cfg, target_dir: str, group, device, dtype, ops):
     """The drafting model of `spec`, loaded before the KV pool is sized (its weights are in use then,
     and its KV per page is counted: draft_kv_bytes_per_block): a draft model (draft_model) or an
-    EAGLE-3 head (eagle3), which makes the target keep the states it reads."""
+    EAGLE-3 head (eagle3), which makes the target keep the states it reads. In a tensor-parallel
+    group it is the driver's alone, whole, and runs without collectives (`ops` are the plain ones)."""
     if spec.method == "eagle3":
         from services.worker.engine.eagle3 import load_eagle3
-        if group is not None:
-            raise ValueError("--speculative-config: eagle3 under tensor parallelism is not built (ngram and "
-                             "draft_model are)")
-        head = load_eagle3(spec.model, target, device, dtype, ops)
-        target.aux_layers = tuple(head.config.aux_layer_ids(target.cfg.num_hidden_layers))
+        source = target
+        if group is not None:  # the driver holds a vocabulary shard of the embedding: the head reads it whole
+            source = SimpleNamespace(cfg=target_cfg, embed_tokens=whole_embedding(target_dir, target_cfg, device, dtype))
+        head = load_eagle3(spec.model, source, device, dtype, ops)
+        target.keep_streams(head.config.aux_layer_ids(target_cfg.num_hidden_layers))
         return head
     from services.worker.engine.loader import load_model
     from services.worker.engine.model_config import ModelConfig
 
     cfg = ModelConfig.from_path(spec.model)
-    vocab = target.cfg.vocab_size
+    vocab = target_cfg.vocab_size
     if not vocab - 1024 <= cfg.vocab_size <= vocab + 1024:
         raise ValueError(f"--speculative-config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
                          f"target's ({vocab}): it needs the same tokenizer")
     return load_model(spec.model, device, dtype, ops)
+
+
+def whole_embedding(model_dir: str, cfg, device, dtype) -> Embedding:
+    """The target's token embedding read whole from its safetensors (a group's driver holds a shard)."""
+    from services.worker.engine.safetensors_file import read_all_headers
+    entry = read_all_headers(Path(model_dir)).get("model.embed_tokens.weight")
+    if entry is None:
+        raise ValueError(f"--speculative-config: eagle3 under tensor parallelism reads the target's "
+                         f"model.embed_tokens.weight, which {model_dir} lacks")
+    with safe_open(str(entry.path), framework="pt") as f:
+        weight = f.get_tensor(entry.name)
+    embed = Embedding(cfg.vocab_size, cfg.hidden_size)
+    embed.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+    return embed
 
 
 def _kv_config(model):

@@ -169,7 +169,8 @@ class LLMEngine:
         self._spec = config.speculative if self.layout.pp == 1 else None
         draft = None
         if self._spec is not None and self.layout.is_driver and self._spec.method != "ngram":
-            draft = load_drafting_model(self._spec, self.model, self.group, self.device, dtype, self.ops)
+            draft = load_drafting_model(self._spec, self.model, self.model_config, config.model_dir, self.group,
+                                        self.device, dtype, self.ops)
         self.draft_block_bytes = draft_kv_bytes_per_block(draft, config.block_size, self.kv_dtype)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()

@@ -108,6 +108,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.mlp = MLP(cfg, ops)
+        # An EAGLE-3 head reads the residual stream at this layer's input: kept as `stream` when set
+        # (DecoderLM.keep_streams). It is the sum the input norm makes, all-reduced under tensor parallelism.
+        self.keep_stream = False
+        self.stream: torch.Tensor | None = None
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta, ops: TorchOps):
         # Each norm with the projection that reads it: one kernel where the ops fuse them (decode).
@@ -117,6 +121,8 @@ class DecoderLayer(nn.Module):
             qkv = qkv_proj(ops.rmsnorm(x, self.input_layernorm, self.eps))
         else:
             qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj)
+        if self.keep_stream:
+            self.stream = residual
         h = self.self_attn(qkv, positions, cos_sin, kv_cache, meta, ops)
         gate_up, residual = ops.add_rmsnorm_linear(h, residual, self.post_attention_layernorm, self.eps, gate_up_proj)
         return self.mlp.down_proj(gate_up), residual
@@ -141,6 +147,13 @@ class DecoderLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
+    def keep_streams(self, layer_ids) -> None:
+        """Keep the residual stream at these layers' inputs, concatenated in this order, as aux_hidden
+        after each forward (an EAGLE-3 head's inputs; a layer may be named twice)."""
+        self.aux_layers = tuple(layer_ids)
+        for i, layer in enumerate(self.layers):
+            layer.keep_stream = i in self.aux_layers
+
     def init_rope(self, max_positions: int, device) -> None:
         cfg = self.cfg
         self.cos_sin = rope_cos_sin_cache(
@@ -149,14 +162,11 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         residual = None
-        aux = {} if self.aux_layers else None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if aux is not None and i in self.aux_layers:
-                aux[i] = h if residual is None else h + residual
+        for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache, meta, self.ops)
-        if aux is not None:  # (a forward over the first layers only, as the memory profile's, keeps none)
-            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if all(
-                i in aux for i in self.aux_layers) else None
+        if self.aux_layers:  # (a forward over the first layers only, as the memory profile's, keeps none)
+            self.aux_hidden = torch.cat([self.layers[i].stream for i in self.aux_layers], dim=-1) if len(
+                kv_caches) == len(self.layers) else None
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
 
