@@ -8,6 +8,7 @@ USAGE = """usage: inferno COMMAND [ARGS]
 
 commands:
   up            run the whole stack (nats-server, scheduler, workers, gateway) in one command
+  top           a live view of a running stack: workers, their load and rates, the gateway
   gateway       run the HTTP gateway alone        (same as: python -m services.gateway)
   scheduler     run the scheduler alone           (same as: python -m services.scheduler)
   worker        run one worker alone              (same as: python -m services.worker)
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return admin(command, rest)
     elif command == "kvstore":
         from services.kvstore.main import main as run
+    elif command == "top":
+        from services.top import main as run
     elif command == "make-model":
         from inferno.tools.make_model import main as run
     elif command == "fetch-demo":

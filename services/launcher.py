@@ -22,6 +22,7 @@ from pathlib import Path
 from services.children import Child, LogEcho
 from services.gpu_placement import NO_GPU, visible_gpus, worker_placement
 from services.supervisor import Supervisor
+from services.top import STACK_FILE
 from shared.config import CONFIG_ERROR_EXIT
 
 RANDOM_DEMO_MODEL = Path("models/demo")
@@ -402,6 +403,41 @@ def kvstore_capacity(args) -> float:
     return 2.0 if mixed_workers(args) + args.prefill_workers + args.decode_workers >= 2 else 0.0
 
 
+def print_started(stack: Stack, workers: int) -> None:
+    """One table of what runs, once the stack is ready: each service, the workers' device, model,
+    dtype, KV tokens and graphs (from their heartbeats), and the URLs."""
+    import asyncio
+
+    from rich.table import Table
+
+    from services.top import Watcher, wide_console
+
+    async def beats():
+        async with Watcher(stack.nats_url, "inferno", stack.url) as w:
+            deadline = time.monotonic() + 3.0
+            while len(w.latest) < workers and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return dict(w.latest)
+
+    try:
+        heartbeats = asyncio.run(beats())
+    except Exception:  # the table is a courtesy: the stack serves without it
+        heartbeats = {}
+    table = Table(title="inferno: started", title_justify="left")
+    for name in ("service", "role", "pid", "device", "model", "dtype", "KV tokens", "graphs", "address"):
+        table.add_column(name)
+    pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None and c.proc.poll() is None}
+    for c in stack.children:
+        hb = heartbeats.get(c.name)
+        if hb is not None:
+            table.add_row(c.name, hb.role, str(pids.get(c.name, "-")), hb.device, hb.model, hb.dtype,
+                          f"{hb.num_total_blocks * hb.block_size:,}", str(hb.graphs), "")
+        else:
+            address = {"gateway": f"{stack.url}/v1  {stack.url}/metrics", "nats": stack.nats_url}.get(c.name, "")
+            table.add_row(c.name, "", str(pids.get(c.name, "-")), "", "", "", "", "", address)
+    wide_console().print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model or ensure_demo_model(args.random_demo)
@@ -446,8 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         # once the gateway is, and waits for workers started elsewhere.
         own_workers = cfg.workers + cfg.prefill_workers + cfg.decode_workers
         stack.wait_ready(path="/ready" if own_workers else "/health")
+        (cfg.run_dir / STACK_FILE).write_text(json.dumps({"url": stack.url, "nats": stack.nats_url,
+                                                          "metrics": stack.url + "/metrics"}))
+        print_started(stack, own_workers)
         print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
-              f"  curl {stack.url}/v1/models\n", flush=True)
+              f"  curl {stack.url}/v1/models\n  inferno top --run-dir {cfg.run_dir}   (a live view)\n", flush=True)
         # Any child that dies is started again (the gateway answers 503 meanwhile), but one that
         # exits with a configuration error; with --workers 0 the control plane waits for workers
         # started elsewhere.

@@ -403,6 +403,16 @@ class WorkerHeartbeat(Message):
     # Drafts, cumulative (the worker's --speculative-config, --jump-forward), by method ("jump_forward",
     # "ngram"): [drafts checked (a request's in a step), drafted tokens, those the draws confirmed].
     spec_by_method: dict[str, list[int]] = field(default_factory=dict)
+    # What it runs on (`inferno top`, `inferno up`'s table): "cpu", or "cuda:0 NVIDIA H200" (tp ranks
+    # beyond the first: "+N"), the weights' dtype, the decode graphs captured.
+    device: str = ""
+    dtype: str = ""
+    graphs: int = 0
+    # Cumulative, for rates: steps, their seconds on the step thread, tokens computed and produced.
+    steps: int = 0
+    busy_seconds: float = 0.0
+    computed_tokens: int = 0
+    output_tokens: int = 0
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

@@ -422,7 +422,9 @@ class WorkerService:
                       kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
                       prefix_cache_queries=s.prefix_cache_queries, spec_by_method=s.draft_counts,
-                      **self._handoff_counts())
+                      steps=loop_thread.steps_done, busy_seconds=loop_thread.busy_seconds,
+                      computed_tokens=loop_thread.computed_tokens, output_tokens=loop_thread.output_tokens,
+                      **describe_engine(loop_thread.engine), **self._handoff_counts())
         cache = self.cluster_cache
         hb["store_fetch_cost"] = -1.0 if cache is None else min(cache.fetch_cost_ratio, 10.0)
         await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(**hb))
@@ -439,3 +441,23 @@ class WorkerService:
                     "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
                     "kv_handoffs_pushed": stats["pushed"]}
         return {}
+
+
+def describe_engine(engine) -> dict:
+    """The heartbeat's device, dtype and graph count of an engine (the model-free emitter has none)."""
+    device = getattr(engine, "device", None)
+    if device is None:
+        return {}
+    name = str(device)
+    if device.type == "cuda":
+        import torch
+        name = f"{device} {torch.cuda.get_device_name(device)}"
+    layout = getattr(engine, "layout", None)
+    if layout is not None and layout.world_size > 1:
+        name += f" +{layout.world_size - 1}"
+    runner = getattr(engine, "runner", None)
+    graphs = getattr(runner, "graphs", None)
+    dtype = getattr(engine, "dtype", None)
+    return {"device": name, "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "",
+            "graphs": len(getattr(graphs, "graphs", ())) if graphs is not None else 0}
+

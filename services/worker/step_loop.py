@@ -109,6 +109,12 @@ class StepLoop(threading.Thread):
         self.reply_to: dict[str, str] = {}  # request id -> gateway inbox, owned by this thread
         self.stats = engine.stats()
         self._stats_at = 0.0
+        # Cumulative, for the heartbeat (`inferno top` rates them): steps, their seconds on this thread,
+        # the tokens they computed and the tokens they produced.
+        self.steps_done = 0
+        self.busy_seconds = 0.0
+        self.computed_tokens = 0
+        self.output_tokens = 0
         self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
         self.trace = StepTrace.from_env()
@@ -153,8 +159,13 @@ class StepLoop(threading.Thread):
             except Exception:  # the engine already fails bad steps; this is a last line of defence
                 log.exception("step failed")
                 continue
+            elapsed = time.perf_counter() - started
+            self.steps_done += 1
+            self.busy_seconds += elapsed
+            self.computed_tokens += getattr(self.engine, "last_step_tokens", 0)
+            self.output_tokens += len(getattr(outputs, "token_ids", ()))
             if self.on_step is not None:
-                self.on_step(getattr(self.engine, "last_step_tokens", 0), time.perf_counter() - started)
+                self.on_step(getattr(self.engine, "last_step_tokens", 0), elapsed)
             if self.trace is not None:
                 self._trace_step(time.perf_counter() - started)
             self.hand_over(outputs)

@@ -1,0 +1,228 @@
+"""`inferno top`: a live view of a running stack, from the workers' NATS heartbeats and the gateway's
+/metrics, refreshed every second. `--once` prints one snapshot and exits (scripts, tests).
+
+Rates (tok/s, requests/s, hand-offs/s, a step's time) are differences of the cumulative counters
+between two samples, so a snapshot waits for two heartbeats of each worker (~1 s apart).
+
+    inferno top                     # the stack `inferno up` started (its run directory says where)
+    inferno top --url http://host:8000 --nats nats://host:4222 --once
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import subjects
+from shared.messages import WorkerHeartbeat
+from shared.wire import decode
+
+STACK_FILE = "stack.json"  # in `inferno up`'s run directory: its URLs
+
+
+@dataclass
+class Sample:
+    """One look at the stack: the latest heartbeat of each worker and the gateway's metrics."""
+
+    at: float
+    workers: dict[str, WorkerHeartbeat] = field(default_factory=dict)
+    metrics: dict[tuple[str, tuple], float] = field(default_factory=dict)  # (name, labels) -> value
+
+    def metric(self, name: str, **labels) -> float:
+        """The sum of `name`'s series whose labels include `labels`."""
+        want = set(labels.items())
+        return sum(v for (n, lab), v in self.metrics.items() if n == name and want <= set(lab))
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (n, lab), v in self.metrics.items():
+            if n == name:
+                key = dict(lab).get(label, "")
+                out[key] = out.get(key, 0.0) + v
+        return out
+
+
+def read_metrics(url: str, timeout: float = 2.0) -> dict[tuple[str, tuple], float]:
+    """The gateway's /metrics as {(name, sorted labels): value}; {} when it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+class Watcher:
+    """A subscription to the workers' heartbeats (the latest of each) and the gateway's /metrics."""
+
+    def __init__(self, nats_url: str, prefix: str, url: str):
+        self.nats_url, self.prefix, self.url = nats_url, prefix, url
+        self.latest: dict[str, WorkerHeartbeat] = {}
+        self._nc = None
+
+    async def __aenter__(self) -> Watcher:
+        import nats
+        self._nc = await nats.connect(self.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+        await self._nc.subscribe(subjects.heartbeat(self.prefix), cb=self._on_beat)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._nc.close()
+
+    async def _on_beat(self, msg) -> None:
+        try:
+            hb = decode(WorkerHeartbeat, msg.data)
+        except Exception:  # another message type or version on the subject: not ours to show
+            return
+        self.latest[hb.worker_id] = hb
+
+    async def sample(self) -> Sample:
+        return Sample(time.monotonic(), dict(self.latest), await asyncio.to_thread(read_metrics, self.url))
+
+    async def next_sample(self, before: Sample, gap: float, timeout: float = 5.0) -> Sample:
+        """A sample `gap` seconds or more after `before`, with a newer heartbeat of each worker than it
+        had (a worker that beats less often: up to `timeout`)."""
+        deadline = before.at + max(gap, timeout)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            old = before.workers
+            fresh = all(w in old and hb.seq > old[w].seq for w, hb in self.latest.items())
+            if time.monotonic() - before.at >= gap and self.latest and fresh:
+                break
+        return await self.sample()
+
+
+async def sample_twice(nats_url: str, prefix: str, url: str, gap: float = 1.0) -> tuple[Sample, Sample]:
+    """Two samples for rates: the first once every worker has beaten once (up to 3 s), the second
+    once each has beaten again."""
+    async with Watcher(nats_url, prefix, url) as w:
+        started = time.monotonic()
+        await asyncio.sleep(0.2)
+        while not w.latest and time.monotonic() - started < 3.0:
+            await asyncio.sleep(0.05)
+        first = await w.sample()
+        return first, await w.next_sample(first, gap)
+
+
+def rate(now: float, before: float, seconds: float) -> float:
+    return max(0.0, now - before) / seconds if seconds > 0 else 0.0
+
+
+def worker_rows(a: Sample, b: Sample) -> list[dict]:
+    """One row per worker: what it is, its load, and its rates between the two samples."""
+    rows = []
+    for wid in sorted(b.workers):
+        hb, old = b.workers[wid], a.workers.get(wid, b.workers[wid])
+        dt = hb.timestamp - old.timestamp
+        steps = hb.steps - old.steps
+        rows.append({
+            "worker": wid, "role": hb.role, "device": hb.device or "?", "model": hb.model or "-",
+            "state": "draining" if hb.draining else hb.state, "running": hb.num_running, "waiting": hb.num_waiting,
+            "kv_pct": 100 * hb.kv_usage, "kv_tokens": hb.num_total_blocks * hb.block_size,
+            "in_tok_s": rate(hb.computed_tokens, old.computed_tokens, dt),
+            "out_tok_s": rate(hb.output_tokens, old.output_tokens, dt),
+            "step_ms": 1e3 * (hb.busy_seconds - old.busy_seconds) / steps if steps > 0 else 0.0,
+            "handoffs_s": rate(hb.kv_handoffs, old.kv_handoffs, dt),
+            "dtype": hb.dtype, "graphs": hb.graphs,
+        })
+    return rows
+
+
+def gateway_row(a: Sample, b: Sample) -> dict:
+    dt = b.at - a.at
+    done = b.metric("inferno:request_success_total") + b.metric("inferno:request_errors_total")
+    done_before = a.metric("inferno:request_success_total") + a.metric("inferno:request_errors_total")
+    errors = {k or "?": v for k, v in b.by_label("inferno:request_errors_total", "status").items() if v}
+    return {"requests_s": rate(done, done_before, dt), "in_flight": b.metric("inferno:gateway_requests_in_flight"),
+            "errors": errors, "waiting": b.metric("inferno:num_requests_waiting"),
+            "workers": f"{b.metric('inferno:num_workers_ready'):.0f}/{b.metric('inferno:num_workers_live'):.0f}",
+            "answering": bool(b.metrics)}
+
+
+def render(a: Sample, b: Sample, title: str):
+    """The view: a workers table and a gateway line (a rich renderable)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    workers = Table(title=title, title_justify="left", expand=False)
+    for name, justify in (("worker", "left"), ("role", "left"), ("device", "left"), ("model", "left"),
+                          ("state", "left"), ("run", "right"), ("wait", "right"), ("KV %", "right"),
+                          ("in tok/s", "right"), ("out tok/s", "right"), ("step ms", "right"), ("h-offs/s", "right")):
+        workers.add_column(name, justify=justify)
+    for r in worker_rows(a, b):
+        workers.add_row(r["worker"], r["role"], r["device"], r["model"], r["state"], str(r["running"]),
+                        str(r["waiting"]), f"{r['kv_pct']:.0f}", f"{r['in_tok_s']:,.0f}", f"{r['out_tok_s']:,.0f}",
+                        f"{r['step_ms']:.1f}", f"{r['handoffs_s']:.1f}")
+    g = gateway_row(a, b)
+    if not g["answering"]:
+        line = Text("gateway: /metrics does not answer")
+    else:
+        errors = ", ".join(f"{k} {v:.0f}" for k, v in sorted(g["errors"].items())) or "none"
+        line = Text(f"gateway: {g['requests_s']:.1f} requests/s, {g['in_flight']:.0f} in flight, "
+                    f"workers ready {g['workers']}, waiting {g['waiting']:.0f}; errors: {errors}")
+    return Group(workers, line)
+
+
+def wide_console():
+    """A rich Console; into a file or a pipe 160 columns wide, so that a row stays on one line."""
+    from rich.console import Console
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def stack_urls(run_dir: Path) -> dict:
+    """What `inferno up` wrote in its run directory ({} when it wrote nothing)."""
+    try:
+        return json.loads((run_dir / STACK_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="inferno top", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", type=Path, default=Path(".inferno"), help="where `inferno up` wrote stack.json")
+    ap.add_argument("--url", help="the gateway (default: stack.json's, else http://127.0.0.1:8000)")
+    ap.add_argument("--nats", help="the NATS server (default: stack.json's, else nats://127.0.0.1:4222)")
+    ap.add_argument("--prefix", help="the NATS subject prefix (default: stack.json's, else inferno)")
+    ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    args = ap.parse_args(argv)
+    known = stack_urls(args.run_dir)
+    url = args.url or known.get("url", "http://127.0.0.1:8000")
+    nats_url = args.nats or known.get("nats", "nats://127.0.0.1:4222")
+    prefix = args.prefix or known.get("prefix", subjects.DEFAULT_PREFIX)
+    title = f"inferno top — {url}, {nats_url}"
+    console = wide_console()
+    try:
+        if args.once:
+            a, b = asyncio.run(sample_twice(nats_url, prefix, url, gap=args.interval))
+            console.print(render(a, b, title))
+            return 0
+        return asyncio.run(_live(console, nats_url, prefix, url, title, args.interval))
+    except KeyboardInterrupt:
+        return 0
+    except OSError as e:  # NATS not there
+        print(f"inferno top: cannot reach {nats_url}: {e}", file=sys.stderr)
+        return 1
+
+
+async def _live(console, nats_url: str, prefix: str, url: str, title: str, interval: float) -> int:
+    from rich.live import Live
+    async with Watcher(nats_url, prefix, url) as w:
+        before = await w.sample()
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                now = await w.next_sample(before, interval)
+                live.update(render(before, now, f"{title} — {time.strftime('%H:%M:%S')}"), refresh=True)
+                before = now
