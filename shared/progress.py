@@ -12,6 +12,7 @@ Without `rich` installed (the GPU image lacks it) the plain lines go out on a te
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -32,6 +33,7 @@ class Progress:
         self.every = every
         self.started = time.monotonic()
         self._last_line = self.started
+        self._lock = threading.Lock()  # advance() from several threads (a load's copy lanes)
         self._bar = None
         if live is None:
             live = getattr(self.stream, "isatty", lambda: False)()
@@ -45,7 +47,8 @@ class Progress:
         self.close()
 
     def advance(self, n: float = 1, note: str | None = None) -> None:
-        self.update(self.done + n, note)
+        with self._lock:
+            self.update(self.done + n, note)
 
     def update(self, done: float, note: str | None = None, total: float | None = None) -> None:
         self.done = done

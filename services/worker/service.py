@@ -4,6 +4,7 @@ serves (services/worker/model_manager.py attaches and detaches that model)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import defaultdict
 from typing import Callable
@@ -450,8 +451,7 @@ def describe_engine(engine) -> dict:
         return {}
     name = str(device)
     if device.type == "cuda":
-        import torch
-        name = f"{device} {torch.cuda.get_device_name(device)}"
+        name = f"{device} {_gpu_name(device.index or 0)}"
     layout = getattr(engine, "layout", None)
     if layout is not None and layout.world_size > 1:
         name += f" +{layout.world_size - 1}"
@@ -460,4 +460,10 @@ def describe_engine(engine) -> dict:
     dtype = getattr(engine, "dtype", None)
     return {"device": name, "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "",
             "graphs": len(getattr(graphs, "graphs", ())) if graphs is not None else 0}
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    import torch
+    return torch.cuda.get_device_name(index)
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+from shared.progress import progress
 
 _REQUEST = attrgetter("request")
 _START = attrgetter("start")
@@ -34,7 +35,9 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 def capture_buckets(buckets, forward, graphs: dict, outputs: dict, pool, cuda: bool):
     """One graph per bucket, largest first (the smaller ones reuse its memory pool); returns the
-    pool. On the CPU there is nothing to capture: outputs holds one eager forward per bucket."""
+    pool. On the CPU there is nothing to capture: outputs holds one eager forward per bucket.
+    On a GPU the capture's progress goes out (a plain line every few seconds into the worker's log)."""
+    shown = progress("capturing CUDA graphs", len(buckets), "graphs") if cuda else None
     for b in reversed(buckets):
         if not cuda:
             outputs[b] = forward(b)
@@ -46,8 +49,10 @@ def capture_buckets(buckets, forward, graphs: dict, outputs: dict, pool, cuda: b
         if pool is None:
             pool = graph.pool()
         graphs[b] = graph
+        shown.advance(1, note=f"{b} rows")
     if cuda:
         torch.cuda.synchronize()
+        shown.close()
     return pool
 
 

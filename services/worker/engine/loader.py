@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
 from shared.gguf_file import GGUFError, is_gguf, open_gguf
+from shared.progress import progress
+
+PROGRESS_MIN_BYTES = 1 << 30  # loads from a gigabyte on show their progress
 
 
 class WeightLoadError(ValueError):
@@ -324,6 +328,9 @@ def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int,
         loads[i] += job[0].nbytes
 
     local = threading.local()
+    total = sum(loads)
+    # A large model's load takes seconds to minutes: its progress in GB (plain lines into a log).
+    shown = progress("loading weights", total / 1e9, "GB") if total >= PROGRESS_MIN_BYTES else None
 
     def run_lane(lane):
         local.copier = _Copier(device, staging)
@@ -333,9 +340,15 @@ def _load_safetensors(plan, flat_target, device: torch.device, num_threads: int,
                     local.copier.copy(entry, flat_target(place))
                 else:
                     local.copier.copy_columns(entry, flat_target(place), part)
+                if shown is not None:
+                    shown.advance(entry.nbytes / 1e9)
         finally:
             local.copier.finish()
 
     with ThreadPoolExecutor(len(lanes)) as pool:
         for future in [pool.submit(run_lane, lane) for lane in lanes if lane]:
             future.result()
+    if shown is not None:
+        seconds = time.monotonic() - shown.started
+        shown.update(shown.done, note=f"{shown.done / max(seconds, 1e-9):.1f} GB/s")
+        shown.close()
