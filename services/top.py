@@ -133,7 +133,7 @@ def worker_rows(a: Sample, b: Sample) -> list[dict]:
             "in_tok_s": rate(hb.computed_tokens, old.computed_tokens, dt),
             "out_tok_s": rate(hb.output_tokens, old.output_tokens, dt),
             "step_ms": 1e3 * (hb.busy_seconds - old.busy_seconds) / steps if steps > 0 else 0.0,
-            "handoffs_s": rate(hb.kv_handoffs, old.kv_handoffs, dt),
+            "handoffs_s": rate(hb.kv_handoffs, old.kv_handoffs, dt), "handoff_p50_ms": hb.kv_handoff_p50_ms,
             "dtype": hb.dtype, "graphs": hb.graphs,
         })
     return rows
@@ -159,12 +159,14 @@ def render(a: Sample, b: Sample, title: str):
     workers = Table(title=title, title_justify="left", expand=False)
     for name, justify in (("worker", "left"), ("role", "left"), ("device", "left"), ("model", "left"),
                           ("state", "left"), ("run", "right"), ("wait", "right"), ("KV %", "right"),
-                          ("in tok/s", "right"), ("out tok/s", "right"), ("step ms", "right"), ("h-offs/s", "right")):
+                          ("in tok/s", "right"), ("out tok/s", "right"), ("step ms", "right"), ("h-offs/s", "right"),
+                          ("h-off p50 ms", "right")):
         workers.add_column(name, justify=justify)
     for r in worker_rows(a, b):
         workers.add_row(r["worker"], r["role"], r["device"], r["model"], r["state"], str(r["running"]),
                         str(r["waiting"]), f"{r['kv_pct']:.0f}", f"{r['in_tok_s']:,.0f}", f"{r['out_tok_s']:,.0f}",
-                        f"{r['step_ms']:.1f}", f"{r['handoffs_s']:.1f}")
+                        f"{r['step_ms']:.1f}", f"{r['handoffs_s']:.1f}",
+                        f"{r['handoff_p50_ms']:.1f}" if r["handoff_p50_ms"] else "-")
     g = gateway_row(a, b)
     if not g["answering"]:
         line = Text("gateway: /metrics does not answer")

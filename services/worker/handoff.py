@@ -18,6 +18,7 @@ loop, and an expiry for offers whose pages never come.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import time
 import uuid
 
@@ -58,6 +59,7 @@ class HandoffSender:
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
         self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
         self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0}
+        self.recent_seconds: deque[float] = deque(maxlen=256)  # the latest hand-offs' times (their p50 in heartbeats)
 
     async def on_ready(self, msg: KvHandoffReady) -> None:
         now = time.monotonic()
@@ -148,6 +150,7 @@ class HandoffSender:
         # tokens), so it notices if that worker dies and sends aborts there.
         await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
         t_end = time.perf_counter()
+        self.recent_seconds.append(t_end - t0)
         self.stats["handoffs"] += 1
         self.stats["direct"] += direct
         self.stats["bytes"] += nbytes_of(pages)

@@ -433,9 +433,11 @@ class WorkerService:
     def _handoff_counts(self) -> dict:
         if self.sender is not None:
             stats = self.sender.stats
+            recent = sorted(self.sender.recent_seconds)
             return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
                     "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                    "kv_handoffs_pushed": stats["pushed"]}
+                    "kv_handoffs_pushed": stats["pushed"],
+                    "kv_handoff_p50_ms": 1e3 * recent[len(recent) // 2] if recent else 0.0}
         if self.receiver is not None:
             stats = self.receiver.stats
             return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
