@@ -18,10 +18,11 @@ import time
 
 import torch
 
+from spec_oracle import decode as oracle_decode  # bench/ is the script's directory
+
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.speculative import SpeculativeConfig
-from shared.sampling_params import SamplingParams
 
 
 def engine_for(model: str, device: str, spec: SpeculativeConfig | None) -> LLMEngine:
@@ -31,14 +32,9 @@ def engine_for(model: str, device: str, spec: SpeculativeConfig | None) -> LLMEn
 
 
 def decode(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[int, float, int]:
-    r = engine.add_request(f"b{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                                           ignore_eos=True))
-    while r.num_output_tokens < 1:
-        engine.step()
-    t0, steps0 = time.perf_counter(), engine.steps
-    while engine.has_unfinished():
-        engine.step()
-    return r.num_output_tokens - 1, time.perf_counter() - t0, engine.steps - steps0
+    """One greedy request alone: tokens after the first, their seconds, the forwards (spec_oracle's)."""
+    out, seconds, forwards = oracle_decode(engine, prompt, tokens)
+    return len(out) - 1, seconds, forwards
 
 
 def timed_proposals(engine: LLMEngine) -> list[float]:
