@@ -65,10 +65,27 @@ def test_commands_parse_with_the_cli(compose, name):
 def test_environment_is_read_by_the_entry_points(compose):
     sources = {name: Path(importlib.import_module(mod).__file__).read_text() for name, mod in ENTRY_POINTS.items()}
     for name, service in compose["services"].items():
-        if name == "nats":
-            continue
+        if service.get("image") != "inferno:latest":
+            continue  # nats, prometheus, grafana: their own images
         entry = service["command"][0]
         for var in service["environment"]:
             if var.startswith("NCCL_"):
                 continue  # read by NCCL itself in the worker's ranks
             assert var in sources[entry], f"{name}: {var} is not read by {ENTRY_POINTS[entry]}"
+
+
+def test_monitoring_is_a_profile_over_the_services_that_serve_metrics(compose):
+    services = compose["services"]
+    # `docker compose up` without a profile starts what it did before monitoring came.
+    assert {n for n, s in services.items() if "profiles" not in s} == {"nats", "scheduler", "gateway", "kvstore"}
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            assert not source.startswith("./") or (ROOT / source).exists(), f"{name}: {source} is missing"
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    gateway_port = services["gateway"]["ports"][0].split(":")[-1]
+    kvstore = services["kvstore"]["command"]
+    assert targets == {f"gateway:{gateway_port}", f"kvstore:{kvstore[kvstore.index('--http-port') + 1]}"}
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
