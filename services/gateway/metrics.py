@@ -9,6 +9,7 @@ Definitions (all latencies in seconds, measured at the gateway):
 - num_requests_running / num_requests_waiting / prefix_cache_*: summed over the live workers'
   latest heartbeats. The prefix-cache counters are each worker's cumulative count, so the sum can
   step down when a worker leaves.
+- kv_handoffs / kv_handoff_seconds_p50: the prefill workers' hand-offs and the slowest one's median time.
 - kv_cache_usage_perc: KV blocks in use over all blocks of the live workers (0..1); the plain mean
   of their kv_usage when they do not report block counts.
 """
@@ -105,6 +106,14 @@ class WorkerStatsCollector:
                                   sum(hb.prefix_cache_hits for hb in live))
         yield CounterMetricFamily("inferno:prefix_cache_queries", "Prompt tokens looked up in the prefix caches.",
                                   sum(hb.prefix_cache_queries for hb in live))
+        # Prefill/decode hand-offs: how many the prefill workers made, and the slowest one's median time
+        # over its latest (up to 256; 0 with no prefill worker).
+        prefill = [hb for hb in live if hb.role == "prefill"]
+        yield CounterMetricFamily("inferno:kv_handoffs", "Requests handed from prefill to decode workers.",
+                                  sum(hb.kv_handoffs for hb in prefill))
+        yield GaugeMetricFamily("inferno:kv_handoff_seconds_p50", "The median hand-off time of the prefill "
+                                "worker slowest at it (its latest 256).",
+                                max((hb.kv_handoff_p50_ms for hb in prefill), default=0.0) / 1e3)
         # Speculative decoding and jump-forward (vLLM's names), by method: accepted / draft tokens is
         # the acceptance rate, and 1 + accepted / drafts the tokens a request makes in a step that
         # checks its draft.

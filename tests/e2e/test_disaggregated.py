@@ -154,6 +154,19 @@ def test_a_request_that_ends_with_its_first_token_releases_the_decode_reservatio
     wait_blocks_free(pd_stack)  # the decode worker reserved blocks when the scheduler paired it
 
 
+def test_metrics_count_hand_offs_and_their_median_time(pd_stack):
+    """By now the module's requests were handed off: /metrics counts them, with a median time."""
+    from tests.e2e.conftest import metrics
+
+    deadline = time.monotonic() + 5  # the counts come with the prefill worker's heartbeats
+    while True:
+        m = metrics(pd_stack)
+        if m.get("inferno:kv_handoffs_total", 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert m["inferno:kv_handoffs_total"] > 0 and 0 < m["inferno:kv_handoff_seconds_p50"] < 5
+
+
 def test_decode_workers_queue_hand_offs_until_blocks_free(pd_stack):
     """More prompts at once than the decode workers' pools hold: offers wait for blocks (admission
     by free KV) instead of failing."""
