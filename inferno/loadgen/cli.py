@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import sys
 from collections.abc import Sequence
 
-from inferno.loadgen.client import BenchError, BenchResult, run_benchmark
+from inferno.loadgen.client import BenchError, BenchResult, Show, run_benchmark
 from inferno.loadgen.report import (PlotUnavailable, format_result, format_sweep, plot_result, plot_sweep,
                                    write_json)
 from inferno.loadgen.sessions import run_sessions
 from inferno.loadgen.workload import BenchConfig, SessionConfig, parse_range
+from shared.progress import PLAIN_EVERY_S, progress
 
 # Defaults of the flags that depend on the workload (None in the parser, so a flag that does not
 # apply to the chosen workload can be told from one left alone).
@@ -34,6 +36,13 @@ def _positive_rate(text: str) -> float:
 
 def _rates(text: str) -> list[float]:
     return [_positive_rate(part) for part in text.split(",") if part.strip()]
+
+
+def _seconds(text: str) -> float:
+    seconds = float(text)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return seconds
 
 
 def _positive_int(text: str) -> int:
@@ -117,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--save-requests", action="store_true", help="include every request in --out")
     p.add_argument("--plot", help="PNG: TTFT/ITL CDFs, or the latency/throughput curve of a sweep")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="show no progress on stderr (by default: a bar on a terminal, else a line every "
+                        "--progress-every seconds)")
+    p.add_argument("--progress-every", type=_seconds, default=PLAIN_EVERY_S, metavar="S",
+                   help=f"seconds between progress lines when stderr is no terminal (default {PLAIN_EVERY_S:g})")
     return p
 
 
@@ -179,15 +193,24 @@ def _schemas(path: str | None) -> tuple[dict, ...]:
     return schemas
 
 
-async def _run_all(configs: Sequence[BenchConfig]) -> list[BenchResult]:
+def _show(cfg: BenchConfig, sweep: bool, every: float) -> Show:
+    """The run's progress on stderr, named by what sets it apart: its rate in a sweep."""
+    if sweep:
+        name = f"rate {cfg.request_rate:g}/s"
+    else:
+        name = "sessions" if cfg.sessions is not None else "bench"
+    return functools.partial(progress, name, unit="requests", every=every)
+
+
+async def _run_all(configs: Sequence[BenchConfig], progress_every: float | None) -> list[BenchResult]:
+    """progress_every: seconds between plain progress lines; None shows no progress."""
     results = []
     for cfg in configs:
-        if len(configs) > 1:
-            print(f"rate {cfg.request_rate:g}/s ...", file=sys.stderr, flush=True)
         if results:  # the model a sweep's first run found
             cfg = dataclasses.replace(cfg, model=results[0].model)
+        show = _show(cfg, len(configs) > 1, progress_every) if progress_every is not None else None
         run = run_sessions if cfg.sessions is not None else run_benchmark
-        results.append(await run(cfg))
+        results.append(await run(cfg, show))
     return results
 
 
@@ -207,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [dataclasses.replace(cfg, request_rate=r, seed=cfg.seed + i)
                    for i, r in enumerate(args.sweep_rates)]
     try:
-        results = asyncio.run(_run_all(configs))
+        results = asyncio.run(_run_all(configs, args.progress_every if args.progress else None))
     except BenchError as exc:
         print(f"inferno bench: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -14,7 +15,9 @@ import aiohttp
 from inferno.loadgen import shards
 from inferno.loadgen.session_stats import SessionSummary, summarize_sessions
 from inferno.loadgen.stats import CpuCost, CpuMeter, RequestRecord, Summary, summarize
+from inferno.loadgen.tally import Tally, publish, refreshing
 from inferno.loadgen.workload import BenchConfig, WorkItem, arrival_offsets, build_workload
+from shared.progress import Progress
 
 ERROR_DETAIL_CHARS = 200
 MODELS_TIMEOUT_S = 30.0
@@ -187,12 +190,15 @@ async def _read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, t0: flo
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: bytes,
                      record: RequestRecord, t0: float, *, headers: Mapping[str, str] | None = None,
-                     text: list[str] | None = None) -> None:
+                     text: list[str] | None = None, tally: Tally | None = None) -> None:
     """Send one request and fill its record; a failure becomes its error kind, not an exception.
 
-    headers: added to the session's own; text: a list that collects the reply's text.
+    headers: added to the session's own; text: a list that collects the reply's text; tally: the
+    run's counts for its progress.
     """
     record.start = time.perf_counter() - t0
+    if tally is not None:
+        tally.start(record)
     try:
         async with session.post(url, data=body, headers=headers, allow_redirects=False) as resp:
             if resp.status != 200:
@@ -209,6 +215,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: bytes,
     finally:
         if record.error is not None or record.end is None:
             record.end = time.perf_counter() - t0
+        if tally is not None:
+            tally.end(record)
 
 
 def _error_kind(exc: Exception) -> tuple[str, str]:
@@ -221,12 +229,12 @@ def _error_kind(exc: Exception) -> tuple[str, str]:
 
 async def _send_all(session: aiohttp.ClientSession, url: str, bodies: list[bytes],
                     offsets: list[float], records: list[RequestRecord],
-                    concurrency: int | None, t0: float) -> None:
+                    concurrency: int | None, t0: float, tally: Tally | None = None) -> None:
     slots = asyncio.Semaphore(concurrency) if concurrency else None
 
     async def one(i: int) -> None:
         try:
-            await stream_one(session, url, bodies[i], records[i], t0)
+            await stream_one(session, url, bodies[i], records[i], t0, tally=tally)
         finally:
             if slots is not None:
                 slots.release()
@@ -247,18 +255,31 @@ async def _send_all(session: aiohttp.ClientSession, url: str, bodies: list[bytes
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def run_shard(shard: shards.Shard) -> tuple[list[RequestRecord], float]:
-    """A child process of the pool: send the shard's requests, return its records and its CPU seconds."""
+def run_shard(shard: shards.Shard, counts: tuple[str, int, float] | None = None) -> tuple[list[RequestRecord], float]:
+    """A child process of the pool: send the shard's requests, return its records and its CPU seconds.
+
+    counts: where it publishes its counts for the run's progress (the name of the parent's shared
+    memory, its slot there) and how often.
+    """
 
     async def go() -> None:
+        tally = publishing = None
+        if counts is not None:
+            name, slot, every = counts
+            tally = Tally(every)
+            publishing = asyncio.create_task(publish(tally, name, slot))
         connector = aiohttp.TCPConnector(limit=shard.concurrency or 0)
         async with aiohttp.ClientSession(connector=connector, headers=shard.headers,
                                          timeout=aiohttp.ClientTimeout(total=shard.timeout)) as session:
             try:
                 await asyncio.wait_for(_send_all(session, shard.url, shard.bodies, shard.offsets, shard.records,
-                                                 shard.concurrency, shard.t0), shard.max_duration)
+                                                 shard.concurrency, shard.t0, tally), shard.max_duration)
             except asyncio.TimeoutError:
                 pass
+            finally:
+                if publishing is not None:
+                    publishing.cancel()
+                    await asyncio.gather(publishing, return_exceptions=True)
 
     cpu0 = time.process_time()
     asyncio.run(go())
@@ -267,32 +288,36 @@ def run_shard(shard: shards.Shard) -> tuple[list[RequestRecord], float]:
 
 async def _send_sharded(session: aiohttp.ClientSession, url: str, bodies: list[bytes], offsets: list[float],
                         records: list[RequestRecord], cfg: BenchConfig, t0: float,
-                        executor: Executor) -> float:
+                        executor: Executor, tally: Tally | None) -> float:
     """Shard 0 from this process, the others from the pool's processes on the same clock; the
     records merged back in order. Returns the children's CPU seconds."""
     n = cfg.processes
     concurrency = -(-cfg.concurrency // n) if cfg.concurrency else None
     b, o, r = shards.split(bodies, n), shards.split(offsets, n), shards.split(records, n)
     loop = asyncio.get_running_loop()
-    children = [loop.run_in_executor(executor, run_shard, shards.Shard(
-        url, request_headers(cfg), b[i], o[i], r[i], concurrency, cfg.timeout, cfg.max_duration, t0))
-        for i in range(1, n)]
-    try:
-        await _send_all(session, url, b[0], o[0], r[0], concurrency, t0)
-    finally:
-        done = await asyncio.gather(*children)
+    with tally.sharing(n - 1) if tally is not None else contextlib.nullcontext() as name:
+        children = [loop.run_in_executor(executor, run_shard, shards.Shard(
+            url, request_headers(cfg), b[i], o[i], r[i], concurrency, cfg.timeout, cfg.max_duration, t0),
+            (name, i - 1, tally.every) if tally is not None else None) for i in range(1, n)]
+        try:
+            await _send_all(session, url, b[0], o[0], r[0], concurrency, t0, tally)
+        finally:
+            done = await asyncio.gather(*children)
     shards.merge(records, [r[0]] + [recs for recs, _ in done])
     return sum(cpu for _, cpu in done)
 
 
-# Given the model id and the URL, returns what sends the run's requests (given the HTTP
-# session and the run's clock origin) and returns the CPU seconds of client processes other than
-# this one (None: there are none): the plan is made before the clock starts.
+# Given the model id, the URL and the run's tally (None: no progress shown), returns what sends
+# the run's requests (given the HTTP session and the run's clock origin) and returns the CPU seconds
+# of client processes other than this one (None: there are none): the plan is made before the clock
+# starts.
 Driver = Callable[[aiohttp.ClientSession, float], Awaitable[float | None]]
-Planner = Callable[[str, str], Driver]
+Planner = Callable[[str, str, Tally | None], Driver]
+# Opens the progress of a run of n requests, as its clock starts.
+Show = Callable[[int], Progress]
 
 
-async def run_benchmark(cfg: BenchConfig) -> BenchResult:
+async def run_benchmark(cfg: BenchConfig, show: Show | None = None) -> BenchResult:
     """Run one workload of independent requests (W2, W3) against cfg.base_url and measure it."""
     if cfg.sessions is not None:
         raise ValueError("a session workload runs with inferno.loadgen.sessions.run_sessions")
@@ -301,14 +326,15 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     records = [RequestRecord(item.index, item.input_len, item.output_len) for item in items]
     executor = shards.pool(cfg.processes) if cfg.processes > 1 else None
 
-    def plan(model: str, url: str) -> Driver:
+    def plan(model: str, url: str, tally: Tally | None) -> Driver:
         bodies = [request_body(cfg, model, item) for item in items]  # encoded before the clock starts
         if executor is not None:
-            return lambda session, t0: _send_sharded(session, url, bodies, offsets, records, cfg, t0, executor)
-        return lambda session, t0: _send_all(session, url, bodies, offsets, records, cfg.concurrency, t0)
+            return lambda session, t0: _send_sharded(session, url, bodies, offsets, records, cfg, t0, executor,
+                                                     tally)
+        return lambda session, t0: _send_all(session, url, bodies, offsets, records, cfg.concurrency, t0, tally)
 
     try:
-        return await measure(cfg, records, plan)
+        return await measure(cfg, records, plan, show)
     finally:
         if executor is not None:
             executor.shutdown(cancel_futures=True)
@@ -321,34 +347,47 @@ def request_headers(cfg: BenchConfig) -> dict[str, str]:
     return headers
 
 
-async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner) -> BenchResult:
+async def measure(cfg: BenchConfig, records: list[RequestRecord], plan: Planner,
+                  show: Show | None = None) -> BenchResult:
     """Open the HTTP session, find the model, run the planned driver under the run's deadline
-    and CPU meter, then summarize the records the driver filled."""
+    and CPU meter, then summarize the records the driver filled.
+
+    show: opens the run's progress as its clock starts; it is refreshed from the run's tally until
+    the summary gives its last line.
+    """
     try:
         meter = CpuMeter(cfg.pids) if cfg.pids else None
     except ValueError as exc:  # a pid that is not running
         raise BenchError(str(exc)) from None
     root = api_root(cfg.base_url)
     headers = request_headers(cfg)
+    tally = Tally() if show is not None else None
     # limit=0 is no limit: with unbounded concurrency every request gets its own connection.
     connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0)
-    async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as session:
-        model = cfg.model or await fetch_model_id(session, root)
-        drive = plan(model, f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}")
-        cpu_before = meter.sample() if meter else None
-        client_cpu0, started_at, t0 = time.process_time(), time.time(), time.perf_counter()
-        others = None
-        try:
-            others = await asyncio.wait_for(drive(session, t0), cfg.max_duration)
-        except asyncio.TimeoutError:
-            pass  # the requests still open were cancelled and marked run-deadline
-        client_cpu = time.process_time() - client_cpu0 + (others or 0.0)
-        cpu_after = meter.sample() if meter else None
-    for record in records:
-        if record.start is None and record.error is None:
-            fail(record, "run-deadline", "not sent before the run's deadline")
-    summary = summarize(records)
+    with contextlib.ExitStack() as closing:  # the progress, closed whatever happens
+        async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as session:
+            model = cfg.model or await fetch_model_id(session, root)
+            url = f"{root}/v1/{'completions' if cfg.endpoint == 'completions' else 'chat/completions'}"
+            drive = plan(model, url, tally)
+            cpu_before = meter.sample() if meter else None
+            client_cpu0, started_at, t0 = time.process_time(), time.time(), time.perf_counter()
+            shown = closing.enter_context(show(len(records))) if show is not None else None
+            if shown is not None:
+                tally.every = min(tally.every, shown.every)  # plain lines asked for more often: keep up
+            others = None
+            try:
+                others = await asyncio.wait_for(refreshing(drive(session, t0), tally, shown), cfg.max_duration)
+            except asyncio.TimeoutError:
+                pass  # the requests still open were cancelled and marked run-deadline
+            client_cpu = time.process_time() - client_cpu0 + (others or 0.0)
+            cpu_after = meter.sample() if meter else None
+        for record in records:
+            if record.start is None and record.error is None:
+                fail(record, "run-deadline", "not sent before the run's deadline")
+        summary = summarize(records)
+        if shown is not None:  # the last line gives the run's own figures
+            shown.close(len(records), note=f"output tok/s {summary.output_throughput:,.0f}, errors {summary.failed:,}")
     cpu = CpuCost.between(cpu_before, cpu_after, summary.total_output_tokens) if meter else None
     sessions = None
     if cfg.sessions is not None:

@@ -9,9 +9,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from inferno.loadgen.client import BenchResult
+from inferno.loadgen.client import BenchResult, api_root
 from inferno.loadgen.session_stats import SessionSummary
 from inferno.loadgen.stats import Distribution
+from inferno.loadgen.workload import BenchConfig
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -156,39 +157,107 @@ def _pyplot():
     return plt
 
 
-def _cdf(ax, values_ms: list[float], title: str) -> None:
+def _tick(value: float, _pos=None) -> str:
+    """A plain tick label with thousands separated (0.5, 20, 1,500): never 2×10^1 nor an offset."""
+    value = round(value, 6) + 0.0  # no 1e-17 or -0 from the locator's arithmetic
+    return f"{value:,.0f}" if value.is_integer() else f"{value:,g}"
+
+
+def _plain_axes(ax, log_y: bool = False) -> None:
+    """Plain numbers on both axes; on a log y axis the minor ticks get some too (matplotlib's own
+    labels there read 2×10^1)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(_tick))
+    ax.yaxis.set_major_formatter(FuncFormatter(_tick))
+    if not log_y:
+        return
+
+    def minor(value: float, _pos=None) -> str:
+        lo, hi = ax.yaxis.get_view_interval()
+        powers = math.floor(math.log10(hi)) - math.ceil(math.log10(lo)) + 1  # labelled 1, 10, 100... in view
+        if powers < 2:  # too few labels to read a value by: label every minor tick
+            return _tick(value)
+        mantissa = value / 10 ** math.floor(math.log10(value))
+        return _tick(value) if powers <= 3 and round(mantissa, 6) in (2, 5) else ""
+
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _stack(result: BenchResult) -> str:
+    """What was measured: the model, where it was served and through which endpoint."""
+    return f"{result.model} at {api_root(result.config.base_url)} ({result.config.endpoint})"
+
+
+def _load(cfg: BenchConfig) -> str:
+    """The workload of a run in words, its rate left out (a sweep names its rates itself)."""
+    concurrency = f"concurrency {cfg.concurrency or 'unlimited'}"
+    output = f"output {cfg.output_len[0]}:{cfg.output_len[1]}"
+    if cfg.sessions is not None:
+        sc = cfg.sessions
+        return (f"{sc.sessions} sessions x {sc.turns} turns, {concurrency}, system {sc.system_len} words, "
+                f"user {sc.user_len[0]}:{sc.user_len[1]} words, {output}")
+    return f"{cfg.num_requests:,} requests, {concurrency}, input {cfg.input_len[0]}:{cfg.input_len[1]}, {output}"
+
+
+def _arrivals(rate: float) -> str:
+    return "all at once" if math.isinf(rate) else f"{_rate(rate)}/s"
+
+
+# CDF percentiles marked on each plot, with the summary's values (the table's).
+MARKED = (("p50", ":"), ("p90", "--"), ("p99", "-."))
+
+
+def _cdf(ax, values_ms: list[float], title: str, d: Distribution) -> None:
     xs = sorted(values_ms)
-    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
+    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{d.count:,} samples")
+    for name, style in MARKED:
+        at = getattr(d, name)
+        if at is not None:
+            ax.axvline(at, linestyle=style, color="gray", linewidth=1, label=f"{name} {at:,.1f} ms")
     ax.set_title(title)
     ax.set_xlabel("ms")
     ax.set_ylabel("fraction of samples")
     ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    _plain_axes(ax)
 
 
-def plot_result(result: BenchResult, path: str | Path) -> None:
-    """CDFs of TTFT and ITL of one run."""
+def result_figure(result: BenchResult):
+    """CDFs of TTFT and ITL of one run (a matplotlib Figure), titled with the stack and the workload."""
     plt = _pyplot()
     done = [r for r in result.records if r.ok]
     ttft = [r.ttft * 1000 for r in done if r.ttft is not None]
     itl = [x * 1000 for r in done for x in r.itls()]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, values, title in ((axes[0], ttft, "TTFT"), (axes[1], itl, "ITL")):
+    s = result.summary
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, values, title, d in ((axes[0], ttft, "TTFT", s.ttft), (axes[1], itl, "ITL", s.itl)):
         if values:
-            _cdf(ax, values, title)
+            _cdf(ax, values, title, d)
         else:
             ax.set_title(f"{title}: no samples")
-    fig.suptitle(f"{result.model}: {result.summary.completed} requests, "
-                 f"{result.summary.output_throughput:,.0f} output tok/s")
+    cfg = result.config
+    arrivals = "" if cfg.sessions is not None else f", {_arrivals(cfg.request_rate)}"
+    fig.suptitle(f"{_stack(result)}\n{_load(cfg)}{arrivals}\n"
+                 f"{s.completed:,} completed, {s.failed:,} failed, {s.output_throughput:,.0f} output tok/s",
+                 fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_result(result: BenchResult, path: str | Path) -> None:
+    """CDFs of TTFT and ITL of one run, as a PNG."""
+    plt = _pyplot()
+    fig = result_figure(result)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_sweep(results: Sequence[BenchResult], path: str | Path) -> None:
-    """Latency against throughput over a rate sweep: ITL p99 and TTFT p99 per output tok/s."""
+def sweep_figure(results: Sequence[BenchResult]):
+    """Latency against throughput over a rate sweep (a matplotlib Figure): ITL p99 and TTFT p99 per output tok/s."""
     plt = _pyplot()
     xs = [r.summary.output_throughput for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
 
     def series(d: list[Distribution], label: str, marker: str) -> None:
         pts = [(x, v.p99) for x, v in zip(xs, d) if v.p99 is not None]
@@ -203,9 +272,22 @@ def plot_sweep(results: Sequence[BenchResult], path: str | Path) -> None:
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xlabel("output tokens/s")
     ax.set_ylabel("ms")
-    ax.set_yscale("log")
+    p99s = [d.p99 for r in results for d in (r.summary.itl, r.summary.ttft) if d.p99 is not None]
+    log_y = bool(p99s) and max(p99s) > 10 * min(p99s)  # TTFT far above ITL: a log scale shows both
+    if log_y:
+        ax.set_yscale("log")
+    _plain_axes(ax, log_y)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    rates = ", ".join(_arrivals(r.config.request_rate) for r in results)
+    ax.set_title(f"{_stack(results[0])}\n{_load(results[0].config)},\na run at each rate: {rates}", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_sweep(results: Sequence[BenchResult], path: str | Path) -> None:
+    """Latency against throughput over a rate sweep, as a PNG."""
+    plt = _pyplot()
+    fig = sweep_figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from inferno.loadgen.client import BenchResult, Driver, encode_body, fail, measure, stream_one
+from inferno.loadgen.client import BenchResult, Driver, Show, Tally, encode_body, fail, measure, stream_one
 from inferno.loadgen.stats import RequestRecord
 from inferno.loadgen.workload import BenchConfig, random_words, seeded_rng
 
@@ -91,7 +91,7 @@ def session_records(workload: SessionWorkload) -> list[RequestRecord]:
 
 
 async def _run_session(session: aiohttp.ClientSession, url: str, cfg: BenchConfig, model: str, system: str,
-                       plan: SessionPlan, records: Sequence[RequestRecord], t0: float) -> None:
+                       plan: SessionPlan, records: Sequence[RequestRecord], t0: float, tally: Tally | None) -> None:
     """The turns of one session, one after another; a failed turn ends the session."""
     replies: list[str] = []
     for k, turn in enumerate(plan.turns):
@@ -100,16 +100,19 @@ async def _run_session(session: aiohttp.ClientSession, url: str, cfg: BenchConfi
         record.planned_input_len = _words(messages)
         body = encode_body(cfg, model, {"messages": messages}, turn.output_len)
         text: list[str] = []
-        await stream_one(session, url, body, record, t0, headers=plan.headers, text=text)
+        await stream_one(session, url, body, record, t0, headers=plan.headers, text=text, tally=tally)
         if not record.ok:  # without its reply the dialogue cannot go on
             for later in records[k + 1:]:
                 fail(later, "session-aborted", f"turn {k} failed: {record.error}")
+                if tally is not None:
+                    tally.end(later)
             return
         replies.append("".join(text))  # as the stream returned it, untrimmed
 
 
 async def _drive(session: aiohttp.ClientSession, url: str, cfg: BenchConfig, model: str,
-                 workload: SessionWorkload, records: Sequence[RequestRecord], t0: float) -> None:
+                 workload: SessionWorkload, records: Sequence[RequestRecord], t0: float,
+                 tally: Tally | None) -> None:
     # A session has one request in flight at most, so the run's request cap is a session cap.
     slots = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
 
@@ -117,7 +120,7 @@ async def _drive(session: aiohttp.ClientSession, url: str, cfg: BenchConfig, mod
         async with slots:
             n = len(plan.turns)
             await _run_session(session, url, cfg, model, workload.system, plan,
-                               records[plan.index * n:(plan.index + 1) * n], t0)
+                               records[plan.index * n:(plan.index + 1) * n], t0, tally)
 
     tasks = [asyncio.create_task(one(plan)) for plan in workload.sessions]
     try:
@@ -128,12 +131,12 @@ async def _drive(session: aiohttp.ClientSession, url: str, cfg: BenchConfig, mod
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_sessions(cfg: BenchConfig) -> BenchResult:
+async def run_sessions(cfg: BenchConfig, show: Show | None = None) -> BenchResult:
     """Run workload W4 (cfg.sessions) against cfg.base_url's chat endpoint and measure it."""
     workload = build_sessions(cfg)
     records = session_records(workload)
 
-    def plan(model: str, url: str) -> Driver:
-        return lambda session, t0: _drive(session, url, cfg, model, workload, records, t0)
+    def plan(model: str, url: str, tally: Tally | None) -> Driver:
+        return lambda session, t0: _drive(session, url, cfg, model, workload, records, t0, tally)
 
-    return await measure(cfg, records, plan)
+    return await measure(cfg, records, plan, show)

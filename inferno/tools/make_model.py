@@ -19,14 +19,18 @@ much faster; CUDA and CPU generators differ, so files are byte-identical per dev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from shared.progress import Progress, progress as open_progress
 
 # --------------------------------------------------------------------------------------------
 # Presets
@@ -341,17 +345,38 @@ def _safetensors_header(specs: list[TensorSpec], dtype: str) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+# Told the bytes of each tensor as it is written, and the file it went into.
+Wrote = Callable[[int, str], None]
+
+
 def _write_shard(path: Path, specs: list[TensorSpec], seed: int, dtype: str, device: str,
-                 make=generate_tensor) -> None:
+                 make=generate_tensor, wrote: Wrote | None = None) -> None:
     """make(spec, seed, dtype, device): a spec's tensor on the CPU (default: random, by its kind)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(_safetensors_header(specs, dtype))
         for spec in specs:
             t = make(spec, seed, dtype, device)
-            f.write(_tensor_bytes(t))
-            del t
+            data = _tensor_bytes(t)
+            f.write(data)
+            if wrote is not None:
+                wrote(data.nbytes, path.name)
+            del t, data
     os.replace(tmp, path)
+
+
+def _weights_progress(total_bytes: int) -> tuple[Progress, Wrote]:
+    """The weights written, in GB (MB for a small model) with the rate and the file being written: a
+    bar on a terminal, else a line every few seconds. Returns the progress and what advances it."""
+    unit, scale = ("GB", 1e9) if total_bytes >= 1e9 else ("MB", 1e6)
+    shown = open_progress("writing weights", total_bytes / scale, unit)
+
+    def wrote(nbytes: int, name: str) -> None:
+        done = shown.done + nbytes / scale
+        rate = done / max(time.monotonic() - shown.started, 1e-9)
+        shown.advance(nbytes / scale, note=f"{name}, {rate:,.2f} {unit}/s")
+
+    return shown, wrote
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +417,7 @@ def write_model(
     arch: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; None takes
     the preset's own (LlamaForCausalLM for tiny, small and llama-3.1-8b).
     tie_word_embeddings: None takes the preset's default (untied for all built-in presets).
+    progress: show the weights written on stderr (a bar on a terminal, else a line every few seconds).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -439,24 +465,22 @@ def write_model(
     specs = tensor_specs(arch, p, vocab_size, tied)
     elem_bytes = DTYPES[dtype][2]
     shards = plan_shards(specs, elem_bytes, max_shard_bytes)
-    if len(shards) == 1:
-        _write_shard(out / "model.safetensors", shards[0], seed, dtype, device)
-        if progress:
-            print(f"wrote {out / 'model.safetensors'}", file=sys.stderr)
-    else:
-        n = len(shards)
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{n:05d}.safetensors"
-            _write_shard(out / name, shard, seed, dtype, device)
-            weight_map.update({spec.name: name for spec in shard})
-            if progress:
-                print(f"wrote {out / name}", file=sys.stderr)
-        index = {
-            "metadata": {"total_size": sum(s.numel for s in specs) * elem_bytes},
-            "weight_map": weight_map,
-        }
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    shown, wrote = _weights_progress(sum(s.numel for s in specs) * elem_bytes) if progress else (None, None)
+    with shown or contextlib.nullcontext():
+        if len(shards) == 1:
+            _write_shard(out / "model.safetensors", shards[0], seed, dtype, device, wrote=wrote)
+        else:
+            n = len(shards)
+            weight_map: dict[str, str] = {}
+            for i, shard in enumerate(shards, start=1):
+                name = f"model-{i:05d}-of-{n:05d}.safetensors"
+                _write_shard(out / name, shard, seed, dtype, device, wrote=wrote)
+                weight_map.update({spec.name: name for spec in shard})
+            index = {
+                "metadata": {"total_size": sum(s.numel for s in specs) * elem_bytes},
+                "weight_map": weight_map,
+            }
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -538,9 +562,10 @@ def draft_vocabulary(seed: int, vocab_size: int, draft_vocab_size: int):
 
 def write_eagle3(out_dir: str | Path, target_preset: str = "llama-3.1-8b", seed: int = 0, dtype: str = "bfloat16",
                  device: str = "cpu", draft_vocab_size: int | None = None,
-                 target_vocab_size: int | None = None) -> Path:
+                 target_vocab_size: int | None = None, progress: bool = False) -> Path:
     """Write a random-weight EAGLE-3 head for a target of `target_preset` (config.json, model.safetensors);
-    return its path. target_vocab_size None: the vocabulary write_model gives that preset."""
+    return its path. target_vocab_size None: the vocabulary write_model gives that preset; progress: as
+    write_model's."""
     import torch
 
     if target_preset not in PRESETS:
@@ -565,7 +590,11 @@ def write_eagle3(out_dir: str | Path, target_preset: str = "llama-3.1-8b", seed:
             return torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
         return generate_tensor(spec, seed, dtype, device)
 
-    _write_shard(out / "model.safetensors", eagle3_tensor_specs(p, vocab, draft), seed, dtype, device, make)
+    specs = eagle3_tensor_specs(p, vocab, draft)
+    total = sum(spec.numel * _stored_dtype(spec, dtype)[1] for spec in specs)
+    shown, wrote = _weights_progress(total) if progress else (None, None)
+    with shown or contextlib.nullcontext():
+        _write_shard(out / "model.safetensors", specs, seed, dtype, device, make, wrote)
     return out
 
 
@@ -619,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--arch, --tied/--untied, --max-shard-bytes and --config-only "
                                  "do not apply to an EAGLE-3 head")
             out = write_eagle3(args.out_dir, EAGLE3_PRESETS[args.preset], seed=args.seed, dtype=args.dtype,
-                               device=args.device)
+                               device=args.device, progress=not args.quiet)
         else:
             out = write_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
                               tie_word_embeddings=args.tied, max_shard_bytes=args.max_shard_bytes,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import io
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -13,6 +16,8 @@ from aiohttp import web
 
 from inferno.loadgen import BenchConfig, BenchError, run_benchmark
 from inferno.loadgen.cli import main
+from inferno.loadgen.stats import Distribution
+from shared.progress import progress
 
 TOKEN_GAP_S = 0.002
 SLOW_TOKEN_GAP_S = 0.25  # the "timeout" request: at least 8 tokens, so >= 2 s against a 1 s timeout
@@ -22,6 +27,25 @@ CLIENT_TIMEOUT_S = 1.0
 # 429 for n = 4, 9, 14, 19; an error object in the stream for n = 6, 13; too slow for n = 10;
 # the connection dropped mid-stream for n = 15; the other 12 complete.
 EXPECTED_ERRORS = {"http-429": 4, "stream-error": 2, "timeout": 1, "connection-error": 1}
+
+# Anything a terminal would act on (escape sequences, carriage returns): none in a log's progress lines.
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
+PROGRESS_LINE = re.compile(r"(?P<name>[^:]+): (?P<done>[0-9,]+)/(?P<total>[0-9,]+) requests \([0-9]+ %\), "
+                           r"(?:in flight (?P<in_flight>[0-9,]+), )?output tok/s [0-9,]+, errors (?P<errors>[0-9,]+), "
+                           r"[0-9.]+ s(?P<final> — done)?")
+
+
+def progress_lines(err: str, name: str) -> list[re.Match]:
+    """The plain progress lines of the run called `name`, each one checked whole."""
+    assert not CONTROL.search(err)
+    lines = [line for line in err.splitlines() if line.startswith(f"{name}: ")]
+    matches = [PROGRESS_LINE.fullmatch(line) for line in lines]
+    assert lines and all(matches), lines
+    assert [m["final"] is not None for m in matches] == [False] * (len(lines) - 1) + [True]
+    assert [m["in_flight"] is None for m in matches] == [m["final"] is not None for m in matches]
+    done = [int(m["done"]) for m in matches]
+    assert done == sorted(done)
+    return matches
 
 
 def outcome_of(n: int) -> str:
@@ -187,13 +211,18 @@ async def test_counts_tokens_and_errors_against_a_streaming_server(fake):
 async def test_several_client_processes_send_every_request_once_on_one_clock():
     """--processes 3: three processes share the run (each sends every third request); the records
     come back in plan order with their timings on the parent's clock, as one process would have
-    measured them, and the client CPU counts the children too."""
-    server = FakeOpenAI(all_ok=True)
+    measured them, and the client CPU counts the children too. The progress counts the children's
+    requests (they publish their counts through shared memory)."""
+    server = FakeOpenAI(all_ok=True, token_gap=0.03)  # each request in flight for 0.24 s at least
     runner, base_url = await _serve(server)
+    err = io.StringIO()
     try:
-        result = await run_benchmark(_config(base_url, num_requests=12, concurrency=None, processes=3))
+        result = await run_benchmark(_config(base_url, num_requests=12, concurrency=None, processes=3),
+                                     lambda n: progress("bench", n, "requests", stream=err, every=0.01, live=False))
     finally:
         await runner.cleanup()
+    shown = progress_lines(err.getvalue(), "bench")
+    assert max(int(m["in_flight"] or 0) for m in shown) > 4  # more than this process's share of 4
     s = result.summary
     assert (s.completed, s.failed) == (12, 0) and len(server.served) == 12
     assert sorted((len(x.body["prompt"]), x.body["max_tokens"]) for x in server.served) == sorted(
@@ -211,7 +240,7 @@ async def test_cli_writes_json_and_table(fake, tmp_path, capsys):
     argv = ["--base-url", fake.base_url + "/v1", "--num-requests", "20", "--concurrency", "4",
             "--input-len", "10:30", "--output-len", "8:16", "--vocab-size", "500", "--timeout", "1",
             "--request-rate", "400", "--seed", "3", "--pid", f"self={os.getpid()}",
-            "--out", str(out), "--save-requests", "--plot", str(plot)]
+            "--out", str(out), "--save-requests", "--plot", str(plot), "--progress-every", "0.05"]
     assert await asyncio.to_thread(main, argv) == 0
 
     doc = json.loads(out.read_text())
@@ -231,6 +260,11 @@ async def test_cli_writes_json_and_table(fake, tmp_path, capsys):
 
     captured = capsys.readouterr()
     assert "completed 12  failed 8" in captured.out and "µs/token" in captured.out
+    # Progress on stderr while the run lasts (over 1 s: the slow request), a plain line every 0.05 s.
+    shown = progress_lines(captured.err, "bench")
+    assert len(shown) >= 5 and {m["total"] for m in shown} == {"20"}
+    assert (shown[-1]["done"], shown[-1]["errors"]) == ("20", "8")
+    assert "requests (" not in captured.out and captured.out.startswith("model fake-model")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -258,7 +292,82 @@ async def test_sweep_runs_each_rate(tmp_path, capsys):
     # Each rate sends new prompts, so none is served from the previous rate's prefix cache.
     prompts = [tuple(x.body["prompt"]) for x in server.served]
     assert len(prompts) == 20 and not set(prompts[:10]) & set(prompts[10:])
-    assert "rate/s" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "rate/s" in captured.out
+    for rate in ("200", "400"):  # the runs are shorter than the 5 s between lines: just their last
+        [last] = progress_lines(captured.err, f"rate {rate}/s")
+        assert (last["done"], last["total"], last["errors"]) == ("10", "10", "0")
+
+
+async def test_progress_changes_nothing_on_stdout_or_in_the_json(tmp_path, capsys):
+    """The same run with progress and with --no-progress: stdout and the JSON document read the same but
+    for the measured times, and stderr is empty with --no-progress."""
+    server = FakeOpenAI(all_ok=True)
+    runner, base_url = await _serve(server)
+    runs = []
+    try:
+        for i, flag in enumerate(["--progress-every=0.01", "--no-progress"]):
+            out = tmp_path / f"{i}.json"
+            argv = ["--base-url", base_url, "--num-requests", "8", "--input-len", "16", "--output-len", "4",
+                    "--out", str(out), flag]
+            assert await asyncio.to_thread(main, argv) == 0
+            runs.append((capsys.readouterr(), json.loads(out.read_text())))
+    finally:
+        await runner.cleanup()
+    (shown, shown_doc), (quiet, quiet_doc) = runs
+    assert progress_lines(shown.err, "bench")[-1]["done"] == "8"
+    assert quiet.err == ""
+
+    def figures_out(text: str) -> list[str]:
+        return [re.sub(r"[0-9][0-9.,]*", "N", line) for line in text.splitlines()]
+
+    assert figures_out(shown.out) == figures_out(quiet.out)
+    assert shown_doc.keys() == quiet_doc.keys() and shown_doc["config"] == quiet_doc["config"]
+    counts = ("completed", "failed", "errors", "total_input_tokens", "total_output_tokens")
+    assert [shown_doc["summary"][k] for k in counts] == [quiet_doc["summary"][k] for k in counts]
+
+
+async def test_plots_name_the_stack_and_the_load_with_plain_numbers_and_percentiles():
+    pytest.importorskip("matplotlib")
+    from inferno.loadgen.report import result_figure, sweep_figure
+
+    server = FakeOpenAI(all_ok=True)
+    runner, base_url = await _serve(server)
+    try:
+        result = await run_benchmark(_config(base_url, num_requests=10, concurrency=3))
+    finally:
+        await runner.cleanup()
+    s = result.summary
+
+    def plain(ax) -> bool:
+        labels = [t.get_text() for t in ax.get_xticklabels(which="both") + ax.get_yticklabels(which="both")]
+        labels = [x for x in labels if x]
+        offsets = ax.xaxis.get_offset_text().get_text() + ax.yaxis.get_offset_text().get_text()
+        return (len(labels) >= 4 and not offsets
+                and all(re.fullmatch(r"-?[0-9]{1,3}(,[0-9]{3})*(\.[0-9]+)?", x) for x in labels))
+
+    fig = result_figure(result)
+    fig.canvas.draw()
+    assert fig.get_suptitle().splitlines() == [
+        f"fake-model at {base_url} (completions)",
+        "10 requests, concurrency 3, input 10:30, output 8:16, all at once",
+        f"10 completed, 0 failed, {s.output_throughput:,.0f} output tok/s"]
+    for ax, d in zip(fig.axes, (s.ttft, s.itl)):
+        assert plain(ax)
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+            f"{d.count:,} samples", f"p50 {d.p50:,.1f} ms", f"p90 {d.p90:,.1f} ms", f"p99 {d.p99:,.1f} ms"]
+
+    # A second rate whose TTFT p99 is far above the ITL's: a log axis, labelled in plain numbers too.
+    slow = dataclasses.replace(s, ttft=Distribution(10, 900.0, 800.0, 1200.0, 2500.0))
+    sweep = [result, dataclasses.replace(result, config=dataclasses.replace(result.config, request_rate=50.0),
+                                         summary=slow)]
+    fig = sweep_figure(sweep)
+    fig.canvas.draw()
+    [ax] = fig.axes
+    assert ax.get_yscale() == "log" and plain(ax)
+    assert ax.get_title().splitlines() == [f"fake-model at {base_url} (completions)",
+                                           "10 requests, concurrency 3, input 10:30, output 8:16,",
+                                           "a run at each rate: all at once, 50/s"]
 
 
 async def test_chat_endpoint_streams_text_prompts():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -177,7 +178,8 @@ async def test_cli_without_affinity_writes_the_session_figures(serve, tmp_path, 
     failing = w.sessions[1].turns[1].user  # session 1 fails at turn 1, so its turn 2 is never sent
     server = FakeChat(fail_user=failing)
     out = tmp_path / "w4.json"
-    argv += ["--base-url", await serve(server) + "/v1", "--out", str(out), "--save-requests"]
+    argv += ["--base-url", await serve(server) + "/v1", "--out", str(out), "--save-requests",
+             "--progress-every", "0.01"]
     assert await asyncio.to_thread(main, argv) == 0
 
     assert len(server.served) == 8
@@ -202,7 +204,17 @@ async def test_cli_without_affinity_writes_the_session_figures(serve, tmp_path, 
     assert requests[(1, 2)]["error"] == "session-aborted" and requests[(1, 2)]["start"] is None
     assert requests[(0, 2)]["cached_tokens"] == _expected(w, 0, 2)[1]
 
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "sessions 3 x 3 turns" in printed and "affinity off" in printed
     assert f"prompt-cache hit ratio {sessions['hit_ratio'] * 100:.1f} %" in printed
     assert "first turns" in printed and "later turns" in printed
+
+    # Progress on stderr, plain lines (no terminal): every turn counts, the one given up unsent too.
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", captured.err)
+    shown = [line for line in captured.err.splitlines() if line.startswith("sessions: ")]
+    assert len(shown) >= 2 and "requests (" not in printed
+    assert all(re.fullmatch(r"sessions: [0-9]/9 requests \([0-9]+ %\), in flight [0-3], output tok/s [0-9,]+, "
+                            r"errors [0-2], [0-9.]+ s", line) for line in shown[:-1]), shown
+    assert re.fullmatch(r"sessions: 9/9 requests \(100 %\), output tok/s [0-9,]+, errors 2, [0-9.]+ s — done",
+                        shown[-1])

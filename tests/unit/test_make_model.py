@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -350,6 +351,20 @@ def test_cli(tmp_path, capsys):
         mm.main([str(tmp_path / "y"), "--max-shard-bytes", "lots"])
     assert mm.main([str(tmp_path / "z"), "--device", "tpu", "--quiet"]) == 2
     assert "device" in capsys.readouterr().err
+
+
+def test_cli_shows_the_weights_written_and_writes_the_same_files(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--seed", "5", "--max-shard-bytes", "100KB"]
+    assert mm.main([str(tmp_path / "quiet"), *argv, "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert mm.main([str(tmp_path / "shown"), *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{tmp_path / 'shown'}\n"
+    # No terminal: a plain line every few seconds, here only the last one, naming the last shard.
+    n = len(list((tmp_path / "shown").glob("model-*.safetensors")))
+    assert re.fullmatch(rf"writing weights: ([0-9.]+)/\1 MB \(100 %\), model-{n:05d}-of-{n:05d}\.safetensors, "
+                        r"[0-9.,]+ MB/s, [0-9.]+ s — done\n", err), err
+    assert _hashes(tmp_path / "shown") == _hashes(tmp_path / "quiet")
 
 
 def test_large_presets_tokenizer_covers_every_model_id():
