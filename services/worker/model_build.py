@@ -216,7 +216,9 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce,
         fused_all_reduce_norm=cfg.fused_all_reduce_norm, jump_forward=cfg.jump_forward,
-        speculative=SpeculativeConfig.from_json(cfg.speculative_config) if cfg.speculative_config else None,
+        # A prefill worker hands every request on after its first token: nothing to draft there.
+        speculative=SpeculativeConfig.from_json(cfg.speculative_config)
+        if cfg.speculative_config and cfg.role != "prefill" else None,
         handoff_buffer_tokens=handoff_buffer_tokens(cfg))
     kv = leftovers.kv_cache
     if kv is not None:
@@ -228,6 +230,10 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     if staged:
         graphs = StagedGraphs(engine, leftovers.graphs)
         graphs_s += graphs.capture_ready()
+        if engine.drafter is not None:  # a drafting model's decode graphs: a few small ones, before ready
+            from services.worker.engine.drafting import capture_graphs
+            graphs_s += capture_graphs(engine.drafter, config.speculative, config.max_num_seqs,
+                                       min(engine.max_model_len, config.max_graph_len))
     elif leftovers.graphs is not None:
         leftovers.graphs.release()
     if engine.device.type == "cuda":

@@ -60,16 +60,14 @@ def test_draft_steps_replay_the_draft_models_graphs_and_survive_preemption(model
     """Few pages: requests are preempted mid-answer and their draft KV is computed again; the
     draft's decode steps go through its graph runner's static path (the CPU's graphs rerun the
     forward on the same buffers)."""
-    from services.worker.engine.cuda_graphs import CudaGraphRunner
-    from services.worker.engine.model_drafter import GreedyStep
+    from services.worker.engine.drafting import capture_graphs
 
     vocab = make_engine(model_dir).model_config.vocab_size
     prompts, params = prompts_and_params(vocab, 6)
     plain, _ = run_requests(make_engine(model_dir, num_blocks=14, block_size=8), prompts, params)
     engine = make_engine(model_dir, num_blocks=14, block_size=8, speculative=spec(model_dir))
     d = engine.drafter
-    d.graphs = CudaGraphRunner(GreedyStep(d.model, vocab), d.kv_cache, 16, 256, engine.device)
-    d.graphs.capture()
+    capture_graphs(d, spec(model_dir), 16, 256)
     staged = []
     stage = d.graphs.stage
     d.graphs.stage = lambda *a: staged.append(1) or stage(*a)

@@ -87,11 +87,9 @@ def test_each_draft_is_the_heads_over_the_whole_sequence(model_dir, head_dir, gr
     engine = make_engine(model_dir, speculative=spec(head_dir), block_size=8)
     replays = []
     if graphs:
-        from services.worker.engine.cuda_graphs import CudaGraphRunner
-        from services.worker.engine.eagle3_drafter import HeadGraphStep
+        from services.worker.engine.drafting import capture_graphs
         d = engine.drafter
-        d.graphs = CudaGraphRunner(HeadGraphStep(d.model, 16), d.kv_cache, 16, 256, engine.device)
-        d.graphs.capture()
+        capture_graphs(d, spec(head_dir), 16, 256)  # as a worker whose own graphs come in stages
         launch = d.graphs.launch
         d.graphs.launch = lambda staged, *a: replays.append(staged.n) or launch(staged, *a)
     vocab = engine.model_config.vocab_size

@@ -77,10 +77,18 @@ def build_drafter(spec, model, num_blocks: int, block_manager, config, device, d
     else:
         drafter = DraftModel(model, kv, block_manager, device, config.max_num_batched_tokens, target_vocab)
         graph_model = GreedyStep(model, target_vocab)
+    drafter.graph_model = graph_model
     if config.is_cuda and config.cuda_graphs:
-        from services.worker.engine.cuda_graphs import CudaGraphRunner
-        # A proposal's steps queue on the device: a host stage for each, up to 9 before a wait.
-        stages = min(spec.num_speculative_tokens, 8) + 1
-        drafter.graphs = CudaGraphRunner(graph_model, kv, config.max_num_seqs, max_graph_len, device, stages)
-        drafter.graphs.capture()
+        capture_graphs(drafter, spec, config.max_num_seqs, max_graph_len)
     return drafter
+
+
+def capture_graphs(drafter, spec, max_num_seqs: int, max_graph_len: int) -> float:
+    """The drafter's decode graphs (a worker whose own graphs are captured in stages, after it is
+    ready, calls this once its engine is built); returns the seconds taken."""
+    from services.worker.engine.cuda_graphs import CudaGraphRunner
+    # A proposal's steps queue on the device: a host stage for each, up to 9 before a wait.
+    stages = min(spec.num_speculative_tokens, 8) + 1
+    drafter.graphs = CudaGraphRunner(drafter.graph_model, drafter.kv_cache, max_num_seqs, max_graph_len,
+                                     drafter.device, stages)
+    return drafter.graphs.capture()

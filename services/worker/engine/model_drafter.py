@@ -66,7 +66,8 @@ class DraftModel:
         self.device = device
         self.max_tokens = max_tokens
         self.target_vocab = target_vocab
-        self.graphs = None
+        self.graphs = None  # a CudaGraphRunner over graph_model (drafting.capture_graphs), on a GPU
+        self.graph_model = None  # the model as its graphs call it, the draw inside (GreedyStep, HeadGraphStep)
         self._queued = 0  # graph steps queued on the device since the host last waited for it
 
     @torch.inference_mode()
