@@ -31,10 +31,12 @@ async def run_service(nats_cfg: NatsConfig, name: str, make: Callable[[NatsConne
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await connecting
+        # Said first: a connect being retried may take its time to unwind once cancelled (a SIGTERMed
+        # scheduler took > 15 s under a full test run's load, and its stop went unlogged).
         log.info("stopped_before_connecting", service=name)
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(connecting, timeout=2.0)
         return 0
     conn = connecting.result()
     service = make(conn)
