@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,9 +30,33 @@ RANDOM_DEMO_MODEL = Path("models/demo")
 
 
 def free_port() -> int:
+    """A port for a child to bind, picked below the kernel's ephemeral range: outgoing connections take
+    their local ports from that range, and one took a port picked there before the kvstore could bind
+    it (a full test run, 2026-11-29). A port nothing listens on now, else one the kernel gives."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(PICK_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PICK_FROM = 10000
+_PORTS = random.SystemRandom()  # not the random module's state, which a caller may have seeded
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, PICK_FROM + 1000)
 
 
 def find_nats_server() -> str | None:
