@@ -235,8 +235,8 @@ def test_draft_checks_run_in_the_decode_graphs(model_dir):
 
 
 def test_speculation_pauses_where_its_checks_would_be_compute_bound(model_dir):
-    """k + 1 rows a request: past engine.COMPUTE_BOUND_ROWS no drafts, whatever disable_by_batch_size."""
-    from services.worker.engine.engine import COMPUTE_BOUND_ROWS
+    """k + 1 rows a request: past speculative.COMPUTE_BOUND_ROWS no drafts, whatever disable_by_batch_size."""
+    from services.worker.engine.speculative import COMPUTE_BOUND_ROWS
 
     vocab = make_engine(model_dir).model_config.vocab_size
     k = 50

@@ -97,12 +97,6 @@ class LaunchedStep:
     deferred: DeferredDraw | None = None
 
 
-# Rows past which a bf16 step's GEMMs are bound by compute, not by reading the weights (an H100's or
-# H200's ~990 TFLOP/s over 3.3–4.8 TB/s is ~200–300 FLOP a byte, 2 FLOP a weight a row): speculation
-# pauses where its checks would take more rows than this.
-COMPUTE_BOUND_ROWS = 256
-
-
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -389,15 +383,8 @@ class LLMEngine:
         return sum(c[2] for c in self.draft_counts.values())
 
     def _speculating(self) -> bool:
-        """Drafts are made while at most disable_by_batch_size requests run, and while a step of drafts
-        stays weight-bound: past COMPUTE_BOUND_ROWS rows (k + 1 a request) its GEMMs cost by the row,
-        and every rejected draft token is a row paid for nothing."""
         spec = self._spec
-        if spec is None:
-            return False
-        running = self.batcher.num_running
-        return ((not spec.disable_by_batch_size or running <= spec.disable_by_batch_size)
-                and running * (spec.num_speculative_tokens + 1) <= COMPUTE_BOUND_ROWS)
+        return spec is not None and spec.drafts_at(self.batcher.num_running)
 
     def _launch(self, plan: BatchPlan) -> LaunchedStep:
         self.steps += 1

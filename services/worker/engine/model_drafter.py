@@ -147,7 +147,7 @@ class DraftModel:
             return self.graphs.model.aux_hidden[rows]
         inputs = self._eager_inputs(scheduled, last_ids, last_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
-        return self._greedy(self.model.compute_logits(hidden[inputs.logits_indices]))
+        return greedy(self.model.compute_logits(hidden[inputs.logits_indices]), self.target_vocab)
 
     def _eager_inputs(self, scheduled, last_ids, last_rows, tokens: list[int] | None = None):
         """A step's inputs built and moved as the target's eager steps' are (`tokens`: other inputs)."""
@@ -181,9 +181,6 @@ class DraftModel:
             return staged, graphs.rows[:n]  # a row each: all of them (a device tensor kept by the graphs)
         last = np.cumsum(counts) - 1
         return staged, device_rows(last[[s.samples for s in scheduled]], self.device)
-
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return greedy(logits, self.target_vocab)
 
 
 def greedy(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram", "draft_model", "eagle3")
+# Rows past which a bf16 step's GEMMs are bound by compute, not by reading the weights (an H100's or
+# H200's ~990 TFLOP/s over 3.3–4.8 TB/s is ~200–300 FLOP a byte, 2 FLOP a weight a row): speculation
+# pauses where its checks would take more rows than this.
+COMPUTE_BOUND_ROWS = 256
 LOOKBACK = 4096  # tokens the n-gram lookup searches, the latest: a step's search stays ~0.1 ms
 
 
@@ -44,6 +48,13 @@ class SpeculativeConfig:
         cfg = cls(**data)
         cfg.check()
         return cfg
+
+    def drafts_at(self, running: int) -> bool:
+        """Drafts are made while at most disable_by_batch_size requests run, and while a step of drafts
+        stays weight-bound: past COMPUTE_BOUND_ROWS rows (k + 1 a request) its GEMMs cost by the row,
+        and every rejected draft token is a row paid for nothing."""
+        return ((not self.disable_by_batch_size or running <= self.disable_by_batch_size)
+                and running * (self.num_speculative_tokens + 1) <= COMPUTE_BOUND_ROWS)
 
     def check(self) -> None:
         if self.method not in METHODS:
