@@ -96,6 +96,7 @@ class StackConfig:
     decode_worker_args: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # each worker is a group of tp × pp processes, one GPU each
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: the tensor-parallel GPUs hold whole experts
     gateway_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     log_format: str = "console"
@@ -192,6 +193,8 @@ class Stack:
         if self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
                      "--pipeline-parallel-size", str(self.cfg.pipeline_parallel_size)]
+        if self.cfg.enable_expert_parallel:
+            argv.append("--enable-expert-parallel")
         if self.cfg.emit_only:
             argv.append("--emit-only")
         return self._spawn(name, argv, critical=False, env=env)
@@ -374,6 +377,9 @@ def parse_args(argv):
                     help="split each worker's model over this many GPUs (tensor parallelism)")
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                     help="split each worker's layers into this many stages (pipeline parallelism)")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="mixture-of-experts models: spread whole experts over each worker's tensor-parallel "
+                         "GPUs instead of splitting every expert over them")
     ap.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     ap.add_argument("--api-keys-file", type=Path, default=None,
                     help="tenants, their limits and keys (JSON or YAML; see the README), for the gateway")
@@ -491,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
         worker_args=_split(args.worker_arg), prefill_worker_args=_split(args.prefill_worker_arg),
         decode_worker_args=_split(args.decode_worker_arg), log_format=args.log_format,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
     stack = Stack(cfg)
     stopping = False
 

@@ -200,6 +200,7 @@ class WorkerServiceConfig:
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
     pipeline_parallel_size: int = 1  # stages the layers are split into
+    enable_expert_parallel: bool = False  # MoE models: whole experts spread over the tensor-parallel GPUs
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs)
     fused_all_reduce_norm: bool = True  # ... with the residual add and RMSNorm in the same kernel
 

@@ -404,6 +404,10 @@ class WorkerHeartbeat(Message):
     # Drafts, cumulative (the worker's --speculative-config, --jump-forward), by method ("jump_forward",
     # "ngram"): [drafts checked (a request's in a step), drafted tokens, those the draws confirmed].
     spec_by_method: dict[str, list[int]] = field(default_factory=dict)
+    # A mixture-of-experts model: tokens its routers sent to each expert, cumulative, summed over the
+    # layers; expert_ranks > 1 under expert parallelism, where expert e lives on GPU e * ranks // experts.
+    expert_tokens: list[int] = field(default_factory=list)
+    expert_ranks: int = 1
     # What it runs on (`inferno top`, `inferno up`'s table): "cpu", or "cuda:0 NVIDIA H200" (tp ranks
     # beyond the first: "+N"), the weights' dtype, the decode graphs captured.
     device: str = ""

@@ -22,129 +22,15 @@ import argparse
 import contextlib
 import hashlib
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from inferno.tools.model_shapes import (  # noqa: F401 (re-exported for callers and tests)
+    ARCHITECTURES, INIT_STD, PRESETS, Preset, TensorSpec, model_config_dict, round_up, tensor_specs)
 from shared.progress import Progress, progress as open_progress
-
-# --------------------------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Model shapes. vocab_size None means: the tokenizer's size rounded up to a multiple of 64."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int | None
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    architecture: str = "LlamaForCausalLM"  # used when write_model gets arch=None
-    # Used instead of rope_scaling when the architecture is LlamaForCausalLM: lets the tiny Llama
-    # exercise Llama-3.1's frequency scaling while the other tiny architectures keep plain RoPE.
-    llama_rope_scaling: dict | None = None
-
-    def rope_scaling_for(self, arch: str) -> dict | None:
-        if arch == "LlamaForCausalLM" and self.llama_rope_scaling is not None:
-            return dict(self.llama_rope_scaling)
-        return dict(self.rope_scaling) if self.rope_scaling else None
-
-
-# Llama-3.1's frequency scaling (every size of the family uses the same).
-LLAMA_3_1_ROPE_SCALING = {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3",
-}
-
-PRESETS: dict[str, Preset] = {
-    # Tests and the demo: fast on CPU. As a Llama it has llama3 rope scaling, scaled down so
-    # that its 8 frequencies fall in all three bands (kept: wavelength < 64, blended: 64..256,
-    # divided by the factor: > 256).
-    "tiny": Preset(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=None, max_position_embeddings=2048,
-        rope_theta=10000.0,
-        llama_rope_scaling={
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-            "rope_type": "llama3",
-        },
-    ),
-    # A mid-size CPU benchmark model (~0.1 B parameters).
-    "small": Preset(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=64, intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192,
-        rope_theta=10000.0,
-    ),
-    # Exact Llama-3.1-8B shapes.
-    "llama-3.1-8b": Preset(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=LLAMA_3_1_ROPE_SCALING,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    # Llama-3.2-1B shapes (Llama 3's tokenizer, tied embeddings): a draft model for the 8B.
-    "llama-3.2-1b": Preset(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling={**LLAMA_3_1_ROPE_SCALING, "factor": 32.0},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    # Exact Llama-3.1-70B shapes (141 GB in bf16: serve it with --load-format dummy and a
-    # directory written with --config-only, rather than writing its weights).
-    "llama-3.1-70b": Preset(
-        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=LLAMA_3_1_ROPE_SCALING,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    # Qwen2.5-7B shapes (q/k/v bias).
-    "qwen2.5-7b": Preset(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        head_dim=128, intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        architecture="Qwen2ForCausalLM",
-    ),
-    # Qwen3-8B shapes (q/k norms, explicit head_dim).
-    "qwen3-8b": Preset(
-        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        architecture="Qwen3ForCausalLM",
-    ),
-}
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 DTYPES = {
     # name: (torch dtype attribute, safetensors dtype, bytes per element)
@@ -154,7 +40,6 @@ DTYPES = {
 }
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's "5GB"
-INIT_STD = 0.02
 NORM_NOISE_STD = 0.1  # norm weights are 1 + N(0, 0.1): not the identity
 BIAS_STD = 0.02
 _CHUNK_ELEMENTS = 1 << 24  # numbers drawn per call: bounds the float32 scratch to 64 MiB
@@ -162,109 +47,6 @@ _CHUNK_ELEMENTS = 1 << 24  # numbers drawn per call: bounds the float32 scratch 
 from inferno.tools.synthetic_tokenizer import (  # noqa: F401 (re-exported for callers and tests)
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, GENERATION_EOS_TOKENS, SPECIAL_TOKENS, _tokenizer_config,
     build_tokenizer_json)
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, tied: bool,
-                      bos_token_id: int, eos_token_ids: list[int]) -> dict:
-    """config.json as transformers writes it for `arch` (keys sorted, as save_pretrained does)."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
-    model_type = ARCHITECTURES[arch]
-    if model_type == "qwen2" and preset.hidden_size != preset.num_attention_heads * preset.head_dim:
-        # Qwen2's config has no head_dim: it is always hidden_size / num_attention_heads.
-        raise ValueError("Qwen2ForCausalLM needs hidden_size == num_attention_heads * head_dim")
-    cfg: dict = {
-        "architectures": [arch],
-        "attention_dropout": 0.0,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_ids,
-        "hidden_act": "silu",
-        "hidden_size": preset.hidden_size,
-        "initializer_range": INIT_STD,
-        "intermediate_size": preset.intermediate_size,
-        "max_position_embeddings": preset.max_position_embeddings,
-        "model_type": model_type,
-        "num_attention_heads": preset.num_attention_heads,
-        "num_hidden_layers": preset.num_hidden_layers,
-        "num_key_value_heads": preset.num_key_value_heads,
-        "rms_norm_eps": preset.rms_norm_eps,
-        "rope_scaling": preset.rope_scaling_for(arch),
-        "rope_theta": preset.rope_theta,
-        "tie_word_embeddings": tied,
-        "torch_dtype": dtype,
-        "transformers_version": "4.45.0",
-        "use_cache": True,
-        "vocab_size": vocab_size,
-    }
-    if model_type == "llama":
-        cfg.update(attention_bias=False, head_dim=preset.head_dim, mlp_bias=False, pretraining_tp=1)
-    elif model_type == "mistral":
-        cfg.update(head_dim=preset.head_dim, sliding_window=None)
-    elif model_type == "qwen2":
-        cfg.update(max_window_layers=preset.num_hidden_layers, sliding_window=None,
-                   use_sliding_window=False)
-    elif model_type == "qwen3":
-        cfg.update(attention_bias=False, head_dim=preset.head_dim,
-                   max_window_layers=preset.num_hidden_layers, sliding_window=None,
-                   use_sliding_window=False)
-    return dict(sorted(cfg.items()))
-
-
-# --------------------------------------------------------------------------------------------
-# Tensors
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # "weight" N(0, 0.02) | "norm" 1 + N(0, 0.1) | "bias" N(0, 0.02) | an EAGLE3_MAPS key
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def tensor_specs(arch: str, preset: Preset, vocab_size: int, tied: bool) -> list[TensorSpec]:
-    """Every tensor of the checkpoint, in Hugging Face's state-dict order."""
-    model_type = ARCHITECTURES[arch]
-    h, hd = preset.hidden_size, preset.head_dim
-    q, kv, inter = preset.num_attention_heads * hd, preset.num_key_value_heads * hd, preset.intermediate_size
-    specs = [TensorSpec("model.embed_tokens.weight", (vocab_size, h), "weight")]
-    for i in range(preset.num_hidden_layers):
-        p = f"model.layers.{i}."
-        specs.append(TensorSpec(p + "self_attn.q_proj.weight", (q, h), "weight"))
-        if model_type == "qwen2":
-            specs.append(TensorSpec(p + "self_attn.q_proj.bias", (q,), "bias"))
-        specs.append(TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "weight"))
-        if model_type == "qwen2":
-            specs.append(TensorSpec(p + "self_attn.k_proj.bias", (kv,), "bias"))
-        specs.append(TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "weight"))
-        if model_type == "qwen2":
-            specs.append(TensorSpec(p + "self_attn.v_proj.bias", (kv,), "bias"))
-        specs.append(TensorSpec(p + "self_attn.o_proj.weight", (h, q), "weight"))
-        if model_type == "qwen3":
-            specs.append(TensorSpec(p + "self_attn.q_norm.weight", (hd,), "norm"))
-            specs.append(TensorSpec(p + "self_attn.k_norm.weight", (hd,), "norm"))
-        specs.append(TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "weight"))
-        specs.append(TensorSpec(p + "mlp.up_proj.weight", (inter, h), "weight"))
-        specs.append(TensorSpec(p + "mlp.down_proj.weight", (h, inter), "weight"))
-        specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "norm"))
-        specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"))
-    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
-    if not tied:
-        specs.append(TensorSpec("lm_head.weight", (vocab_size, h), "weight"))
-    return specs
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -414,8 +196,9 @@ def write_model(
     """Write a random-weight model directory; return its path. weights=False writes the config and
     tokenizer only: such a directory is served with load_format "dummy" (weights drawn on the device).
 
-    arch: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; None takes
-    the preset's own (LlamaForCausalLM for tiny, small and llama-3.1-8b).
+    arch: one of ARCHITECTURES (the dense Llama family and the MoE families); None takes the preset's own
+    (LlamaForCausalLM for tiny, small and llama-3.1-8b). An MoE architecture on a dense preset takes its
+    expert fields (tiny has 4 experts, 2 per token).
     tie_word_embeddings: None takes the preset's default (untied for all built-in presets).
     progress: show the weights written on stderr (a bar on a terminal, else a line every few seconds).
     """
@@ -434,7 +217,7 @@ def write_model(
     tied = p.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
 
     tf = build_tokenizer_json(p.vocab_size)
-    vocab_size = p.vocab_size if p.vocab_size is not None else _round_up(tf.size, 64)
+    vocab_size = p.vocab_size if p.vocab_size is not None else round_up(tf.size, 64)
     if vocab_size < tf.size:
         raise ValueError(f"preset {preset!r} has vocab_size {vocab_size} < tokenizer size {tf.size}")
     bos_id = tf.special_ids[BOS_TOKEN]
@@ -574,7 +357,7 @@ def write_eagle3(out_dir: str | Path, target_preset: str = "llama-3.1-8b", seed:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     device = _resolve_device(device)
     p = PRESETS[target_preset]
-    vocab = target_vocab_size or p.vocab_size or _round_up(build_tokenizer_json(None).size, 64)
+    vocab = target_vocab_size or p.vocab_size or round_up(build_tokenizer_json(None).size, 64)
     draft = draft_vocab_size or EAGLE3_DRAFT_VOCAB.get(target_preset, min(vocab, 32000))
     if not 0 < draft <= vocab:
         raise ValueError(f"draft_vocab_size {draft} must be in [1, vocab_size {vocab}]")

@@ -114,6 +114,7 @@ class WorkerStatsCollector:
         yield GaugeMetricFamily("inferno:kv_handoff_seconds_p50", "The median hand-off time of the prefill "
                                 "worker slowest at it (its latest 256).",
                                 max((hb.kv_handoff_p50_ms for hb in prefill), default=0.0) / 1e3)
+        yield self._expert_tokens(live)
         # Speculative decoding and jump-forward (vLLM's names), by method: accepted / draft tokens is
         # the acceptance rate, and 1 + accepted / drafts the tokens a request makes in a step that
         # checks its draft.
@@ -131,6 +132,18 @@ class WorkerStatsCollector:
             for method, counts in sorted(by_method.items()):
                 family.add_metric([method], counts[i])
             yield family
+
+    @staticmethod
+    def _expert_tokens(live) -> CounterMetricFamily:
+        """An MoE model's router load per worker, expert and the GPU holding it (always 0 without
+        expert parallelism): the first thing to look at when one GPU of an EP group is the slow one."""
+        family = CounterMetricFamily("inferno:moe_expert_tokens", "Tokens routed to each expert (summed over the "
+                                     "MoE layers).", labels=["worker", "expert", "gpu"])
+        for hb in live:
+            experts = len(hb.expert_tokens)
+            for e, count in enumerate(hb.expert_tokens):
+                family.add_metric([hb.worker_id, str(e), str(e * hb.expert_ranks // experts)], count)
+        return family
 
 
 class GatewayMetrics:

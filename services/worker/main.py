@@ -90,6 +90,11 @@ def parse_args(argv):
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int,
                     default=env_default("INFERNO_PIPELINE_PARALLEL_SIZE", 1, int),
                     help="split the layers into this many stages, each on its own tensor-parallel group")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    default=env_default("INFERNO_ENABLE_EXPERT_PARALLEL", False, parse_bool),
+                    help="mixture-of-experts models: spread whole experts over the tensor-parallel GPUs "
+                         "(each token's experts computed where they live, summed by the all-reduce) "
+                         "instead of splitting every expert over all of them")
     ap.add_argument("--custom-all-reduce", action=argparse.BooleanOptionalAction,
                     default=env_default("INFERNO_CUSTOM_ALL_REDUCE", True, parse_bool),
                     help="tensor parallelism on GPUs: small all-reduces in one kernel over the peers' memory "
@@ -213,7 +218,7 @@ def service_config(args) -> WorkerServiceConfig:
                   speculative_config=args.speculative_config, handoff_push=args.handoff_push, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
-                  fused_all_reduce_norm=args.fused_all_reduce_norm)
+                  fused_all_reduce_norm=args.fused_all_reduce_norm, enable_expert_parallel=args.enable_expert_parallel)
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
     if args.speculative_config:

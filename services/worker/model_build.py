@@ -97,7 +97,8 @@ def check_parallel(model_config, cfg: WorkerServiceConfig) -> None:
     from services.worker.engine.parallel.layout import ParallelConfigError, ParallelLayout
 
     try:
-        ParallelLayout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size).check(model_config)
+        ParallelLayout(cfg.tensor_parallel_size, cfg.pipeline_parallel_size,
+                       expert_parallel=cfg.enable_expert_parallel).check(model_config)
     except ParallelConfigError as e:
         raise ModelCheckError(str(e)) from None
 
@@ -215,7 +216,8 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce,
-        fused_all_reduce_norm=cfg.fused_all_reduce_norm, jump_forward=cfg.jump_forward,
+        fused_all_reduce_norm=cfg.fused_all_reduce_norm, enable_expert_parallel=cfg.enable_expert_parallel,
+        jump_forward=cfg.jump_forward,
         # A prefill worker hands every request on after its first token: nothing to draft there.
         speculative=SpeculativeConfig.from_json(cfg.speculative_config)
         if cfg.speculative_config and cfg.role != "prefill" else None,

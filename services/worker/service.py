@@ -423,6 +423,7 @@ class WorkerService:
                       kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
                       prefix_cache_queries=s.prefix_cache_queries, spec_by_method=s.draft_counts,
+                      expert_tokens=s.expert_tokens, expert_ranks=expert_ranks(loop_thread.engine),
                       steps=loop_thread.steps_done, busy_seconds=loop_thread.busy_seconds,
                       computed_tokens=loop_thread.computed_tokens, output_tokens=loop_thread.output_tokens,
                       **describe_engine(loop_thread.engine), **self._handoff_counts())
@@ -444,6 +445,12 @@ class WorkerService:
                     "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
                     "kv_handoffs_pushed": stats["pushed"]}
         return {}
+
+
+def expert_ranks(engine) -> int:
+    """The GPUs an MoE model's experts are spread over (1: every rank holds every expert)."""
+    layout = getattr(engine, "layout", None)
+    return layout.tp if layout is not None and layout.expert_parallel else 1
 
 
 def describe_engine(engine) -> dict:

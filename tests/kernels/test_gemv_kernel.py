@@ -199,7 +199,7 @@ def test_add_rmsnorm_linear_with_no_output_rows_still_adds(device):
 def test_ops_fuse_the_norm_only_where_the_gemv_serves(device):
     """TritonOps fuse a norm into the projection after it at decode sizes; larger batches, and
     the reference ops, norm first. Both give the reference's residual."""
-    from services.worker.engine.model import Linear
+    from services.worker.engine.layers import Linear
 
     torch.manual_seed(0)
     proj = Linear(96, 40, TritonOps()).to(device)

@@ -12,6 +12,7 @@ from services.worker.engine.engine_config import EngineConfig
 from inferno.tools.make_model import write_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+MOE_ARCHS = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"]
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,15 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama",
+             "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe"}
+# An MoE block's tensors: the router and the shared expert by name, the experts stacked [E, N, K].
+MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -33,7 +41,25 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{LAYER_NAMES[rest]}"
+    if rest in LAYER_NAMES:
+        return f"blk.{i}.{LAYER_NAMES[rest]}"
+    return f"blk.{i}.{MOE_NAMES[rest.split('.', 1)[1]]}"
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every expert's projection of a layer in one [E, N, K] tensor named as llama.cpp names it."""
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" not in parts:
+            out[name] = t
+            continue
+        e = parts.index("experts")
+        key = f"blk.{parts[2]}.{EXPERT_NAMES[parts[e + 2]]}.weight"
+        stacks.setdefault(key, {})[int(parts[e + 1])] = t
+    for key, by_expert in stacks.items():
+        out[key] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -82,9 +108,16 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str = "F32", arch_overri
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     _add_tokenizer(w, model_dir)
 
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = _stack_experts(load_file(str(model_dir / "model.safetensors")))
     qtype = gguf.GGMLQuantizationType[matrix_type]
     for name, t in tensors.items():
         if name in skip:
@@ -94,10 +127,13 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str = "F32", arch_overri
             t = permute(t, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = permute(t, kv_heads)
-        if t.ndim == 2 and matrix_type != "F32":
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        if name.endswith("shared_expert_gate.weight"):
+            t = t.reshape(-1)  # llama.cpp keeps it a vector
+        out_name = name if name.startswith("blk.") else gguf_name(name)
+        if t.ndim >= 2 and matrix_type != "F32":
+            w.add_tensor(out_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), t)
+            w.add_tensor(out_name, t)
     if arch == "llama" and (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     for name, (data, type_name) in (raw_tensors or {}).items():

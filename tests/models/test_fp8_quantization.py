@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.model import Linear
+from services.worker.engine.layers import Linear
 from shared.sampling_params import SamplingParams
 from tests.models.conftest import make_engine, random_prompt
 from tests.models.test_transformers_parity import engine_prefill_logits

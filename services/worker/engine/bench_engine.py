@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="dummy: random weights drawn on the device (a --config-only directory suffices)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE models: whole experts spread over the tensor-parallel GPUs")
     ap.add_argument("--custom-all-reduce", action=argparse.BooleanOptionalAction, default=True,
                     help="small tensor-parallel all-reduces over peer memory (default); --no-custom-all-reduce: NCCL")
     ap.add_argument("--fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=True,
@@ -90,14 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=max(args.batch_size, 1), max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap, load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm))
+        custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm,
+        enable_expert_parallel=args.enable_expert_parallel))
     try:
         result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
     except BaseException:
         engine.close()
         raise
     result.update(tensor_parallel=args.tensor_parallel_size, pipeline_parallel=args.pipeline_parallel_size,
-                  custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm, kv_gib=engine.memory_report.get("kv_gib"))
+                  custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm,
+                  expert_parallel=args.enable_expert_parallel, kv_gib=engine.memory_report.get("kv_gib"))
     if args.json:
         print(json.dumps(result))
     else:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.engine.eagle3_drafter import Eagle3Drafter, HeadGraphStep
-from services.worker.engine.model import Embedding
+from services.worker.engine.layers import Embedding
 from services.worker.engine.model_drafter import DraftModel, GreedyStep
 
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.engine.model import MLP, Attention, DecoderLM, Embedding, Linear
+from services.worker.engine.layers import MLP, Embedding, Linear
+from services.worker.engine.model import Attention, DecoderLM
 from services.worker.engine.model_config import ModelConfig, ModelConfigError
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.safetensors_file import find_weight_files

@@ -27,6 +27,7 @@ from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
+from services.worker.engine.expert_load import ExpertLoad
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.drafting import build_drafter, draft_kv_bytes_per_block, load_drafting_model
 from services.worker.engine.ops import make_ops
@@ -110,6 +111,7 @@ class EngineStats:
     prefix_cache_queries: int
     steps: int = 0
     draft_counts: dict = field(default_factory=dict)  # LLMEngine.draft_counts
+    expert_tokens: list = field(default_factory=list)  # an MoE model's tokens routed per expert (ExpertLoad)
     extra: dict = field(default_factory=dict)
 
 
@@ -125,7 +127,8 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_path(config.model_dir)
-        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size,
+                                     expert_parallel=config.enable_expert_parallel)
         self.layout.check(self.model_config)
         self.group = None
         if self.layout.world_size > 1:
@@ -153,6 +156,7 @@ class LLMEngine:
             if config.is_cuda:  # the 16-bit weights' memory back to the device before the KV pool is sized
                 torch.cuda.empty_cache()
         self.load_seconds = time.perf_counter() - t0
+        self.expert_load = ExpertLoad(self.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
         # Penalties, logprobs and overlap are the driver's business; its pending draws are those of
@@ -613,4 +617,5 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             steps=self.steps,
             draft_counts={m: list(c) for m, c in self.draft_counts.items()},
+            expert_tokens=self.expert_load.snapshot(),
         )

@@ -45,6 +45,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights drawn on the device, no files read
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over
     pipeline_parallel_size: int = 1  # stages the layers are split into, one per process group
+    enable_expert_parallel: bool = False  # MoE: whole experts spread over the tensor-parallel ranks
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs), else NCCL
     # The one-shot all-reduce does the residual add and RMSNorm after it too (one kernel for two):
     # W1 +3.5 % with 8B TP=2, +1.7 % with 70B TP=4 (four H100s, 2026-11-27, bench/fused_norm_ab.sh at 9243543).

@@ -12,7 +12,13 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# Whether the router renormalises the top-k weights, where the file does not say (llama.cpp's choice
+# per architecture; Mixtral is written as "llama" with experts).
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
 
 def config_from_gguf(gf: GGUFFile) -> dict:
@@ -61,6 +67,16 @@ def config_from_gguf(gf: GGUFFile) -> dict:
             raise GGUFError(f"{gf.path}: rope_freqs.weight is {freqs.type_name}, expected F32")
         raw["rope_freq_factors"] = np.fromfile(gf.path, dtype="<f4", count=freqs.nbytes // 4,
                                                offset=freqs.offset).tolist()
-    if gf.arch_key("expert_count"):
-        raise GGUFError(f"{gf.path}: mixture-of-experts GGUF files are not supported yet")
+    experts = gf.arch_key("expert_count")
+    if experts:
+        # Mixtral is written as "llama"; its expert size is feed_forward_length.
+        if arch == "llama":
+            raw["architectures"] = ["MixtralForCausalLM"]
+            raw["num_local_experts"] = experts
+        raw.update(num_experts=experts, num_experts_per_tok=need("expert_used_count"),
+                   moe_intermediate_size=gf.arch_key("expert_feed_forward_length") or raw["intermediate_size"],
+                   shared_expert_intermediate_size=gf.arch_key("expert_shared_feed_forward_length") or 0,
+                   norm_topk_prob=bool(gf.arch_key("expert_weights_norm", _NORM_TOPK.get(arch, False))))
+        if arch == "olmoe":
+            raw["intermediate_size"] = raw["moe_intermediate_size"]
     return raw

@@ -34,19 +34,41 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# A mixture of experts (llama.cpp stacks each projection of all experts in one 3-D tensor [E, N, K]);
+# the names under the MoE block, whose prefix is the family's (MoE_BLOCK).
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",  # a vector [H] in the file, [1, H] in ours
+}
+_EXPERT_NAMES = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+_EXPERT_PROJ = {"MixtralForCausalLM": ("w1", "w3", "w2")}
+_MOE_BLOCK = {"MixtralForCausalLM": "block_sparse_moe."}
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors a GGUF may carry that are not weights of ours: rope_freqs is read into the config.
 _NOT_WEIGHTS = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face checkpoint name of a GGUF tensor, or None if it is not one we know."""
+def hf_names(gguf_name: str, cfg: ModelConfig) -> list[str]:
+    """The Hugging Face checkpoint names a GGUF tensor holds: one, or each expert's of a stacked
+    expert tensor (in expert order); none if it is not one we know."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+        return [_GLOBAL_NAMES[gguf_name]]
     m = _LAYER.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+    if not m:
+        return []
+    layer, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in _LAYER_NAMES:
+        return [layer + _LAYER_NAMES[rest]]
+    block = layer + _MOE_BLOCK.get(cfg.architecture, "mlp.")
+    if rest in _MOE_NAMES and cfg.moe is not None:
+        return [block + _MOE_NAMES[rest]]
+    if rest in _EXPERT_NAMES and cfg.moe is not None:
+        proj = _EXPERT_PROJ.get(cfg.architecture, ("gate_proj", "up_proj", "down_proj"))[_EXPERT_NAMES[rest]]
+        return [f"{block}experts.{e}.{proj}.weight" for e in range(cfg.moe.num_experts)]
+    return []
 
 
 def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -56,28 +78,31 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_plan(gf: GGUFFile, cfg: ModelConfig, expected: dict) -> list[tuple[GGUFTensor, str]]:
-    """(tensor, HF name) for every expected parameter; all problems are reported before loading."""
+def gguf_plan(gf: GGUFFile, cfg: ModelConfig, expected: dict) -> list[tuple[GGUFTensor, list[str]]]:
+    """(tensor, the HF names it fills) for every expected parameter; all problems are reported
+    before loading."""
     by_hf = {}
     for t in gf.tensors.values():
-        name = hf_name(t.name)
-        if name is None:
-            if t.name not in _NOT_WEIGHTS:
-                raise GGUFError(f"{gf.path}: unexpected tensor {t.name!r} for architecture {gf.architecture!r}")
-            continue
-        by_hf[name] = t
-    plan = []
+        names = hf_names(t.name, cfg)
+        if not names and t.name not in _NOT_WEIGHTS:
+            raise GGUFError(f"{gf.path}: unexpected tensor {t.name!r} for architecture {gf.architecture!r}")
+        for name in names:
+            by_hf[name] = (t, names)
+    plan, planned = [], set()
     for name, place in expected.items():
-        t = by_hf.get(name)
+        t, names = by_hf.get(name, (None, None))
         if t is None:
             raise GGUFError(f"{gf.path}: missing tensor for {name!r} (required by {cfg.architecture})")
         if t.type_name not in SUPPORTED_TYPES:
             raise GGUFError(f"{gf.path}: tensor {t.name!r} has quant type {t.type_name}, which is not "
                             f"supported; supported: {', '.join(SUPPORTED_TYPES)}")
-        if t.shape != place.shape:
+        want = (len(names), *place.shape) if len(names) > 1 else place.shape
+        if t.shape != want and (1, *t.shape) != want:  # (Qwen2-MoE's shared expert gate is a vector there)
             raise GGUFError(f"{gf.path}: tensor {t.name!r} has shape {list(t.shape)}, "
-                            f"but the metadata implies {list(place.shape)}")
-        plan.append((t, name))
+                            f"but the metadata implies {list(want)}")
+        if t.name not in planned:
+            planned.add(t.name)
+            plan.append((t, names))
     return plan
 
 
@@ -86,11 +111,11 @@ def load_gguf_weights(gf: GGUFFile, cfg: ModelConfig, expected: dict, target: Ca
     """Fill every parameter: target(hf_name) is the flat destination of that tensor's elements."""
     plan = gguf_plan(gf, cfg, expected)
     permute_heads = {}
-    if cfg.architecture == "LlamaForCausalLM":
+    if cfg.architecture in ("LlamaForCausalLM", "MixtralForCausalLM"):
         permute_heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
 
-    def load_one(item: tuple[GGUFTensor, str]) -> None:
-        t, name = item
+    def load_one(item: tuple[GGUFTensor, list[str]]) -> None:
+        t, names = item
         raw = torch.empty(t.nbytes, dtype=torch.uint8)
         with open(gf.path, "rb", buffering=0) as f:
             f.seek(t.offset)
@@ -98,10 +123,11 @@ def load_gguf_weights(gf: GGUFFile, cfg: ModelConfig, expected: dict, target: Ca
                 raise GGUFError(f"{gf.path}: tensor {t.name!r} is truncated")
         # Quantized bytes are 2-8x smaller than the result: move them, then expand on the device.
         w = dequantize(raw.to(device), t.type_name, t.shape, dtype)
-        proj = name.rsplit(".", 2)[-2]
-        if proj in permute_heads and name.endswith(".weight"):
+        proj = names[0].rsplit(".", 2)[-2]
+        if proj in permute_heads and names[0].endswith(".weight"):
             w = unpermute_rows(w, permute_heads[proj])
-        target(name).copy_(w.reshape(-1))
+        for name, part in zip(names, w.reshape(len(names), -1)):  # a stacked expert tensor: each expert's
+            target(name).copy_(part)
 
     # Big tensors first so the threads finish together; torch releases the GIL while it works.
     jobs = sorted(plan, key=lambda item: -item[0].nbytes)

@@ -90,7 +90,7 @@ def mixed_graph_bytes(engine) -> int:
     from services.worker.engine.mixed_graphs import MAX_GRAPH_TOKENS
     mc = engine.rank_config
     tokens = min(engine.config.max_num_batched_tokens, MAX_GRAPH_TOKENS)
-    per_token = 2 * mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size + 4 * mc.hidden_size
+    per_token = 2 * mc.q_size + 2 * mc.kv_size + mc.mlp_activation_width + 4 * mc.hidden_size
     return tokens * per_token * engine.dtype.itemsize
 
 

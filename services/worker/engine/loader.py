@@ -8,7 +8,6 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,9 @@ from services.worker.cuda_early import STAGING_BYTES
 from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.moe_weights import expert_tensors
 from services.worker.engine.ops import TorchOps
+from services.worker.engine.placement import Placement, ShardedTensor, Slice
 from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
 from shared.gguf_file import GGUFError, is_gguf, open_gguf
 from shared.progress import progress
@@ -28,34 +29,6 @@ PROGRESS_MIN_BYTES = 1 << 30  # loads from a gigabyte on show their progress
 
 class WeightLoadError(ValueError):
     """A tensor is missing, mis-shaped or unreadable; the message names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one checkpoint tensor lands: a parameter, and the first row inside it."""
-
-    param: str
-    row: int
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Slice:
-    """The part of a checkpoint tensor a rank loads: `length` rows (dim 0) or columns (dim 1)
-    from `start`. Rows are one byte range of the file; columns are a strided read."""
-
-    dim: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True, slots=True)
-class ShardedTensor:
-    """What one rank of a parallel group loads of a checkpoint tensor."""
-
-    full_shape: tuple[int, ...]  # as stored in the checkpoint (checked before loading)
-    place: Placement  # where this rank's part lands in its local parameter
-    slice: Slice | None = None  # None: the whole tensor (replicated)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
@@ -77,12 +50,16 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
             out[src + "self_attn.k_proj.bias"] = Placement(attn + "qkv_proj.bias", q, (kv,))
             out[src + "self_attn.v_proj.bias"] = Placement(attn + "qkv_proj.bias", q + kv, (kv,))
         if cfg.qk_norm:
-            out[src + "self_attn.q_norm.weight"] = Placement(attn + "q_norm", 0, (hd,))
-            out[src + "self_attn.k_norm.weight"] = Placement(attn + "k_norm", 0, (hd,))
+            q_norm, k_norm = (q, kv) if cfg.qk_norm_whole else (hd, hd)
+            out[src + "self_attn.q_norm.weight"] = Placement(attn + "q_norm", 0, (q_norm,))
+            out[src + "self_attn.k_norm.weight"] = Placement(attn + "k_norm", 0, (k_norm,))
         out[src + "self_attn.o_proj.weight"] = Placement(attn + "o_proj.weight", 0, (h, q))
-        out[src + "mlp.gate_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", 0, (inter, h))
-        out[src + "mlp.up_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", inter, (inter, h))
-        out[src + "mlp.down_proj.weight"] = Placement(dst + "mlp.down_proj.weight", 0, (h, inter))
+        if cfg.is_sparse(i):
+            out.update((name, shard.place) for name, shard in expert_tensors(cfg, cfg, i, i).items())
+        else:
+            out[src + "mlp.gate_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", 0, (inter, h))
+            out[src + "mlp.up_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", inter, (inter, h))
+            out[src + "mlp.down_proj.weight"] = Placement(dst + "mlp.down_proj.weight", 0, (h, inter))
         out[src + "input_layernorm.weight"] = Placement(dst + "input_layernorm", 0, (h,))
         out[src + "post_attention_layernorm.weight"] = Placement(dst + "post_attention_layernorm", 0, (h,))
     return out
@@ -261,7 +238,7 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
 
     def flat_target(place: Placement) -> torch.Tensor:
         param = params[place.param].data
-        row_elems = math.prod(param.shape[1:])
+        row_elems = param.shape[-1] if param.dim() > 1 else 1  # a row of a stacked [E, N, K] is one of N
         count = math.prod(place.shape)
         return param.view(-1)[place.row * row_elems: place.row * row_elems + count]
 

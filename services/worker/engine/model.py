@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, with fused weights."""
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts kin
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), with fused weights."""
 
 from __future__ import annotations
 
@@ -6,57 +7,11 @@ import torch
 from torch import nn
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.layers import MLP, Embedding, Linear
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.moe import MoE
 from services.worker.engine.ops import TorchOps
-from services.worker.kernels.fp8_linear import quantize_weight
 from services.worker.kernels.rope import rope_cos_sin_cache
-
-
-class Linear(nn.Module):
-    """y = x Wᵀ (+ b) through the ops (a GEMV kernel at decode sizes), with uninitialised
-    parameters: the loader fills them. (nn.Linear and nn.Embedding initialise at construction,
-    which on the meta device pulls in torch._dynamo: seconds of start-up for nothing.) The ops
-    come at construction, not in forward(x): hooks on the module (tensor parallelism's
-    all-reduce) see a plain call."""
-
-    def __init__(self, in_features: int, out_features: int, ops: TorchOps, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.weight_scale = None  # fp32 [out] once quantize_fp8() made the weight e4m3
-        self.ops = ops
-
-    def quantize_fp8(self) -> None:
-        """The weight in e4m3 with one scale per output channel (`--quantization fp8`)."""
-        if self.weight_scale is not None:
-            return
-        q, scale = quantize_weight(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = scale
-
-    def forward(self, x):
-        if self.weight_scale is not None:
-            return self.ops.linear_fp8(x, self.weight, self.weight_scale, self.bias)
-        return self.ops.linear(x, self.weight, self.bias)
-
-
-class SiluMulLinear(Linear):
-    """The down projection, fed the gate/up projection's [gate | up] output: linear(silu(gate) *
-    up), which the ops may fuse into one kernel."""
-
-    def forward(self, x):
-        if self.weight_scale is not None:
-            return self.ops.linear_fp8(x, self.weight, self.weight_scale, self.bias, silu_mul=True)
-        return self.ops.silu_mul_linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
-
-    def forward(self, ids):
-        return nn.functional.embedding(ids, self.weight)
 
 
 class Attention(nn.Module):
@@ -71,16 +26,25 @@ class Attention(nn.Module):
         # q, k and v in one GEMM: the rows are [q | k | v], filled by the loader from three tensors.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, ops, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, ops)
-        self.q_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(self.head_dim)) if cfg.qk_norm else None
+        # QK-norm: over each head (Qwen3), or over the whole of q and of k (OLMoE).
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.q_norm = nn.Parameter(torch.empty(self.q_size if self.qk_norm_whole else self.head_dim)) if (
+            cfg.qk_norm) else None
+        self.k_norm = nn.Parameter(torch.empty(self.kv_size if self.qk_norm_whole else self.head_dim)) if (
+            cfg.qk_norm) else None
+        self.clip_qkv = cfg.clip_qkv
 
     def forward(self, qkv, positions, cos_sin, kv_cache, meta: AttentionMetadata, ops: TorchOps):
         """qkv: qkv_proj of the layer's normed input (DecoderLayer makes it: the norm may be fused into it)."""
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.qk_norm_whole:
+            q, k = ops.rmsnorm_all_heads(q, self.q_norm, self.eps), ops.rmsnorm_all_heads(k, self.k_norm, self.eps)
+        elif self.q_norm is not None:
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)
             k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -90,24 +54,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
-class MLP(nn.Module):
-    """gate_up_proj's [gate | up] of the normed input (DecoderLayer makes it), then down_proj."""
-
-    def __init__(self, cfg: ModelConfig, ops: TorchOps):
-        super().__init__()
-        # gate and up in one GEMM: rows [gate | up].
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, ops)
-        self.down_proj = SiluMulLinear(cfg.intermediate_size, cfg.hidden_size, ops)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, layer_id: int = 0):
+        """layer_id: the layer's index in the model this one builds (a pipeline stage's are
+        renumbered from 0; ParallelLayout.local_config renumbers an MoE's sparse layers too)."""
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MoE(cfg, ops) if cfg.moe is not None and layer_id in cfg.moe.sparse_layers else MLP(cfg, ops)
         # An EAGLE-3 head reads the residual stream at this layer's input: kept as `stream` when set
         # (DecoderLM.keep_streams). It is the sum the input norm makes, all-reduced under tensor parallelism.
         self.keep_stream = False
@@ -115,7 +71,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta, ops: TorchOps):
         # Each norm with the projection that reads it: one kernel where the ops fuse them (decode).
-        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = x
             qkv = qkv_proj(ops.rmsnorm(x, self.input_layernorm, self.eps))
@@ -124,8 +80,7 @@ class DecoderLayer(nn.Module):
         if self.keep_stream:
             self.stream = residual
         h = self.self_attn(qkv, positions, cos_sin, kv_cache, meta, ops)
-        gate_up, residual = ops.add_rmsnorm_linear(h, residual, self.post_attention_layernorm, self.eps, gate_up_proj)
-        return self.mlp.down_proj(gate_up), residual
+        return self.mlp(h, residual, self.post_attention_layernorm, self.eps, ops)
 
 
 class DecoderLM(nn.Module):
@@ -136,7 +91,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -174,7 +129,7 @@ class DecoderLM(nn.Module):
         """Every projection of every layer to e4m3 weights; embeddings and the LM head stay as
         they are (as vLLM's fp8: the head's precision shows in every sampled token)."""
         for module in self.layers.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, MoE)):
                 module.quantize_fp8()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

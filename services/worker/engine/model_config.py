@@ -11,6 +11,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
 
 
@@ -37,6 +41,28 @@ class RopeFreqFactors:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: the router picks top_k of num_experts per token (softmax in fp32,
+    then top-k, renormalised over the chosen when renormalize); a shared expert, where there is one,
+    sees every token through a sigmoid gate (Qwen2-MoE). No capacity factor: no token is dropped."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[int, ...] = ()  # the layers with experts; the others have a dense MLP
+    # Expert parallelism: this rank holds experts [first_expert, first_expert + local_experts)
+    # (ParallelLayout.local_config); one process holds them all.
+    first_expert: int = 0
+    local_experts: int = 0  # 0: all of them
+
+    @property
+    def held_experts(self) -> int:
+        return self.local_experts or self.num_experts
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -53,6 +79,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | RopeFreqFactors | None = None
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    qk_norm_whole: bool = False  # OLMoE: the RMSNorm spans all of q (and all of k), not each head
+    clip_qkv: float | None = None  # OLMoE's optional clamp of q, k and v
+    moe: MoEConfig | None = None
     sliding_window: int | None = None
     torch_dtype: str = "bfloat16"
 
@@ -148,7 +177,8 @@ class ModelConfig:
                     f"{source}: rope_freq_factors has {len(factors)} entries, head_dim {head_dim} needs {head_dim // 2}")
             scaling = RopeFreqFactors(factors)
 
-        if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and raw.get("qkv_bias", True)
+        if not bias and (raw.get("attention_bias") or raw.get("mlp_bias")):
             raise ModelConfigError(f"{source}: attention_bias / mlp_bias are not supported for {arch}")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         cfg = cls(
@@ -165,8 +195,11 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(bias),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_whole=arch == "OlmoeForCausalLM",
+            clip_qkv=float(raw["clip_qkv"]) if arch == "OlmoeForCausalLM" and raw.get("clip_qkv") else None,
+            moe=_moe_config(arch, raw, need("num_hidden_layers", int), source),
             sliding_window=sliding if isinstance(sliding, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         )
@@ -176,9 +209,50 @@ class ModelConfig:
         return cfg
 
     @property
+    def mlp_activation_width(self) -> int:
+        """Activation elements per token of a layer's MLP at its widest: the dense MLP's [gate | up]
+        and SiLU output, or the experts' (each of the top-k's SiLU output and down-projected row,
+        the router's logits) and a shared expert's."""
+        dense = 3 * self.intermediate_size
+        if self.moe is None:
+            return dense
+        moe = self.moe
+        sparse = moe.top_k * (moe.intermediate_size + self.hidden_size) + moe.num_experts + (
+            3 * moe.shared_intermediate_size)
+        return sparse if len(moe.sparse_layers) == self.num_hidden_layers else max(dense, sparse)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (of the whole model) has experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    @property
     def max_model_len(self) -> int:
         """Longest sequence we serve: a sliding window shorter than the context caps it,
         since the engine keeps full attention (exact within the window)."""
         if self.sliding_window and self.sliding_window < self.max_position_embeddings:
             return self.sliding_window
         return self.max_position_embeddings
+
+
+def _moe_config(arch: str, raw: dict, num_layers: int, source: str) -> MoEConfig | None:
+    """The experts of an MoE architecture, each family's keys read as transformers reads them."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        return None
+    mixtral = arch == "MixtralForCausalLM"
+    experts = raw.get("num_local_experts" if mixtral else "num_experts")
+    top_k = raw.get("num_experts_per_tok")
+    inter = raw.get("intermediate_size" if mixtral or arch == "OlmoeForCausalLM" else "moe_intermediate_size")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("expert intermediate_size", inter)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ModelConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds the {experts} experts")
+    # Qwen's MoE families may keep some layers dense: every decoder_sparse_step-th layer has experts,
+    # except those in mlp_only_layers.
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                     renormalize=mixtral or bool(raw.get("norm_topk_prob", False)),
+                     shared_intermediate_size=shared, sparse_layers=sparse)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, gemv, rmsnorm, rope, sampling,
-                                     silu_mul)
+from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, rmsnorm, rope,
+                                     sampling, silu_mul)
 
 # Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
 # Triton's host cost per launch) outweigh what it saves.
@@ -28,6 +28,11 @@ class TorchOps:
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return rmsnorm.fused_add_rmsnorm_ref(x, residual, weight, eps)
+
+    def rmsnorm_all_heads(self, x, weight, eps):
+        """OLMoE's QK-norm: one RMSNorm over all of a row's heads (split over the ranks of a
+        tensor-parallel group, whose ops sum the squares across them)."""
+        return self.rmsnorm(x.contiguous(), weight, eps)
 
     def add_rmsnorm_linear(self, x, residual, weight, eps, proj):
         """(proj(rmsnorm(x + residual)), x + residual): a decoder layer's norm and the projection
@@ -53,6 +58,11 @@ class TorchOps:
             return (gemv.silu_mul_linear_ref if silu_mul else gemv.linear_ref)(x, weight, bias, w_scale)
         xq, x_scale = (fp8_linear.silu_mul_quantize_rows_ref if silu_mul else fp8_linear.quantize_rows_ref)(x)
         return fp8_linear.linear_fp8_ref(xq, x_scale, weight, w_scale, x.dtype, bias)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
+        """The experts' part of an MoE layer: each token through its top-k experts held here
+        (ids from first_expert), weighted and summed (kernels/fused_moe.py)."""
+        return fused_moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
@@ -115,6 +125,9 @@ class TritonOps(TorchOps):
         xq, x_scale = fp8_linear.quantize_rows(x, silu_mul)
         gemm = fp8_linear.linear_fp8 if x.is_cuda else fp8_linear.linear_fp8_ref  # the interpreter: no fp8 GEMM
         return gemm(xq, x_scale, weight, w_scale, x.dtype, bias)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
+        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
     def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.model_config import ModelConfig, MoEConfig
 
 
 class ParallelConfigError(ValueError):
@@ -21,6 +21,9 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     rank: int = 0
+    # Mixture-of-experts layers: whole experts spread over the tensor-parallel ranks (vLLM's
+    # --enable-expert-parallel) instead of every expert's intermediate dimension split over them.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -82,12 +85,43 @@ class ParallelLayout:
         if kv % tp and tp % kv:
             raise ParallelConfigError(
                 f"{kv} KV heads neither split over nor replicate across tensor_parallel_size {tp}")
-        if cfg.intermediate_size % tp:
+        if cfg.intermediate_size % tp and len(cfg.moe.sparse_layers if cfg.moe else ()) < cfg.num_hidden_layers:
             raise ParallelConfigError(
                 f"intermediate_size {cfg.intermediate_size} does not split over tensor_parallel_size {tp}")
+        if cfg.moe is not None:
+            self._check_experts(cfg)
+        if cfg.qk_norm_whole and tp > 1 and cfg.num_key_value_heads % tp:
+            raise ParallelConfigError(f"{cfg.architecture}'s QK-norm spans all KV heads: its "
+                                      f"{cfg.num_key_value_heads} KV heads must split over tensor_parallel_size {tp}")
         if cfg.num_hidden_layers < self.pp:
             raise ParallelConfigError(
                 f"{cfg.num_hidden_layers} layers cannot fill pipeline_parallel_size {self.pp} stages")
+
+    def _check_experts(self, cfg: ModelConfig) -> None:
+        moe, tp = cfg.moe, self.tp
+        if self.expert_parallel and moe.num_experts % tp:
+            raise ParallelConfigError(f"{moe.num_experts} experts do not spread over {tp} expert-parallel ranks")
+        if not self.expert_parallel and moe.intermediate_size % tp:
+            raise ParallelConfigError(f"the experts' intermediate size {moe.intermediate_size} does not split over "
+                                      f"tensor_parallel_size {tp} (--enable-expert-parallel spreads whole experts)")
+        if moe.shared_intermediate_size % tp:
+            raise ParallelConfigError(f"the shared expert's intermediate size {moe.shared_intermediate_size} "
+                                      f"does not split over tensor_parallel_size {tp}")
+
+    def local_moe(self, cfg: ModelConfig, lo: int, hi: int) -> MoEConfig | None:
+        """This rank's experts: every expert's slice of I (tensor parallelism), or whole experts of
+        its own (expert parallelism); the shared expert split either way; stage-local layer ids."""
+        moe = cfg.moe
+        if moe is None:
+            return None
+        layers = tuple(i - lo for i in moe.sparse_layers if lo <= i < hi)
+        shared = moe.shared_intermediate_size // self.tp
+        if self.expert_parallel:
+            held = moe.num_experts // self.tp
+            return dataclasses.replace(moe, sparse_layers=layers, shared_intermediate_size=shared,
+                                       first_expert=self.tp_rank * held, local_experts=held)
+        return dataclasses.replace(moe, sparse_layers=layers, shared_intermediate_size=shared,
+                                   intermediate_size=moe.intermediate_size // self.tp)
 
     # -- this rank's share of the model --------------------------------------------------------
     def local_kv_heads(self, cfg: ModelConfig) -> int:
@@ -114,4 +148,5 @@ class ParallelLayout:
             intermediate_size=cfg.intermediate_size // self.tp,
             vocab_size=self.vocab_rows(cfg),
             num_hidden_layers=hi - lo,
+            moe=self.local_moe(cfg, lo, hi),
         )

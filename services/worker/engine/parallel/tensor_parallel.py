@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from services.worker.engine.loader import Placement, ShardedTensor, Slice
+from services.worker.engine.placement import Placement, ShardedTensor, Slice
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.moe_weights import expert_tensors
 from services.worker.engine.parallel.layout import ParallelLayout
 
 log = structlog.get_logger("worker.parallel")
@@ -64,11 +65,21 @@ def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Shard
                 (cfg.kv_size,), Placement(qkv + "bias", q, (kv,)), rows(kv0, kv))
             out[src + "self_attn.v_proj.bias"] = ShardedTensor(
                 (cfg.kv_size,), Placement(qkv + "bias", q + kv, (kv,)), rows(kv0, kv))
-        if cfg.qk_norm:
+        if cfg.qk_norm_whole:  # OLMoE: the norms' weights span all heads, so each rank takes its heads'
+            out[src + "self_attn.q_norm.weight"] = ShardedTensor((cfg.q_size,), Placement(attn + "q_norm", 0, (q,)),
+                                                                 rows(q0, q))
+            out[src + "self_attn.k_norm.weight"] = ShardedTensor((cfg.kv_size,),
+                                                                 Placement(attn + "k_norm", 0, (kv,)), rows(kv0, kv))
+        elif cfg.qk_norm:
             out[src + "self_attn.q_norm.weight"] = ShardedTensor((hd,), Placement(attn + "q_norm", 0, (hd,)))
             out[src + "self_attn.k_norm.weight"] = ShardedTensor((hd,), Placement(attn + "k_norm", 0, (hd,)))
         out[src + "self_attn.o_proj.weight"] = ShardedTensor(
             (h, cfg.q_size), Placement(attn + "o_proj.weight", 0, (h, q)), cols(q0, q))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
+        if cfg.is_sparse(i):
+            out.update(expert_tensors(cfg, local, i, i - lo, tp_rank))
+            continue
         gate_up = dst + "mlp.gate_up_proj.weight"
         out[src + "mlp.gate_proj.weight"] = ShardedTensor(
             (cfg.intermediate_size, h), Placement(gate_up, 0, (inter, h)), rows(i0, inter))
@@ -76,8 +87,6 @@ def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Shard
             (cfg.intermediate_size, h), Placement(gate_up, inter, (inter, h)), rows(i0, inter))
         out[src + "mlp.down_proj.weight"] = ShardedTensor(
             (h, cfg.intermediate_size), Placement(dst + "mlp.down_proj.weight", 0, (h, inter)), cols(i0, inter))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
     return out
 
 
@@ -188,6 +197,12 @@ class ReducingOps:
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return self._comm.all_reduce_add_rmsnorm(x, residual, weight, eps, self._ops)
+
+    def rmsnorm_all_heads(self, x, weight, eps):
+        """The mean square over every rank's heads: each rank's sum of squares, all-reduced."""
+        squares = x.float().pow(2).sum(dim=-1, keepdim=True)
+        mean = self._comm.all_reduce(squares) / (x.shape[-1] * self._comm.size)
+        return (x.float() * torch.rsqrt(mean + eps)).to(x.dtype) * weight
 
     def add_rmsnorm_linear(self, x, residual, weight, eps, proj):
         """The all-reduce first (the wrapped ops' fused form would skip it), then the projection."""

@@ -1,0 +1,65 @@
+"""The mixture-of-experts MLP: router, the experts' stacked weights, an optional shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.engine.layers import MLP, Linear
+from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.ops import TorchOps
+from services.worker.engine.routing import route
+from services.worker.kernels.fp8_linear import quantize_weight
+
+
+class MoE(nn.Module):
+    """Takes a decoder layer's place of MLP. Each expert is a SiLU-gated MLP; their weights are
+    stacked, w13 [E, 2I, H] (rows [gate | up] per expert, as the dense MLP's gate_up_proj) and
+    w2 [E, H, I], so one grouped GEMM serves every expert (ops.fused_moe).
+
+    Parallelism wraps it from outside by the shape it is built with (ParallelLayout.local_config):
+    tensor parallelism gives each rank every expert's slice of I; expert parallelism gives each
+    rank whole experts [first_expert, first_expert + E_local). Either way a rank's output is a
+    partial sum that the next add_rmsnorm all-reduces, as after a dense down_proj. The router is
+    replicated: every rank routes every token the same way."""
+
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+        super().__init__()
+        moe = cfg.moe
+        h, inter = cfg.hidden_size, moe.intermediate_size
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.first_expert = moe.first_expert
+        self.gate = Linear(h, moe.num_experts, ops)
+        self.w13 = nn.Parameter(torch.empty(moe.held_experts, 2 * inter, h))
+        self.w2 = nn.Parameter(torch.empty(moe.held_experts, h, inter))
+        self.w13_scale = self.w2_scale = None  # fp32 [E, rows] once quantize_fp8() made the experts e4m3
+        self.shared_expert = MLP(cfg, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = Linear(h, 1, ops) if moe.shared_intermediate_size else None
+        # Tokens routed to each expert (all of them, from the replicated router) since the start:
+        # the load statistics of /metrics. Counted on the device, read when metrics are scraped.
+        self.register_buffer("routed", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        self.count_routed = True
+
+    def quantize_fp8(self) -> None:
+        """The experts' weights in e4m3 with a scale per output row of each expert; the router stays."""
+        if self.w13_scale is not None:
+            return
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
+            setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
+            setattr(self, name + "_scale", scale.view(w.shape[0], w.shape[1]))
+        if self.shared_expert is not None:
+            self.shared_expert.gate_up_proj.quantize_fp8()
+            self.shared_expert.down_proj.quantize_fp8()
+
+    def forward(self, h, residual, norm, eps, ops: TorchOps):
+        x, residual = ops.add_rmsnorm(h, residual, norm, eps)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.count_routed:
+            self.routed.index_add_(0, ids.view(-1), torch.ones_like(ids.view(-1), dtype=torch.int64))
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.down_proj(self.shared_expert.gate_up_proj(x))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out, residual

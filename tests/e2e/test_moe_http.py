@@ -1,0 +1,52 @@
+"""A mixture-of-experts model through the whole stack, prefill and decode on two workers: the openai
+client's greedy answers equal the engine's own, and the router's load reaches /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferno.tools.make_model import write_model
+from shared.sampling_params import SamplingParams
+from tests.e2e.conftest import MODEL_NAME, TEST_DEVICE, heartbeats, metrics, start_stack
+from tests.models.conftest import make_engine
+
+pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
+
+PROMPTS = [[1000, 17, 230, 44, 9, 512], list(range(40, 120, 3))]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("moe") / "qwen3moe", arch="Qwen3MoeForCausalLM", preset="tiny",
+                       seed=3, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def pd_stack(moe_model, tmp_path_factory):
+    # Every prompt is prefilled on the prefill worker and handed over (threshold 1).
+    s = start_stack(tmp_path_factory.mktemp("moe-pd"), moe_model, workers=0, prefill_workers=1, decode_workers=1,
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
+                    gateway_args=("--heartbeat-ttl", "10"))
+    yield s
+    s.stop()
+
+
+def test_handed_off_answers_equal_the_engines(moe_model, pd_stack):
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    engine = make_engine(moe_model, device=TEST_DEVICE)
+    want = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    tokenizer = Tokenizer.from_file(str(moe_model / "tokenizer.json"))
+    client = OpenAI(base_url=pd_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt, ids in zip(PROMPTS, want):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tokenizer.decode(ids)
+    hbs = heartbeats(pd_stack)
+    assert {hb.role for hb in hbs.values()} == {"prefill", "decode"}
+    assert all(len(hb.expert_tokens) == 4 and sum(hb.expert_tokens) > 0 for hb in hbs.values())
+    samples = metrics(pd_stack)
+    routed = {k: v for k, v in samples.items() if k.startswith("inferno:moe_expert_tokens_total{")}
+    assert len(routed) == 8 and sum(routed.values()) > 0  # 4 experts on each of 2 workers
