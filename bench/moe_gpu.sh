@@ -4,7 +4,8 @@
 # experts, the LM head; over the measured HBM copy rate), then W2 through HTTP (1,000 requests)
 # of qwen3-30b-a3b against the dense 8B, each on its own stack. Random weights drawn on the device
 # (--load-format dummy; make-model --config-only). Ends with one table (summary.txt).
-# Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh. Usage: COMMIT=<sha> [W2=0] bash bench/moe_gpu.sh
+# Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh.
+# Usage: COMMIT=<sha> [MODELS="qwen3-30b-a3b"] [SWEEP="64 256 1024"] [W2=0] [W2_MODELS=...] bash bench/moe_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -31,8 +32,17 @@ for preset in ${MODELS:-qwen3-30b-a3b mixtral-8x7b}; do
   [ -s "$RAW/w1_$preset.json" ] || tail -20 "$RAW/w1_$preset.err"
   echo "W1 $preset done at ${SECONDS} s: $(cat $RAW/w1_$preset.json | head -c 300)"
 done
-if [ "${W2:-1}" = 1 ]; then
+if [ -n "${SWEEP:-}" ]; then  # decode steps at larger batches: SWEEP="64 256 1024", the MoE against the dense 8B
   for preset in qwen3-30b-a3b llama-3.1-8b; do
+    for b in $SWEEP; do
+      timeout 200 python3 -m services.cli bench-engine --model /tmp/$preset --device cuda --load-format dummy \
+        --batch-size $b --prompt-len 128 --decode-tokens 64 --overlap --json 2>/dev/null | tail -1 > "$RAW/sweep_${preset}_$b.json"
+      echo "batch $b $preset: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['decode_tokens_per_s']), 'tok/s', round(r['decode_step_ms'], 2), 'ms/step')" "$RAW/sweep_${preset}_$b.json" 2>&1 | tail -1)"
+    done
+  done
+fi
+if [ "${W2:-1}" = 1 ]; then
+  for preset in ${W2_MODELS:-qwen3-30b-a3b llama-3.1-8b}; do
     run=/tmp/run-$preset; rm -rf "$run"
     python3 -m services.cli up --model /tmp/$preset --device cuda --port 8001 --nats-port 4333 --run-dir "$run" \
       --kvstore-capacity-gb 0 --worker-arg=--load-format=dummy > "$RAW/up_$preset.log" 2>&1 &

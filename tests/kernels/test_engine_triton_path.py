@@ -18,13 +18,13 @@ VOCAB = 128
 PROMPTS = [[5 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate([3, 9, 17])]
 
 
-def _model(tmp_path, monkeypatch):
+def _model(tmp_path, monkeypatch, arch=None):
     """The tiny preset at half its width (two layers, GQA, head_dim 16 and its rope scaling kept) with
     the first VOCAB rows of its vocabulary: the interpreter's cost is the GEMV's programs, one per
     four output rows, most of them the LM head's (1,024 rows at the tiny preset's vocabulary)."""
     tiny = make_model.PRESETS["tiny"]
     monkeypatch.setitem(make_model.PRESETS, "kernels", dataclasses.replace(tiny, hidden_size=32, intermediate_size=32))
-    model_dir = make_model.write_model(tmp_path / "m", preset="kernels", seed=0, dtype="float32")
+    model_dir = make_model.write_model(tmp_path / "m", arch=arch, preset="kernels", seed=0, dtype="float32")
     weights = load_file(model_dir / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         weights[name] = weights[name][:VOCAB].contiguous()
@@ -57,3 +57,15 @@ def test_triton_engine_with_fp8_matches_torch_engine(tmp_path, monkeypatch):
                                                kv_cache_dtype="fp8", quantization="fp8")).generate(PROMPTS, params)
                for kernels in ("torch", "triton")}
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_triton_engine_serves_a_mixture_of_experts_as_torch(tmp_path, monkeypatch):
+    """Qwen3-MoE's experts: the prefill through the grouped GEMMs, the decode through the GEMV path,
+    the router's kernel; then fp8 experts (the same per-row rule on both paths)."""
+    model_dir = _model(tmp_path, monkeypatch, arch="Qwen3MoeForCausalLM")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for quantization in (None, "fp8"):
+        outputs = {kernels: LLMEngine(EngineConfig(model_dir=str(model_dir), num_blocks=64, kernels=kernels,
+                                                   quantization=quantization)).generate(PROMPTS, params)
+                   for kernels in ("torch", "triton")}
+        assert outputs["triton"] == outputs["torch"], quantization

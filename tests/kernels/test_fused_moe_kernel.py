@@ -176,3 +176,44 @@ def test_no_tokens(device):
     w13, w2 = _weights(E, torch.float32, device)
     weights, ids = _routed(0, E, 2, device)
     assert moe.fused_moe(torch.randn(0, H, device=device), w13, w2, weights, ids).shape == (0, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_sizes_take_the_gemv_path(dtype, tokens, device):
+    """Up to moe_gemv.MAX_TOKENS tokens: no sorting, one program per (assignment, N tile), the
+    down launch summing the token's experts; an expert held by the other rank contributes zero."""
+    from services.worker.kernels import moe_gemv
+
+    assert tokens <= moe_gemv.MAX_TOKENS
+    x = torch.randn(tokens, H, device=device).to(dtype)
+    w13, w2 = _weights(E, dtype, device)
+    weights, ids = _routed(tokens, E, 3, device)
+    _check(x, w13, w2, weights, ids)
+    half = E // 2
+    rank1 = _check(x, w13[half:], w2[half:], weights, ids, first_expert=half)
+    rank0 = _check(x, w13[:half], w2[:half], weights, ids)
+    assert rel_err(rank0 + rank1, moe.fused_moe_ref(x, w13, w2, weights, ids)) <= TOL[dtype]
+    q13, s13 = (torch.stack(t) for t in zip(*map(quantize_weight, w13)))
+    q2, s2 = (torch.stack(t) for t in zip(*map(quantize_weight, w2)))
+    if dtype == torch.bfloat16:
+        _check(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+
+
+def test_one_token_through_the_grouped_gemms(device):
+    x = torch.randn(1, H, device=device).to(torch.bfloat16)
+    w13, w2 = _weights(E, torch.bfloat16, device)
+    _check(x, w13, w2, *_routed(1, E, 2, device), config=moe.moe_config(1, E))
+
+
+@pytest.mark.parametrize("top_k,renormalize", [(2, True), (3, False)])
+def test_route_kernel_matches_reference(top_k, renormalize, device):
+    from services.worker.kernels import moe_route
+
+    logits = torch.randn(5, 6, device=device).to(torch.bfloat16)  # 6 experts: a masked tail
+    counts, counts_ref = (torch.zeros(6, dtype=torch.int64, device=device) for _ in range(2))
+    weights, ids = moe_route.route(logits, top_k, renormalize, counts)
+    want_w, want_ids = moe_route.route_ref(logits, top_k, renormalize, counts_ref)
+    assert torch.equal(ids, want_ids) and ids.dtype == torch.int32
+    assert torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(counts, counts_ref) and counts.sum() == 5 * top_k

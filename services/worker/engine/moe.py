@@ -8,7 +8,6 @@ from torch import nn
 from services.worker.engine.layers import MLP, Linear
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.ops import TorchOps
-from services.worker.engine.routing import route
 from services.worker.kernels.fp8_linear import quantize_weight
 
 
@@ -55,9 +54,7 @@ class MoE(nn.Module):
 
     def forward(self, h, residual, norm, eps, ops: TorchOps):
         x, residual = ops.add_rmsnorm(h, residual, norm, eps)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        if self.count_routed:
-            self.routed.index_add_(0, ids.view(-1), torch.ones_like(ids.view(-1), dtype=torch.int64))
+        weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed if self.count_routed else None)
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:
             shared = self.shared_expert.down_proj(self.shared_expert.gate_up_proj(x))

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, rmsnorm, rope,
-                                     sampling, silu_mul)
+from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, moe_route,
+                                     rmsnorm, rope, sampling, silu_mul)
 
 # Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
 # Triton's host cost per launch) outweigh what it saves.
@@ -58,6 +58,11 @@ class TorchOps:
             return (gemv.silu_mul_linear_ref if silu_mul else gemv.linear_ref)(x, weight, bias, w_scale)
         xq, x_scale = (fp8_linear.silu_mul_quantize_rows_ref if silu_mul else fp8_linear.quantize_rows_ref)(x)
         return fp8_linear.linear_fp8_ref(xq, x_scale, weight, w_scale, x.dtype, bias)
+
+    def route(self, logits, top_k: int, renormalize: bool, counts=None):
+        """An MoE router's choice: (fp32 weights, int32 expert ids), each [T, top_k]; counts (int64
+        [E]) gets each expert's tokens added (kernels/moe_route.py)."""
+        return moe_route.route_ref(logits, top_k, renormalize, counts)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         """The experts' part of an MoE layer: each token through its top-k experts held here
@@ -125,6 +130,9 @@ class TritonOps(TorchOps):
         xq, x_scale = fp8_linear.quantize_rows(x, silu_mul)
         gemm = fp8_linear.linear_fp8 if x.is_cuda else fp8_linear.linear_fp8_ref  # the interpreter: no fp8 GEMM
         return gemm(xq, x_scale, weight, w_scale, x.dtype, bias)
+
+    def route(self, logits, top_k: int, renormalize: bool, counts=None):
+        return moe_route.route(logits, top_k, renormalize, counts)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from services.worker.kernels._common import (FLOAT_DTYPES, FP8_KV, INDEX_DTYPES, cast_rtne, check, check_shape,
                                              check_tensor, dot_precision, mma)
+from services.worker.kernels import moe_gemv
 from services.worker.kernels.gemv import linear_ref
 from services.worker.kernels.silu_mul import silu_mul_ref
 
@@ -328,6 +329,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     if top_k == 0 or inter == 0:
         return out.zero_()
+    if tokens <= moe_gemv.MAX_TOKENS and config is None:  # decode: no sort, no padded tiles
+        return moe_gemv.moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
     config = config or moe_config(tokens, num_experts)
     sorted_ids, block_expert, _ = moe_align(topk_ids, num_experts, first_expert, config.block_m)
     n = tokens * top_k
