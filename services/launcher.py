@@ -81,6 +81,10 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4222
+    # nats-servers in one cluster (routes on loopback, JetStream buckets replicated over up to 3):
+    # one of them may die and the stack serves on. The first listens on nats_port.
+    nats_cluster: int = 1
+    api_server_count: int = 1  # gateway processes sharing the port (vLLM's --api-server-count)
     workers: int = 1  # mixed workers
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -109,7 +113,10 @@ class Stack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
         self.children: list[Child] = []
-        self.nats_url = f"nats://127.0.0.1:{cfg.nats_port}"
+        self.nats_ports = [cfg.nats_port] + [free_port() for _ in range(cfg.nats_cluster - 1)]
+        self.route_ports = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
+        # Every service gets every server: it reconnects to another when its own dies.
+        self.nats_url = ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
@@ -167,10 +174,19 @@ class Stack:
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
 
-    def start_nats(self) -> Child:
-        store = self.cfg.run_dir / "jetstream"
-        return self._spawn("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.cfg.nats_port),
-                                    "-sd", str(store)], critical=True)
+    def start_nats(self) -> list[Child]:
+        if self.cfg.nats_cluster == 1:
+            store = self.cfg.run_dir / "jetstream"
+            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.cfg.nats_port),
+                                         "-sd", str(store)], critical=True)]
+        routes = ",".join(f"nats://127.0.0.1:{port}" for port in self.route_ports)
+        # A cluster outlives any one of its servers, so none is critical; the supervisor restarts a
+        # dead one with the same argv (name, ports, store), and it rejoins.
+        return [self._spawn(f"nats-{i}", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port),
+                                          "-sd", str(self.cfg.run_dir / f"jetstream-{i}"), "--server_name", f"nats-{i}",
+                                          "--cluster_name", "inferno", "--cluster", f"nats://127.0.0.1:{route}",
+                                          "--routes", routes], critical=False)
+                for i, (port, route) in enumerate(zip(self.nats_ports, self.route_ports))]
 
     def start_scheduler(self, index: int = 0) -> Child:
         return self._spawn(f"scheduler-{index}", [sys.executable, "-m", "services.scheduler", *self._common(),
@@ -199,17 +215,23 @@ class Stack:
             argv.append("--emit-only")
         return self._spawn(name, argv, critical=False, env=env)
 
-    def start_gateway(self) -> Child:
+    def start_gateways(self) -> list[Child]:
+        """One gateway, or api_server_count of them on the one port (SO_REUSEPORT), each with its own
+        NATS inbox; with several, none is critical: the others serve while the supervisor restarts one."""
         argv = [sys.executable, "-m", "services.gateway", *self._common(), "--host", self.cfg.host,
                 "--port", str(self.cfg.port), "--model-dir", str(self.cfg.model_dir),
                 "--model-name", self.cfg.model_name, *self.cfg.gateway_args]
         for key in self.cfg.api_keys:
             argv += ["--api-key", key]
-        return self._spawn("gateway", argv, critical=True)
+        count = self.cfg.api_server_count
+        if count == 1:
+            return [self._spawn("gateway", argv, critical=True)]
+        return [self._spawn(f"gateway-{i}", [*argv, "--reuse-port"], critical=False) for i in range(count)]
 
     def start(self) -> "Stack":
         self.start_nats()
-        wait_for_port(self.cfg.nats_port, timeout=15)
+        for port in self.nats_ports:
+            wait_for_port(port, timeout=15)
         self.start_scheduler()
         if self.cfg.kvstore_capacity_gb > 0:
             self.start_kvstore()
@@ -219,7 +241,7 @@ class Stack:
             self.start_worker(i, "prefill")
         for i in range(self.cfg.decode_workers):
             self.start_worker(i, "decode")
-        self.start_gateway()
+        self.start_gateways()
         self.write_pids()
         return self
 
@@ -295,11 +317,15 @@ def is_worker(name: str) -> bool:
 
 
 def stop_rank(name: str) -> int:
-    if name == "gateway":
+    if name == "gateway" or name.startswith("gateway-"):
         return 0
     if is_worker(name):
         return 1
-    return 3 if name == "nats" else 2
+    return 3 if is_nats(name) else 2
+
+
+def is_nats(name: str) -> bool:
+    return name == "nats" or name.startswith("nats-")
 
 
 def wait_for_port(port: int, timeout: float) -> None:
@@ -357,6 +383,13 @@ def parse_args(argv):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--nats-cluster", type=int, default=1,
+                    help="run this many nats-servers as one cluster on loopback (the first on --nats-port): "
+                         "every service is given all of them and moves to another when its server dies; "
+                         "JetStream buckets are replicated over up to three")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="gateway processes on the one --port (SO_REUSEPORT; vLLM's flag): the API's CPU "
+                         "spread over cores, and one may die while the others serve")
     ap.add_argument("--workers", type=int, default=None,
                     help="mixed workers, prefill and decode in one (default 1, or 0 with prefill/decode workers)")
     ap.add_argument("--prefill-workers", type=int, default=0,
@@ -397,7 +430,11 @@ def parse_args(argv):
     ap.add_argument("--decode-worker-arg", action="append", default=[],
                     help="extra flag passed to decode workers only (after --worker-arg), e.g. "
                          "--decode-worker-arg='--max-num-batched-tokens 512'")
-    return ap.parse_args(_glue_worker_args(sys.argv[1:] if argv is None else list(argv)))
+    args = ap.parse_args(_glue_worker_args(sys.argv[1:] if argv is None else list(argv)))
+    for flag in ("nats_cluster", "api_server_count"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
 
 
 WORKER_ARG_FLAGS = ("--worker-arg", "--prefill-worker-arg", "--decode-worker-arg")
@@ -465,6 +502,10 @@ def print_started(stack: Stack, workers: int) -> None:
                           f"{hb.num_total_blocks * hb.block_size:,}", str(hb.graphs), "")
         else:
             address = {"gateway": f"{stack.url}/v1  {stack.url}/metrics", "nats": stack.nats_url}.get(c.name, "")
+            if c.name.startswith("gateway-"):
+                address = f"{stack.url}/v1"
+            elif is_nats(c.name) and c.name != "nats":
+                address = stack.nats_url.split(",")[int(c.name.split("-")[1])]
             table.add_row(c.name, "", str(pids.get(c.name, "-")), "", "", "", "", "", address)
     wide_console().print(table)
 
@@ -489,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = StackConfig(
         model_dir=model_dir.resolve(),
         model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
-        host=args.host, port=args.port, nats_port=args.nats_port or free_port(),
+        host=args.host, port=args.port, nats_port=args.nats_port or free_port(), nats_cluster=args.nats_cluster,
+        api_server_count=args.api_server_count,
         workers=mixed_workers(args),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),

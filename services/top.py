@@ -73,7 +73,7 @@ class Watcher:
 
     async def __aenter__(self) -> Watcher:
         import nats
-        self._nc = await nats.connect(self.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+        self._nc = await nats.connect(self.nats_url.split(","), connect_timeout=2, max_reconnect_attempts=0)
         await self._nc.subscribe(subjects.heartbeat(self.prefix), cb=self._on_beat)
         return self
 

@@ -96,6 +96,7 @@ class GatewayConfig:
     model_dir: str  # tokenizer.json, tokenizer_config.json (chat template), config.json
     host: str = "127.0.0.1"
     port: int = 8000
+    reuse_port: bool = False  # share the port with other gateway processes (SO_REUSEPORT)
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_body_bytes: int = 4 << 20
     max_n: int = MAX_N

@@ -302,10 +302,17 @@ class NatsConnection:
 
     # -- JetStream KV ---------------------------------------------------------------------------
 
+    @property
+    def cluster_size(self) -> int:
+        """The servers of the NATS cluster this connection's server belongs to (its INFO's client
+        URLs, its own among them; none on a lone server)."""
+        return max(1, len(self.client._server_info.get("connect_urls") or ()))
+
     async def kv_bucket(self, name: str, ttl: float | None = None, history: int = 1) -> KeyValue:
         """The JetStream KV bucket `name`, created (with entries expiring after `ttl` s) if missing.
 
         Several replicas may call this at once: the loser of a creation race opens the winner's bucket.
+        On a NATS cluster the bucket is kept on min(3, cluster size) servers, so it survives one dying.
         """
         js = self.client.jetstream(timeout=self.cfg.request_timeout)
         try:
@@ -313,8 +320,9 @@ class NatsConnection:
                 return await js.key_value(name)
             except nats.js.errors.BucketNotFoundError:
                 pass
+            config = KeyValueConfig(bucket=name, ttl=ttl, history=history, replicas=min(3, self.cluster_size))
             try:
-                return await js.create_key_value(KeyValueConfig(bucket=name, ttl=ttl, history=history))
+                return await js.create_key_value(config)
             except nats.js.errors.BadRequestError:
                 return await js.key_value(name)
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):

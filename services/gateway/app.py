@@ -163,13 +163,14 @@ def build_app(gw: Gateway, conn: NatsConnection | None = None) -> web.Applicatio
     return app
 
 
-async def start_server(app: web.Application, host: str, port: int,
-                       shutdown_timeout: float = 30.0) -> tuple[web.AppRunner, web.TCPSite]:
+async def start_server(app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0,
+                       reuse_port: bool = False) -> tuple[web.AppRunner, web.TCPSite]:
     """Serve `app`; handlers are cancelled when their client disconnects (that is how an abandoned
-    request is noticed and aborted on its worker at once)."""
+    request is noticed and aborted on its worker at once). reuse_port: several gateway processes
+    listen on the one port (SO_REUSEPORT), the kernel spreading the connections over them."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()
     return runner, site
 

@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="streamed tokens per server-sent event (default 1, as SGLang's --stream-interval): "
                         "N > 1 writes each stream once per N tokens, for less gateway CPU per token; the first "
                         "token and the end still go out at once")
+    p.add_argument("--reuse-port", action="store_true", default=env_default("INFERNO_REUSE_PORT", False, parse_bool),
+                   help="share --port with other gateway processes (SO_REUSEPORT: the kernel spreads the "
+                        "connections over them; `inferno up --api-server-count N` starts N so)")
     p.add_argument("--gateway-id", default=None, help="this gateway's id on NATS (default: random)")
     p.add_argument("--log-format", choices=("console", "json"), default=env_default("INFERNO_LOG_FORMAT", None),
                    help="default: console on a terminal, else json")
@@ -90,7 +93,7 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
                         share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
                         heartbeat_ttl=args.heartbeat_ttl, stream_interval=args.stream_interval,
-                        tool_call_parser=args.tool_call_parser, **extra)
+                        tool_call_parser=args.tool_call_parser, reuse_port=args.reuse_port, **extra)
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
 
 
@@ -107,7 +110,7 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     app = build_app(gw)
     nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
-    runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout)
+    runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout, reuse_port=cfg.reuse_port)
     tune_gc()
     log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
              auth=bool(gw.keys), tenants=len(gw.keys.tenants))

@@ -44,7 +44,13 @@ def test_services_and_roles(compose):
     assert any(v.endswith(":/models:ro") for v in services["worker"]["volumes"])
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
     for name in ("scheduler", "gateway", "worker", "worker-cpu", "kvstore", "prefill-worker", "decode-worker"):
-        assert services[name]["environment"]["INFERNO_NATS_URL"] == "nats://nats:4222"
+        assert services[name]["environment"]["INFERNO_NATS_URL"] == "${INFERNO_NATS_URL:-nats://nats:4222}"
+    # The three-node cluster profile: each node routes to all three and keeps its own store.
+    nodes = [services[f"nats-{n}"] for n in "abc"]
+    assert all(node["profiles"] == ["nats-cluster"] and "-js" in node["command"] for node in nodes)
+    routes = {node["command"][node["command"].index("--routes") + 1] for node in nodes}
+    assert routes == {"nats://nats-a:6222,nats://nats-b:6222,nats://nats-c:6222"}
+    assert len({node["volumes"][0] for node in nodes}) == 3
     # The disaggregated pair: one GPU each, the decode worker reachable for the KV pages.
     pair = [services[n] for n in ("prefill-worker", "decode-worker")]
     assert [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in pair] == [["0"], ["1"]]

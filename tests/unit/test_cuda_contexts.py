@@ -54,7 +54,7 @@ def started(tmp_path, monkeypatch, gpus, device="cuda", workers=0, prefill=0, de
         stack.start_worker(i, "prefill")
     for i in range(decode):
         stack.start_worker(i, "decode")
-    stack.start_gateway()
+    stack.start_gateways()
     return stack
 
 

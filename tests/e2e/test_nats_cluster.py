@@ -1,0 +1,86 @@
+"""A stack on a three-server NATS cluster: every service is given all three, the scheduler's affinity
+bucket is replicated on all of them, and when one server is killed the stack serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME, start_stack
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(tiny_model, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("cluster"), tiny_model, nats_cluster=3, kvstore_capacity_gb=0)
+    yield s
+    s.stop()
+
+
+def complete(stack, prompt: str) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+
+def bucket_replicas(stack) -> int:
+    import nats
+
+    async def ask() -> int:
+        nc = await nats.connect(stack.nats_url.split(","))
+        try:
+            js = nc.jetstream()
+            deadline = time.monotonic() + 20
+            while True:  # the scheduler creates it once JetStream has elected its leader
+                try:
+                    status = await (await js.key_value("inferno_affinity")).status()
+                    return status.stream_info.config.num_replicas
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def test_the_stack_serves_on_when_a_nats_server_dies(cluster_stack):
+    assert len(cluster_stack.nats_url.split(",")) == 3
+    assert bucket_replicas(cluster_stack) == 3
+    before = complete(cluster_stack, "Hello there")
+    victim = cluster_stack.child("nats-0")
+    victim.proc.kill()
+    victim.proc.wait()
+    # The services on it move to the others (reconnect pause 0.5 s plus jitter); a request sent
+    # meanwhile may fail, and within seconds they all succeed again, with the same answer.
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            answer = complete(cluster_stack, "Hello there")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+    assert answer == before
+    assert all(complete(cluster_stack, f"prompt {i}") for i in range(5))
+    assert bucket_replicas(cluster_stack) == 3  # the bucket is still there, on the two left
+
+
+def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
+    """`--api-server-count 2`: two gateway processes on one port (SO_REUSEPORT), each with its own
+    NATS inbox; with one killed, the other takes every connection."""
+    stack = start_stack(tmp_path, tiny_model, api_server_count=2, kvstore_capacity_gb=0)
+    try:
+        gateways = [stack.child("gateway-0"), stack.child("gateway-1")]
+        assert all(g.proc.poll() is None for g in gateways)
+        answers = {complete(stack, "Hello there") for _ in range(6)}  # new connections: both take some
+        assert len(answers) == 1
+        gateways[0].proc.kill()
+        gateways[0].proc.wait()
+        assert {complete(stack, "Hello there") for _ in range(4)} == answers
+    finally:
+        stack.stop()
