@@ -85,6 +85,7 @@ class StackConfig:
     # one of them may die and the stack serves on. The first listens on nats_port.
     nats_cluster: int = 1
     api_server_count: int = 1  # gateway processes sharing the port (vLLM's --api-server-count)
+    schedulers: int = 1  # replicas sharing the routing through a NATS queue group
     workers: int = 1  # mixed workers
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -189,8 +190,9 @@ class Stack:
                 for i, (port, route) in enumerate(zip(self.nats_ports, self.route_ports))]
 
     def start_scheduler(self, index: int = 0) -> Child:
+        # With replicas none is critical: the others route while the supervisor restarts one.
         return self._spawn(f"scheduler-{index}", [sys.executable, "-m", "services.scheduler", *self._common(),
-                                                  *self.cfg.scheduler_args], critical=index == 0)
+                                                  *self.cfg.scheduler_args], critical=self.cfg.schedulers == 1)
 
     def start_kvstore(self) -> Child:
         # It sees the GPUs (UCX moves the workers' GPU pages only where CUDA is) and makes no
@@ -232,7 +234,8 @@ class Stack:
         self.start_nats()
         for port in self.nats_ports:
             wait_for_port(port, timeout=15)
-        self.start_scheduler()
+        for i in range(self.cfg.schedulers):
+            self.start_scheduler(i)
         if self.cfg.kvstore_capacity_gb > 0:
             self.start_kvstore()
         for i in range(self.cfg.workers):
@@ -387,6 +390,9 @@ def parse_args(argv):
                     help="run this many nats-servers as one cluster on loopback (the first on --nats-port): "
                          "every service is given all of them and moves to another when its server dies; "
                          "JetStream buckets are replicated over up to three")
+    ap.add_argument("--schedulers", type=int, default=1,
+                    help="scheduler replicas (a NATS queue group shares the routing; session affinity is "
+                         "in JetStream): one may die while the others route")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="gateway processes on the one --port (SO_REUSEPORT; vLLM's flag): the API's CPU "
                          "spread over cores, and one may die while the others serve")
@@ -431,7 +437,7 @@ def parse_args(argv):
                     help="extra flag passed to decode workers only (after --worker-arg), e.g. "
                          "--decode-worker-arg='--max-num-batched-tokens 512'")
     args = ap.parse_args(_glue_worker_args(sys.argv[1:] if argv is None else list(argv)))
-    for flag in ("nats_cluster", "api_server_count"):
+    for flag in ("nats_cluster", "api_server_count", "schedulers"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
@@ -531,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir.resolve(),
         model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), nats_cluster=args.nats_cluster,
-        api_server_count=args.api_server_count,
+        api_server_count=args.api_server_count, schedulers=args.schedulers,
         workers=mixed_workers(args),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),

@@ -304,9 +304,10 @@ class NatsConnection:
 
     @property
     def cluster_size(self) -> int:
-        """The servers of the NATS cluster this connection's server belongs to (its INFO's client
-        URLs, its own among them; none on a lone server)."""
-        return max(1, len(self.client._server_info.get("connect_urls") or ()))
+        """The servers of the NATS cluster: those its INFO names (their client URLs, its own among
+        them; none on a lone server), or the servers this service was given, if more (a cluster just
+        started may not have gossiped them all yet)."""
+        return max(1, len(self.client._server_info.get("connect_urls") or ()), len(set(self.cfg.servers)))
 
     async def kv_bucket(self, name: str, ttl: float | None = None, history: int = 1) -> KeyValue:
         """The JetStream KV bucket `name`, created (with entries expiring after `ttl` s) if missing.

@@ -84,3 +84,29 @@ def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
         assert {complete(stack, "Hello there") for _ in range(4)} == answers
     finally:
         stack.stop()
+
+
+def test_a_scheduler_killed_under_load_costs_at_most_clean_errors(tiny_model, tmp_path):
+    """Two schedulers share the routing; one killed while 16 requests are being sent: each request
+    is answered or ends with a clean 503 (a routing it held unanswered), none hangs, and the next
+    ones are all answered by the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import APIStatusError
+
+    stack = start_stack(tmp_path, tiny_model, schedulers=2, kvstore_capacity_gb=0)
+    try:
+        def one(i: int):
+            try:
+                return complete(stack, f"request {i}")
+            except APIStatusError as e:
+                return e.status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(one, i) for i in range(16)]
+            stack.child("scheduler-0").proc.kill()
+            results = [f.result(timeout=30) for f in futures]
+        assert all(isinstance(r, str) or r == 503 for r in results), results
+        assert all(isinstance(one(i), str) for i in range(6))
+    finally:
+        stack.stop()
