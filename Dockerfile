@@ -9,5 +9,7 @@ RUN pip install "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY shared ./shared
-RUN pip install ".[gpu]"
+COPY inferno ./inferno
+# ucx: the kvstore and the prefill/decode hand-off move KV pages over UCXX.
+RUN pip install ".[gpu,ucx]"
 ENTRYPOINT ["inferno"]
