@@ -34,7 +34,7 @@ async def test_openapi_is_valid_and_lists_every_route(stack):  # noqa: F811
                 for media in response.get("content", {}).values():
                     ref = media["schema"].get("$ref")
                     assert ref is None or ref.removeprefix("#/components/schemas/") in schemas
-            assert op["security"] == ([] if path in ("/health", "/openapi.json") else [{"bearer": []}])
+            assert op["security"] == ([] if path in ("/health", "/ready", "/openapi.json") else [{"bearer": []}])
     for name, schema in request_schemas(stack.gw.limits).items():
         assert schemas[name] == schema
     chat = schemas["ChatCompletionRequest"]
