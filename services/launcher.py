@@ -84,6 +84,7 @@ class StackConfig:
     # nats-servers in one cluster (routes on loopback, JetStream buckets replicated over up to 3):
     # one of them may die and the stack serves on. The first listens on nats_port.
     nats_cluster: int = 1
+    nats_host: str = "127.0.0.1"  # the address the nats-servers listen on and the services connect to
     api_server_count: int = 1  # gateway processes sharing the port (vLLM's --api-server-count)
     schedulers: int = 1  # replicas sharing the routing through a NATS queue group
     workers: int = 1  # mixed workers
@@ -117,7 +118,7 @@ class Stack:
         self.nats_ports = [cfg.nats_port] + [free_port() for _ in range(cfg.nats_cluster - 1)]
         self.route_ports = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
         # Every service gets every server: it reconnects to another when its own dies.
-        self.nats_url = ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
+        self.nats_url = ",".join(f"nats://{cfg.nats_host}:{port}" for port in self.nats_ports)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
@@ -150,6 +151,11 @@ class Stack:
             self.echo.follow(log, log_from)
         return child
 
+    def start_process(self, name: str, argv: list[str], env: dict[str, str] = NO_GPU) -> Child:
+        """A child of the stack's own (logged, stopped, restarted like the others) that the stack does
+        not start itself: e.g. a worker on another host's network (tests/e2e/test_pd_two_hosts.py)."""
+        return self._spawn(name, argv, critical=False, env=env)
+
     def restart(self, child: Child) -> None:
         """Start an exited child again with the same argv and GPUs: same name, worker id, port and device."""
         with self._restart_lock:
@@ -178,12 +184,12 @@ class Stack:
     def start_nats(self) -> list[Child]:
         if self.cfg.nats_cluster == 1:
             store = self.cfg.run_dir / "jetstream"
-            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.cfg.nats_port),
+            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", self.cfg.nats_host, "-p", str(self.cfg.nats_port),
                                          "-sd", str(store)], critical=True)]
         routes = ",".join(f"nats://127.0.0.1:{port}" for port in self.route_ports)
         # A cluster outlives any one of its servers, so none is critical; the supervisor restarts a
         # dead one with the same argv (name, ports, store), and it rejoins.
-        return [self._spawn(f"nats-{i}", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port),
+        return [self._spawn(f"nats-{i}", [nats_server_binary(), "-js", "-a", self.cfg.nats_host, "-p", str(port),
                                           "-sd", str(self.cfg.run_dir / f"jetstream-{i}"), "--server_name", f"nats-{i}",
                                           "--cluster_name", "inferno", "--cluster", f"nats://127.0.0.1:{route}",
                                           "--routes", routes], critical=False)
@@ -233,7 +239,7 @@ class Stack:
     def start(self) -> "Stack":
         self.start_nats()
         for port in self.nats_ports:
-            wait_for_port(port, timeout=15)
+            wait_for_port(port, timeout=15, host=self.cfg.nats_host)
         for i in range(self.cfg.schedulers):
             self.start_scheduler(i)
         if self.cfg.kvstore_capacity_gb > 0:
@@ -331,11 +337,11 @@ def is_nats(name: str) -> bool:
     return name == "nats" or name.startswith("nats-")
 
 
-def wait_for_port(port: int, timeout: float) -> None:
+def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
