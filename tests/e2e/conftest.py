@@ -127,6 +127,25 @@ def wait_workers(stack: Stack, n: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{n} workers were not ready within {timeout} s")
 
 
+def assert_greedy_as_one_engine(stack: Stack, model_dir, prompts: list[list[int]], max_tokens: int) -> None:
+    """Greedy completions of token-id prompts through the stack's HTTP API (the openai client) are the
+    text of an in-process engine's tokens for the same prompts."""
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    from shared.sampling_params import SamplingParams
+    from tests.models.conftest import make_engine
+
+    want = make_engine(model_dir, device=TEST_DEVICE).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    client = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt, ids in zip(prompts, want):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tokenizer.decode(ids)
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     s = start_stack(tmp_path_factory.mktemp("stack"), tiny_model)

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 
 from inferno.tools.make_model import write_model
-from shared.sampling_params import SamplingParams
-from tests.e2e.conftest import MODEL_NAME, TEST_DEVICE, heartbeats, metrics, start_stack
-from tests.models.conftest import make_engine
+from tests.e2e.conftest import assert_greedy_as_one_engine, heartbeats, metrics, start_stack
 
 pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
 
@@ -33,17 +31,7 @@ def pd_stack(moe_model, tmp_path_factory):
 
 
 def test_handed_off_answers_equal_the_engines(moe_model, pd_stack):
-    from openai import OpenAI
-    from tokenizers import Tokenizer
-
-    engine = make_engine(moe_model, device=TEST_DEVICE)
-    want = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    tokenizer = Tokenizer.from_file(str(moe_model / "tokenizer.json"))
-    client = OpenAI(base_url=pd_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    for prompt, ids in zip(PROMPTS, want):
-        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == tokenizer.decode(ids)
+    assert_greedy_as_one_engine(pd_stack, moe_model, PROMPTS, MAX_TOKENS)
     hbs = heartbeats(pd_stack)
     assert {hb.role for hb in hbs.values()} == {"prefill", "decode"}
     assert all(len(hb.expert_tokens) == 4 and sum(hb.expert_tokens) > 0 for hb in hbs.values())

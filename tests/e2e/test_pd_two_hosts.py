@@ -11,9 +11,7 @@ import sys
 
 import pytest
 
-from shared.sampling_params import SamplingParams
-from tests.e2e.conftest import MODEL_NAME, heartbeats, start_stack, wait_workers
-from tests.models.conftest import make_engine
+from tests.e2e.conftest import MODEL_NAME, assert_greedy_as_one_engine, heartbeats, start_stack, wait_workers
 
 pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
 
@@ -76,17 +74,7 @@ def split_stack(tiny_model, other_host, tmp_path_factory):
 
 
 def test_prompts_prefilled_on_the_other_host_answer_as_one_engine(tiny_model, split_stack):
-    from openai import OpenAI
-    from tokenizers import Tokenizer
-
-    want = make_engine(tiny_model).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                                    ignore_eos=True))
-    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
-    client = OpenAI(base_url=split_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    for prompt, ids in zip(PROMPTS, want):
-        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == tokenizer.decode(ids)
+    assert_greedy_as_one_engine(split_stack, tiny_model, PROMPTS, MAX_TOKENS)
     prefill = heartbeats(split_stack)["prefill-0"]
     assert prefill.kv_handoffs >= len(PROMPTS) and prefill.kv_handoff_bytes > 0
     assert prefill.kv_handoffs_ipc == 0  # over the link, not shared memory
