@@ -441,3 +441,20 @@ class KvEvents(Message):
     stored: list[BlockHash] = field(default_factory=list)
     removed: list[BlockHash] = field(default_factory=list)
     cleared: bool = False  # the worker dropped its whole prefix cache (applied before stored/removed)
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
+class KvSnapshot(Message):
+    """worker → its keys of the KV snapshots bucket (JetStream): every prefix-cache block its KvEvents
+    announced up to `seq`, in `parts` values (a NATS message holds 1 MB), so a scheduler that starts
+    late (a replica, a restart) learns the whole cache instead of only what changes after it."""
+
+    TYPE = "kv_snapshot"
+    VERSION = 1
+
+    worker_id: str
+    seq: int  # the KvEvents seq this snapshot is current to
+    part: int
+    parts: int
+    blocks: bytes  # 16-byte block hashes, concatenated

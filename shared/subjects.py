@@ -123,6 +123,12 @@ def kv_events(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.kv_events"
 
 
+def kv_snapshot_bucket(prefix: str = DEFAULT_PREFIX) -> str:
+    """The JetStream KV bucket of the workers' prefix-cache snapshots (KvSnapshot): one per prefix,
+    its dots made underscores (a bucket name is one token)."""
+    return f"{check_prefix(prefix).replace('.', '_')}_kv_snapshots"
+
+
 def gateway_inbox(prefix: str, gateway_id: str) -> str:
     return f"{check_prefix(prefix)}.gateway.{check_id('gateway_id', gateway_id)}.tokens"
 

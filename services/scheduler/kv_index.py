@@ -42,6 +42,17 @@ class KvIndex:
         self.seq = None
         self.complete = False
 
+    def load(self, seq: int, blocks: set[bytes], now: float) -> bool:
+        """A snapshot of the holder's whole cache as of report `seq` (KvSnapshot): taken when this
+        index is behind it (a scheduler that started late), so the reports after it apply in order."""
+        if self.seq is not None and self.seq >= seq:
+            return False
+        self.blocks = blocks
+        self.seq = seq
+        self.complete = True
+        self.updated = now
+        return True
+
     def apply(self, ev: KvEvents, now: float) -> bool:
         """Apply one report; False when a seq gap forced a reset first."""
         in_order = self.seq is None or ev.seq == self.seq + 1

@@ -102,6 +102,12 @@ class Registry:
         state.routed_tokens = 0
         return state
 
+    def on_kv_snapshot(self, worker_id: str, seq: int, blocks: set[bytes], now: float) -> bool:
+        """A worker's whole prefix cache as of its report `seq` (read from JetStream at start)."""
+        state = self.workers.get(worker_id)
+        kv = state.kv if state is not None else self.orphan_indexes.setdefault(worker_id, KvIndex(now))
+        return kv.load(seq, blocks, now)
+
     def on_kv_events(self, ev: KvEvents, now: float) -> None:
         if ev.worker_id == STORE_ID:
             if not self.store_kv.apply(ev, now):

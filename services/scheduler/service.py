@@ -14,6 +14,7 @@ from services.scheduler.admission import Rejection
 from services.scheduler.affinity import SessionAffinity
 from services.scheduler.registry import Registry, WorkerState
 from services.scheduler.disagg import choose_prefill
+from services.scheduler.kv_snapshots import read_snapshots
 from services.scheduler.router import Choice, Router
 from shared.config import RouterConfig
 from shared.errors import ServiceError, ServiceUnavailable
@@ -70,6 +71,7 @@ class Scheduler:
         await self._open_bucket()
         self._subs.append(await self.conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat, self.on_heartbeat))
         self._subs.append(await self.conn.subscribe(self.subjects.kv_events, KvEvents, self.on_kv_events))
+        await self._load_kv_snapshots()
         # Concurrent handlers: each decision is made at once, but the hand-off waits for a worker ack.
         self._generate_sub = await self.conn.subscribe(self.subjects.generate, GenerateRequest, self.handle,
                                                        queue=SCHEDULER_QUEUE, concurrency=1024)
@@ -95,6 +97,20 @@ class Scheduler:
         s = self.stats
         log.info("scheduler_stopped", scheduler_id=self.cfg.scheduler_id, routed=s.routed, sticky=s.sticky,
                  rejected=s.rejected, errors=s.errors, bad_messages=self.conn.bad_messages.total)
+
+    async def _load_kv_snapshots(self) -> None:
+        """The workers' whole prefix caches from JetStream, for a scheduler that starts after them (a
+        replica, a restart): else it would know only the blocks stored from now on. Read after the
+        live events are subscribed, so no report falls between the two."""
+        try:
+            loaded = await read_snapshots(self.conn, self.subjects.prefix, self.conn.bad_messages)
+        except Exception as e:  # no JetStream: the live events alone, as before
+            log.warning("kv_snapshots_unavailable", error=str(e))
+            return
+        now = self.clock()
+        taken = [wid for wid, (seq, blocks) in loaded.items() if self.registry.on_kv_snapshot(wid, seq, blocks, now)]
+        if taken:
+            log.info("kv_snapshots_loaded", workers=len(taken), blocks=sum(len(loaded[w][1]) for w in taken))
 
     async def _open_bucket(self) -> None:
         try:

@@ -17,6 +17,7 @@ from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.grammar import GrammarError, Grammars
 from services.worker.handoff import HandoffReceiver, HandoffSender
+from services.worker.kv_snapshot import SNAPSHOT_TTL, KvMirror
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, Rejected, StepLoop
 from services.worker.token_batches import token_batches
 from shared import subjects
@@ -66,6 +67,8 @@ class WorkerService:
         self.draining = False
         self.seq = 0
         self.kv_seq = 0
+        self.kv_mirror = KvMirror()  # what the KV events announced, for the JetStream snapshots
+        self._snapshots = None  # their bucket, opened at the first put
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._pending_events: tuple[list, list] = ([], [])
@@ -382,6 +385,7 @@ class WorkerService:
             return
         self._pending_events = ([], [])
         self.kv_seq += 1
+        self.kv_mirror.apply(self.kv_seq, stored, removed, cleared)
         await self.conn.publish(subjects.kv_events(self.prefix), KvEvents(
             worker_id=self.cfg.worker_id, seq=self.kv_seq, stored=stored, removed=removed, cleared=cleared))
 
@@ -398,7 +402,22 @@ class WorkerService:
     async def _heartbeats(self) -> None:
         while True:
             await self._publish_load()
+            await self._put_kv_snapshot()
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _put_kv_snapshot(self) -> None:
+        """The announced prefix-cache blocks into JetStream every few seconds while they change (and
+        at half the bucket's TTL while they do not); without JetStream, once a minute a debug line."""
+        now = time.monotonic()
+        if not self.kv_mirror.due(now):
+            return
+        try:
+            if self._snapshots is None:
+                self._snapshots = await self.conn.kv_bucket(subjects.kv_snapshot_bucket(self.prefix), ttl=SNAPSHOT_TTL)
+            await self.kv_mirror.put(self._snapshots, self.cfg.worker_id, now)
+        except Exception:
+            self.kv_mirror.put_at = now + SNAPSHOT_TTL  # retried later; routing only loses a late scheduler's view
+            log.debug("kv snapshot not put", exc_info=True)
 
     async def _publish_load(self) -> None:
         """KV events, then the heartbeat: the load never arrives without the blocks behind it."""

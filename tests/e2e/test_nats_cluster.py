@@ -108,5 +108,37 @@ def test_a_scheduler_killed_under_load_costs_at_most_clean_errors(tiny_model, tm
             results = [f.result(timeout=30) for f in futures]
         assert all(isinstance(r, str) or r == 503 for r in results), results
         assert all(isinstance(one(i), str) for i in range(6))
+        # The worker's announced prefix cache reaches JetStream (every 5 s while it changes), and a
+        # scheduler started now reads it whole instead of learning only what is stored from now on.
+        deadline = time.monotonic() + 15
+        while snapshot_seq(stack, "worker-0") < 1:
+            assert time.monotonic() < deadline, "no snapshot of worker-0's cache in JetStream"
+            time.sleep(0.5)
+        late = stack.start_scheduler(2)
+        deadline = time.monotonic() + 15
+        while "kv_snapshots_loaded" not in late.log.read_text():
+            assert time.monotonic() < deadline, "the late scheduler did not load the snapshots"
+            time.sleep(0.2)
     finally:
         stack.stop()
+
+
+def snapshot_seq(stack, worker_id: str) -> int:
+    """The KV-events seq of the worker's newest snapshot in JetStream (0: none yet)."""
+    import nats
+
+    from shared.messages import KvSnapshot
+    from shared.subjects import kv_snapshot_bucket
+    from shared.wire import decode
+
+    async def ask() -> int:
+        nc = await nats.connect(stack.nats_url.split(","))
+        try:
+            kv = await nc.jetstream().key_value(kv_snapshot_bucket("inferno"))
+            return decode(KvSnapshot, (await kv.get(f"{worker_id}.0")).value).seq
+        except Exception:
+            return 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

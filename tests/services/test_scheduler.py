@@ -427,3 +427,31 @@ async def test_the_scheduler_runs_as_a_process_and_exits_cleanly_on_sigterm(nats
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_scheduler_started_late_reads_the_workers_caches_from_jetstream(cluster, nats_conn):
+    """A worker put its announced blocks into JetStream (KvSnapshot, in parts); a scheduler started
+    after that knows them whole and routes by them, and the worker's next report applies on top."""
+    from services.worker import kv_snapshot
+    from shared.subjects import kv_snapshot_bucket
+
+    system = tokens(2000)  # 125 blocks
+    hashes = prefix_block_hashes(system, 16, request_block_key(MODEL, "acme"))
+    most = await cluster.worker("w-most", active_decode_tokens=800)
+    await cluster.worker("w-none", active_decode_tokens=0)
+    mirror = kv_snapshot.KvMirror()
+    mirror.apply(7, hashes[:-1], [], cleared=True)
+    old_part_size, kv_snapshot.PART_BLOCKS = kv_snapshot.PART_BLOCKS, 50  # three parts
+    try:
+        await mirror.put(await nats_conn.kv_bucket(kv_snapshot_bucket(cluster.nats_cfg.subject_prefix)), "w-most", 0.0)
+    finally:
+        kv_snapshot.PART_BLOCKS = old_part_size
+    most.kv_seq = 7
+    sched = await cluster.scheduler()
+    index = sched.registry.orphan_indexes.get("w-most") or sched.registry.workers["w-most"].kv
+    assert (len(index), index.seq, index.complete) == (124, 7, True)
+    await most.store_blocks(hashes[-1:])  # report 8: in order after the snapshot
+    await cluster.known("w-most", "w-none")
+    await wait_for(lambda: len(sched.registry.workers["w-most"].kv) == 125, what="the next report")
+    reply = await cluster.send(gen_request(system + tokens(37, start=5), rid="late", cache_salt="acme"))
+    assert reply == RouteReply.accepted("w-most")
