@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shared.errors import BadRequest, MessageError, Overloaded, ServiceError, ServiceUnavailable
-from shared.messages import (AbortRequest, Finish, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
-                             TokenLogprobs, WireSamplingParams, WorkerHeartbeat)
+from shared.messages import (AbortRequest, Finish, GenerateRequest, KvEvents, KvSnapshot, RouteReply, TokenBatch,
+                             TokenDelta, TokenLogprobs, WireSamplingParams, WorkerHeartbeat)
 from shared.sampling_params import SamplingParams
 from shared.wire import (DEFAULT_MAX_BYTES, DecodeCounter, Message, decode, encode, message_types, pack_ids,
                          register, safe_decode, unpack_ids)
@@ -73,6 +73,8 @@ SAMPLES: dict[type, list[Message]] = {
                                       generate_subject="g", abort_subject="a", timestamp=0.0, seq=0)],
     KvEvents: [KvEvents(worker_id="worker-3", seq=5, stored=[HASH_A, HASH_B], removed=[HASH_B], cleared=True),
                KvEvents(worker_id="worker-3", seq=6)],
+    KvSnapshot: [KvSnapshot(worker_id="worker-3", seq=6, part=0, parts=2, blocks=HASH_A + HASH_B),
+                 KvSnapshot(worker_id="worker-3", seq=6, part=1, parts=2, blocks=b"")],
 }
 
 
