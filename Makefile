@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install "torch==2.13.0"; fi
 	$(PIP) install -e ".[test,bench]"
+	@# A GPU host compiles the demo's kernels now, not at its first start (docs/operations.md, Triton's cache).
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VENV)/bin/inferno warm-kernels --model-dir "$$($(VENV)/bin/inferno fetch-demo)" --device cuda \
+	    || echo "make setup: warm-kernels failed; the kernels compile at the first start instead"; fi
 	touch $@
 
 up: setup

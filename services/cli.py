@@ -20,6 +20,7 @@ commands:
   fetch-demo    download the demo model (SmolLM2-135M-Instruct GGUF) into the cache; print its path
   bench         load-test any OpenAI-compatible endpoint
   bench-engine  offline engine throughput: prefill and decode tokens/s
+  warm-kernels  compile every kernel a worker compiles at start into Triton's cache (takes the worker's flags)
 """
 
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         from inferno.loadgen.cli import main as run
     elif command == "bench-engine":
         from services.worker.engine.bench_engine import main as run
+    elif command == "warm-kernels":
+        from services.worker.warm_kernels import main as run
     else:
         print(f"inferno: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -1,0 +1,48 @@
+"""`inferno warm-kernels`: every kernel a worker compiles at start, compiled ahead into Triton's cache.
+
+A worker's first start on a fresh machine or container compiles its Triton kernels (tens of seconds
+for an 8B model on an H200), every later start finds them in the cache (TRITON_CACHE_DIR, else
+~/.triton/cache). This runs the worker's own start-up path, with the worker's flags and random weights
+drawn on the device (no weights are read), to its end: the KV sizing's dry run, the sampler's
+variants and every CUDA graph (the ones a worker captures after it is ready too), then exits. The
+same flags compile the same kernels, so run it with the flags the workers will have (device, dtype,
+--max-num-seqs, --max-num-batched-tokens, --kv-cache-dtype, --quantization, ...), into the cache
+directory the workers mount.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.worker.main import overlap_default, parse_args, service_config
+    from services.worker.model_build import ModelSpec, build_model, check_model, release_model
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not args.model_dir:
+        print("inferno warm-kernels: --model-dir is required (the model whose shapes to compile for)", file=sys.stderr)
+        return 2
+    args.load_format = "dummy"  # the kernels depend on the shapes, not the values
+    cfg = service_config(args)
+    cache = triton_cache_dir()
+    before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
+    t0 = time.perf_counter()
+    checked = check_model(ModelSpec.of(cfg, cfg.model_dir, cfg.model_name), cfg)
+    built = build_model(checked, cfg, cuda_graphs=not args.no_cuda_graphs, overlap=overlap_default(args.overlap, cfg.device))
+    if built.graphs is not None:  # the graphs a worker captures on its step thread once it serves
+        while built.graphs.capture_next():
+            pass
+    seconds = time.perf_counter() - t0
+    release_model(built, cfg)
+    after = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
+    print(f"inferno warm-kernels: {checked.spec.model_name} on {cfg.device} in {seconds:.1f} s; Triton's cache "
+          f"{cache}: {after - before} new files, {after} in all", flush=True)
+    return 0
