@@ -23,7 +23,8 @@ class TokenEmitter:
         self.steps = 0
 
     def add_request(self, request_id, prompt_token_ids, params: SamplingParams, eos_token_ids=(), cache_salt=b"",
-                    handoff: bool = False):
+                    handoff: bool = False, matcher=None):
+        """LLMEngine.add_request's signature; a grammar's matcher never comes (the emitter builds no grammars)."""
         params.validate(self.vocab_size)
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens exceeds max_model_len {self.max_model_len}")

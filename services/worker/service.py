@@ -120,8 +120,10 @@ class WorkerService:
         self.model_name, self.max_model_len = model_name, max_model_len
         if self.grammars is not None:
             self.grammars.close()
-        self.grammars = (Grammars(tokenizer_source, engine.model_config.vocab_size, eos_token_ids,
-                                  self.cfg.grammar_compile_timeout) if tokenizer_source else None)
+        # The model-free emitter (--emit-only) has no model config, and no structured outputs.
+        model_config = getattr(engine, "model_config", None)
+        self.grammars = (Grammars(tokenizer_source, model_config.vocab_size, eos_token_ids,
+                                  self.cfg.grammar_compile_timeout) if tokenizer_source and model_config else None)
         self.loop_thread = StepLoop(engine, self._on_outputs, eos_token_ids, self._on_kv_events, self._on_handoff)
         self.loop_thread.background = background
         if self.cfg.device.startswith("cuda"):  # Triton compiles on the GPU only (the CPU path runs torch)
