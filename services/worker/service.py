@@ -402,17 +402,18 @@ class WorkerService:
 
     # -- heartbeats -------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
+        snapshot: asyncio.Future | None = None
         while True:
             await self._publish_load()
-            await self._put_kv_snapshot()
+            # Beside the beats, never in their way: a put waits for JetStream's ack (seconds while NATS is away).
+            if (snapshot is None or snapshot.done()) and self.kv_mirror.due(time.monotonic()) and self.conn.connected:
+                snapshot = asyncio.ensure_future(self._put_kv_snapshot())
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def _put_kv_snapshot(self) -> None:
         """The announced prefix-cache blocks into JetStream every few seconds while they change (and
-        at half the bucket's TTL while they do not); without JetStream, once a minute a debug line."""
+        at half the bucket's TTL while they do not); a failed put is tried again a minute later."""
         now = time.monotonic()
-        if not self.kv_mirror.due(now):
-            return
         try:
             if self._snapshots is None:
                 self._snapshots = await self.conn.kv_bucket(subjects.kv_snapshot_bucket(self.prefix), ttl=SNAPSHOT_TTL)
