@@ -184,8 +184,8 @@ class Stack:
     def start_nats(self) -> list[Child]:
         if self.cfg.nats_cluster == 1:
             store = self.cfg.run_dir / "jetstream"
-            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", self.cfg.nats_host, "-p", str(self.cfg.nats_port),
-                                         "-sd", str(store)], critical=True)]
+            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", self.cfg.nats_host,
+                                         "-p", str(self.cfg.nats_port), "-sd", str(store)], critical=True)]
         routes = ",".join(f"nats://127.0.0.1:{port}" for port in self.route_ports)
         # A cluster outlives any one of its servers, so none is critical; the supervisor restarts a
         # dead one with the same argv (name, ports, store), and it rejoins.

@@ -184,7 +184,8 @@ def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, ti
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     model_type = ARCHITECTURES[arch]
-    if model_type in ("qwen2", "qwen2_moe", "olmoe") and preset.hidden_size != preset.num_attention_heads * preset.head_dim:
+    no_head_dim = model_type in ("qwen2", "qwen2_moe", "olmoe")
+    if no_head_dim and preset.hidden_size != preset.num_attention_heads * preset.head_dim:
         # Qwen2's config has no head_dim: it is always hidden_size / num_attention_heads.
         raise ValueError(f"{arch} needs hidden_size == num_attention_heads * head_dim")
     cfg: dict = {
@@ -307,7 +308,8 @@ def _expert_specs(model_type: str, preset: Preset, layer: str) -> list[TensorSpe
         specs = [TensorSpec(block + "gate.weight", (n, h), "weight")]
         for e in range(n):
             ex = f"{block}experts.{e}."
-            specs += [TensorSpec(ex + "w1.weight", (inter, h), "weight"), TensorSpec(ex + "w2.weight", (h, inter), "weight"),
+            specs += [TensorSpec(ex + "w1.weight", (inter, h), "weight"),
+                      TensorSpec(ex + "w2.weight", (h, inter), "weight"),
                       TensorSpec(ex + "w3.weight", (inter, h), "weight")]
         return specs
     block = layer + "mlp."

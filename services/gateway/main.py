@@ -110,7 +110,8 @@ async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, 
     app = build_app(gw)
     nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
-    runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout, reuse_port=cfg.reuse_port)
+    runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout,
+                                      reuse_port=cfg.reuse_port)
     tune_gc()
     log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
              auth=bool(gw.keys), tenants=len(gw.keys.tenants))

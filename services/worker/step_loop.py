@@ -234,7 +234,7 @@ class StepLoop(threading.Thread):
                     self.reply_to[command.request_id] = command.reply_to
                 except ValueError as e:
                     rejected.append(Rejected(command.request_id, command.reply_to, str(e)))
-                except Exception as e:  # a bug must fail this request, not end the step thread (and the worker's serving)
+                except Exception as e:  # a bug fails this request; it must not end the step thread (and the serving)
                     log.exception("add_request failed", request_id=command.request_id)
                     rejected.append(Rejected(command.request_id, command.reply_to, f"internal error: {e}"))
             elif isinstance(command, ReserveCommand):

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     t0 = time.perf_counter()
     checked = check_model(ModelSpec.of(cfg, cfg.model_dir, cfg.model_name), cfg)
-    built = build_model(checked, cfg, cuda_graphs=not args.no_cuda_graphs, overlap=overlap_default(args.overlap, cfg.device))
+    built = build_model(checked, cfg, cuda_graphs=not args.no_cuda_graphs,
+                        overlap=overlap_default(args.overlap, cfg.device))
     if built.graphs is not None:  # the graphs a worker captures on its step thread once it serves
         while built.graphs.capture_next():
             pass
