@@ -17,6 +17,7 @@ commands:
   worker-status what a running worker serves (no model, loading, ready, unloading)
   kvstore       run the cluster KV page store     (same as: python -m services.kvstore)
   make-model    write a random-weight Hugging Face model directory
+  compress      a model directory with its BF16 weights' exponents entropy-coded (lossless)
   fetch-demo    download the demo model (SmolLM2-135M-Instruct GGUF) into the cache; print its path
   bench         load-test any OpenAI-compatible endpoint
   bench-engine  offline engine throughput: prefill and decode tokens/s
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.top import main as run
     elif command == "make-model":
         from inferno.tools.make_model import main as run
+    elif command == "compress":
+        from inferno.tools.compress import main as run
     elif command == "fetch-demo":
         from services.packaged_models import main as run
     elif command == "bench":
