@@ -138,3 +138,19 @@ def decode(coded: CodedTensor, chunk: int = CHUNK) -> np.ndarray:
         pos = pos + np.where(live, length[window], 0)
     flat = exponent.reshape(-1)[:n]
     return join(flat, coded.sign_mantissa).reshape(coded.shape)
+
+
+# -- the container (docs/compression.md): a coded tensor NAME as four safetensors tensors ----------------
+
+FORMAT = "inferno-bf16-exponent-huffman-v1"  # the files' __metadata__["inferno.compression"]
+PARTS = ("__code_lengths", "__chunk_starts", "__exponent_bits", "__sign_mantissa")
+
+
+def coded_parts(name: str, coded: CodedTensor) -> dict[str, np.ndarray]:
+    return {f"{name}.__code_lengths": coded.lengths, f"{name}.__chunk_starts": coded.starts,
+            f"{name}.__exponent_bits": coded.bits, f"{name}.__sign_mantissa": coded.sign_mantissa}
+
+
+def read_coded(tensors: dict[str, np.ndarray], name: str, shape) -> CodedTensor:
+    return CodedTensor(tuple(shape), lengths=tensors[f"{name}.__code_lengths"], bits=tensors[f"{name}.__exponent_bits"],
+                       starts=tensors[f"{name}.__chunk_starts"], sign_mantissa=tensors[f"{name}.__sign_mantissa"])

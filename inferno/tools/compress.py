@@ -18,27 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.exponent_codec import CHUNK, CodedTensor, decode, encode
+from shared.exponent_codec import CHUNK, FORMAT, PARTS, coded_parts, decode, encode, read_coded
 from shared.progress import progress
-
-FORMAT = "inferno-bf16-exponent-huffman-v1"
-PARTS = ("__code_lengths", "__chunk_starts", "__exponent_bits", "__sign_mantissa")
 
 
 def _kind(name: str) -> str:
     """A tensor's kind for the summary: q_proj, gate_proj, embed_tokens, input_layernorm, ..."""
     parts = [p for p in name.split(".") if not p.isdigit() and p not in ("weight", "bias", "model", "layers")]
     return parts[-1] if parts else name
-
-
-def coded_parts(name: str, coded: CodedTensor) -> dict[str, np.ndarray]:
-    return {f"{name}.__code_lengths": coded.lengths, f"{name}.__chunk_starts": coded.starts,
-            f"{name}.__exponent_bits": coded.bits, f"{name}.__sign_mantissa": coded.sign_mantissa}
-
-
-def read_coded(tensors: dict[str, np.ndarray], name: str, shape) -> CodedTensor:
-    return CodedTensor(tuple(shape), lengths=tensors[f"{name}.__code_lengths"], bits=tensors[f"{name}.__exponent_bits"],
-                       starts=tensors[f"{name}.__chunk_starts"], sign_mantissa=tensors[f"{name}.__sign_mantissa"])
 
 
 def compress(model_dir: Path, out_dir: Path, verify: bool = False) -> dict:

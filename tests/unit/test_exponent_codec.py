@@ -63,3 +63,18 @@ def test_compress_writes_a_directory_that_decodes_to_its_source(tmp_path):
     header = json.loads((tmp_path / "z" / "model.safetensors").read_bytes()[8:][:int.from_bytes(
         (tmp_path / "z" / "model.safetensors").read_bytes()[:8], "little")])
     assert header["__metadata__"]["inferno.compression"] == FORMAT
+
+
+def test_an_engine_serves_a_compressed_directory_as_the_source(tmp_path):
+    """The loader decodes a compressed directory's tensors into place: the same greedy tokens."""
+    from services.worker.engine.engine import LLMEngine
+    from services.worker.engine.engine_config import EngineConfig
+    from shared.sampling_params import SamplingParams
+
+    model = write_model(tmp_path / "m", preset="tiny", seed=0, dtype="bfloat16")
+    compress(model, tmp_path / "z")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 300, 42], list(range(20, 60))]
+    outputs = [LLMEngine(EngineConfig(model_dir=str(d), num_blocks=64, dtype="float32")).generate(prompts, params)
+               for d in (model, tmp_path / "z")]
+    assert outputs[0] == outputs[1]

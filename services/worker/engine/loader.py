@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from services.worker.cuda_early import STAGING_BYTES
+from services.worker.engine.compressed_weights import is_compressed, load_compressed_weights
 from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
@@ -229,7 +230,12 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     if gguf is not None and shards is not None:
         raise WeightLoadError(f"{model_path}: a GGUF file loads on one rank only; "
                               "tensor/pipeline parallelism needs safetensors (or --load-format dummy)")
-    plan = None if gguf or dummy else plan_load(model_path, cfg, shards)
+    # A directory `inferno compress` wrote: its BF16 tensors are decoded into place.
+    compressed = gguf is None and not dummy and is_compressed(model_path)
+    if compressed and shards is not None:
+        raise WeightLoadError(f"{model_path}: a compressed directory loads on one rank only for now; "
+                              "tensor/pipeline parallelism needs the uncompressed one")
+    plan = None if gguf or dummy or compressed else plan_load(model_path, cfg, shards)
     with torch.device("meta"):
         model = DecoderLM(build_cfg or cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype.
@@ -244,6 +250,11 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
 
     if dummy:
         _fill_dummy(model, seed)
+    elif compressed:
+        try:
+            load_compressed_weights(model_path, list(expected), lambda name: flat_target(expected[name]))
+        except ValueError as e:
+            raise WeightLoadError(str(e)) from e
     elif gguf is not None:
         try:
             load_gguf_weights(gguf, cfg, expected, lambda name: flat_target(expected[name]), device, dtype, num_threads)
