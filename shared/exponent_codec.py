@@ -143,7 +143,6 @@ def decode(coded: CodedTensor, chunk: int = CHUNK) -> np.ndarray:
 # -- the container (docs/compression.md): a coded tensor NAME as four safetensors tensors ----------------
 
 FORMAT = "inferno-bf16-exponent-huffman-v1"  # the files' __metadata__["inferno.compression"]
-PARTS = ("__code_lengths", "__chunk_starts", "__exponent_bits", "__sign_mantissa")
 
 
 def coded_parts(name: str, coded: CodedTensor) -> dict[str, np.ndarray]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.exponent_codec import CHUNK, FORMAT, PARTS, coded_parts, decode, encode, read_coded
+from shared.exponent_codec import CHUNK, FORMAT, coded_parts, decode, encode
 from shared.progress import progress
 
 
@@ -77,26 +77,6 @@ def compress(model_dir: Path, out_dir: Path, verify: bool = False) -> dict:
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {kind: {"weights": w, "bytes": b, "compressed_bytes": c, "bits_per_weight": 8 * c / max(w, 1)}
             for kind, (w, b, c) in sorted(summary.items())}
-
-
-def decompressed(model_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a compressed directory, BF16 ones as their uint16 bit patterns (the check, and
-    the loader's reference)."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
-
-    out = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(shard), "np") as f:
-            meta = f.metadata() or {}
-        if meta.get("inferno.compression") != FORMAT:
-            raise ValueError(f"{shard}: not a compressed shard ({FORMAT})")
-        tensors = load_file(str(shard))
-        shapes = json.loads(meta["inferno.shapes"])
-        for name, shape in shapes.items():
-            out[name] = decode(read_coded(tensors, name, shape))
-        out.update({k: v for k, v in tensors.items() if not k.endswith(PARTS)})
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

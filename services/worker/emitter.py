@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from services.worker.engine.engine import EngineStats
+from services.worker.engine.engine_stats import EngineStats
 from services.worker.engine.step_outputs import RequestOutput, StepOutputs
 from shared.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from services.worker.engine.batcher import Batcher, BatchPlan, SchedulerConfig
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.engine_stats import EngineStats, engine_stats
 from services.worker.engine.drafts import advance_matchers, checked_drafts, constrain, make_drafts
 from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
@@ -82,7 +83,6 @@ _RID = attrgetter("request_id")
 _PROMPT = attrgetter("num_prompt_tokens")
 _CACHED = attrgetter("num_cached_tokens")
 _TOKENS = attrgetter("all_token_ids")
-_COMPUTED = attrgetter("num_computed_tokens")
 
 
 @dataclass(slots=True)
@@ -96,23 +96,6 @@ class LaunchedStep:
     # Its logits, when the draw waits for the grammars' matchers to take the tokens of the step
     # before (LLMEngine.step draws it once that step is read).
     deferred: DeferredDraw | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    queued_prefill_tokens: int
-    active_decode_tokens: int
-    kv_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hits: int
-    prefix_cache_queries: int
-    steps: int = 0
-    draft_counts: dict = field(default_factory=dict)  # LLMEngine.draft_counts
-    expert_tokens: list = field(default_factory=list)  # an MoE model's tokens routed per expert (ExpertLoad)
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -598,24 +581,4 @@ class LLMEngine:
         return [r.output_token_ids for r in requests]
 
     def stats(self) -> EngineStats:
-        running = self.batcher.running_requests()
-        waiting = self.batcher.waiting_requests()
-        bm = self.block_manager
-        # C-level maps: a step that finishes requests refreshes this (a thousand running on a GPU).
-        known = np.fromiter(map(len, map(_TOKENS, running)), dtype=np.int64, count=len(running))
-        left = known - np.fromiter(map(_COMPUTED, running), dtype=np.int64, count=len(running)) - 1
-        return EngineStats(
-            num_running=len(running),
-            num_waiting=len(waiting),
-            queued_prefill_tokens=sum(map(len, map(_TOKENS, waiting))) - sum(map(_COMPUTED, waiting))
-            + int(np.maximum(left, 0).sum()),
-            active_decode_tokens=int(known.sum()),
-            kv_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_total_blocks,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            steps=self.steps,
-            draft_counts={m: list(c) for m, c in self.draft_counts.items()},
-            expert_tokens=self.expert_load.snapshot(),
-        )
+        return engine_stats(self)

@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.mlp = MoE(cfg, ops) if cfg.moe is not None and layer_id in cfg.moe.sparse_layers else MLP(cfg, ops)
+        self.mlp = MoE(cfg, ops) if cfg.is_sparse(layer_id) else MLP(cfg, ops)
         # An EAGLE-3 head reads the residual stream at this layer's input: kept as `stream` when set
         # (DecoderLM.keep_streams). It is the sum the input norm makes, all-reduced under tensor parallelism.
         self.keep_stream = False

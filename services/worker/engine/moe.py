@@ -37,7 +37,6 @@ class MoE(nn.Module):
         # Tokens routed to each expert (all of them, from the replicated router) since the start:
         # the load statistics of /metrics. Counted on the device, read when metrics are scraped.
         self.register_buffer("routed", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
-        self.count_routed = True
 
     def quantize_fp8(self) -> None:
         """The experts' weights in e4m3 with a scale per output row of each expert; the router stays."""
@@ -54,7 +53,7 @@ class MoE(nn.Module):
 
     def forward(self, h, residual, norm, eps, ops: TorchOps):
         x, residual = ops.add_rmsnorm(h, residual, norm, eps)
-        weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed if self.count_routed else None)
+        weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed)
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:
             shared = self.shared_expert.down_proj(self.shared_expert.gate_up_proj(x))

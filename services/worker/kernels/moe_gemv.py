@@ -96,11 +96,10 @@ def _down_sum_gemv_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, to
     tl.store(out_ptr + t * hidden + cols, cast_rtne(total, out_ptr.dtype.element_ty), mask=in_n)
 
 
-def moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None,
-             blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None) -> torch.Tensor:
     """fused_moe's contract for up to MAX_TOKENS tokens (fused_moe checks the arguments and sends
     them here). At T = 1 the gate/up launch has K * I / 16 programs (384 for Qwen3-30B-A3B) and the
-    down launch H / 4 (512), each streaming its rows once. blocks: other block sizes (probes)."""
+    down launch H / 4 (512), each streaming its rows once."""
     tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -112,7 +111,7 @@ def moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None,
     # 49.1), Mixtral-8x7B 181.9 us = 3.87 TB/s (254.5): the down launch wants 4 rows a program, for
     # T x H / 4 programs to stream at once; it now loads the K experts' tiles together (W1 262.5 ->
     # 275.7 tok/s), 128 columns a step to hold [K, 4, 128] in registers.
-    up_n, down_n, up_k, down_k = blocks or (16, 4, 512, 128)
+    up_n, down_n, up_k, down_k = 16, 4, 512, 128
     scaled = w13_scale is not None
     pdl = pdl_args(x.device)
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, up_n))](
