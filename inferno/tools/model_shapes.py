@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from inferno.tools import deepseek_shapes as ds
+
 INIT_STD = 0.02
 
 # --------------------------------------------------------------------------------------------
@@ -40,6 +42,9 @@ class Preset:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # DeepSeek-V2/V3's own config keys (latent attention, routing, YaRN): deepseek_shapes.py; None
+    # takes the tiny ones there.
+    deepseek: dict | None = None
 
     def rope_scaling_for(self, arch: str) -> dict | None:
         if arch == "LlamaForCausalLM" and self.llama_rope_scaling is not None:
@@ -155,6 +160,30 @@ PRESETS: dict[str, Preset] = {
         head_dim=128, intermediate_size=1024, vocab_size=50304, max_position_embeddings=4096,
         architecture="OlmoeForCausalLM", num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
     ),
+    # DeepSeek-V2-Lite shapes (16 B, 2.4 B active; latent attention without a query bottleneck).
+    "deepseek-v2-lite": Preset(
+        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, intermediate_size=10944, vocab_size=102400, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, architecture="DeepseekV2ForCausalLM", deepseek=ds.DEEPSEEK_V2_LITE,
+    ),
+    # Moonlight-16B-A3B shapes (DeepSeek-V3's architecture at V2-Lite's size).
+    "moonlight-16b-a3b": Preset(
+        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, intermediate_size=11264, vocab_size=163840, max_position_embeddings=8192,
+        rope_theta=50000.0, architecture="DeepseekV3ForCausalLM", deepseek=ds.MOONLIGHT_16B_A3B,
+    ),
+    # DeepSeek-V3 shapes (671 B, 37 B active: --config-only and --load-format dummy).
+    "deepseek-v3": Preset(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        head_dim=64, intermediate_size=18432, vocab_size=129280, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, architecture="DeepseekV3ForCausalLM", deepseek=ds.DEEPSEEK_V3,
+    ),
+    # Kimi K2 shapes (DeepSeek-V3's architecture: 1 T parameters, 384 experts, 64 heads).
+    "kimi-k2": Preset(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+        head_dim=64, intermediate_size=18432, vocab_size=163840, max_position_embeddings=131072,
+        rope_theta=50000.0, rms_norm_eps=1e-6, architecture="DeepseekV3ForCausalLM", deepseek=ds.KIMI_K2,
+    ),
 }
 
 ARCHITECTURES = {
@@ -166,7 +195,10 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 # --------------------------------------------------------------------------------------------
@@ -229,6 +261,8 @@ def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, ti
         cfg.update(head_dim=preset.head_dim, sliding_window=None, num_local_experts=preset.num_experts)
     elif model_type == "olmoe":
         cfg.update(attention_bias=False, clip_qkv=None)
+    elif model_type in DEEPSEEK_TYPES:
+        cfg.update(ds.deepseek_config(arch, ds.deepseek_keys(arch, preset.deepseek), preset.num_attention_heads))
     if model_type in MOE_TYPES:
         cfg.update(num_experts_per_tok=preset.num_experts_per_tok, output_router_logits=False,
                    router_aux_loss_coef=0.001)
@@ -265,6 +299,13 @@ def tensor_specs(arch: str, preset: Preset, vocab_size: int, tied: bool) -> list
     specs = [TensorSpec("model.embed_tokens.weight", (vocab_size, h), "weight")]
     for i in range(preset.num_hidden_layers):
         p = f"model.layers.{i}."
+        if model_type in DEEPSEEK_TYPES:
+            specs += ds.deepseek_layer_specs(TensorSpec, _mlp_specs, model_type == "deepseek_v3",
+                                             ds.deepseek_keys(arch, preset.deepseek), i, p, h,
+                                             preset.num_attention_heads, inter)
+            specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "norm"))
+            specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"))
+            continue
         bias = model_type in ("qwen2", "qwen2_moe")
         specs.append(TensorSpec(p + "self_attn.q_proj.weight", (q, h), "weight"))
         if bias:

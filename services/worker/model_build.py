@@ -56,7 +56,7 @@ class CheckedModel:
     spec: ModelSpec
     model_config: object  # ModelConfig
     eos_token_ids: tuple[int, ...]
-    kv_shape: tuple  # (layers, KV heads, head dim, dtype): KV pools of one shape are interchangeable
+    kv_shape: tuple  # (layers, planes, heads, dim, dtype): KV pools of one shape are interchangeable
     weight_bytes: int
 
 
@@ -85,7 +85,9 @@ def check_model(spec: ModelSpec, cfg: WorkerServiceConfig) -> CheckedModel:
     check_parallel(model_config, cfg)
     dtype = serving_dtype(spec, model_config, cfg.device)
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn"
-    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, kv_dtype)
+    from services.worker.engine.kv_cache import CacheLayout
+    layout = CacheLayout.of(model_config)
+    shape = (model_config.num_hidden_layers, layout.planes, layout.heads, layout.dim, kv_dtype)
     return CheckedModel(spec, model_config, eos, shape, _weight_bytes(model_config, dtype))
 
 
@@ -292,7 +294,7 @@ def _kv_fits(engine, checked: CheckedModel, next_model: CheckedModel, cfg: Worke
     if kv is None or not getattr(engine, "holds_whole_kv", False):
         return False
     pool = kv.pool
-    shape = (pool.shape[0], pool.shape[4], pool.shape[5], str(pool.dtype).removeprefix("torch."))
+    shape = (pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5], str(pool.dtype).removeprefix("torch."))
     # A pool sized from memory left room for its model's weights only.
     return shape == next_model.kv_shape and (cfg.num_blocks is not None
                                              or next_model.weight_bytes <= checked.weight_bytes)

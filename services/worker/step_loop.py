@@ -265,8 +265,10 @@ class StepLoop(threading.Thread):
     def _insert_cached(self, c: InsertCachedCommand) -> None:
         import torch
 
+        from services.worker.engine.kv_pages import page_shape
+
         pool = self.engine.kv_cache.pool
-        shape = (len(c.hashes), pool.shape[0], 2, *pool.shape[3:])
+        shape = (len(c.hashes), *page_shape(self.engine.kv_cache))
         try:
             pages = torch.from_numpy(c.pages).view(pool.dtype).view(shape)
             self.engine.insert_cached(c.hashes, pages)

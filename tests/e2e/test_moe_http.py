@@ -1,5 +1,6 @@
-"""A mixture-of-experts model through the whole stack, prefill and decode on two workers: the openai
-client's greedy answers equal the engine's own, and the router's load reaches /metrics."""
+"""A mixture-of-experts model with latent attention (DeepSeek-V3's architecture) through the whole stack,
+prefill and decode on two workers: the latent pages are handed over, the openai client's greedy answers
+equal the engine's own, and the router's load reaches /metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("moe") / "qwen3moe", arch="Qwen3MoeForCausalLM", preset="tiny",
+    return write_model(tmp_path_factory.mktemp("moe") / "deepseek", arch="DeepseekV3ForCausalLM", preset="tiny",
                        seed=3, dtype="float32")
 
 
@@ -34,7 +35,7 @@ def test_handed_off_answers_equal_the_engines(moe_model, pd_stack):
     assert_greedy_as_one_engine(pd_stack, moe_model, PROMPTS, MAX_TOKENS)
     hbs = heartbeats(pd_stack)
     assert {hb.role for hb in hbs.values()} == {"prefill", "decode"}
-    assert all(len(hb.expert_tokens) == 4 and sum(hb.expert_tokens) > 0 for hb in hbs.values())
+    assert all(len(hb.expert_tokens) == 8 and sum(hb.expert_tokens) > 0 for hb in hbs.values())
     samples = metrics(pd_stack)
     routed = {k: v for k, v in samples.items() if k.startswith("inferno:moe_expert_tokens_total{")}
-    assert len(routed) == 8 and sum(routed.values()) > 0  # 4 experts on each of 2 workers
+    assert len(routed) == 16 and sum(routed.values()) > 0  # 8 experts on each of 2 workers

@@ -69,3 +69,16 @@ def test_triton_engine_serves_a_mixture_of_experts_as_torch(tmp_path, monkeypatc
                                                    quantization=quantization)).generate(PROMPTS, params)
                    for kernels in ("torch", "triton")}
         assert outputs["triton"] == outputs["torch"], quantization
+
+
+def test_triton_engine_serves_latent_attention_as_torch(tmp_path, monkeypatch):
+    """DeepSeek-V3: the latent cache's rotary write, the expanded prefill, the absorbed decode kernel
+    and the grouped router with its shared expert; then fp8 latents and fp8 weights."""
+    model_dir = _model(tmp_path, monkeypatch, arch="DeepseekV3ForCausalLM")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for quantization in (None, "fp8"):
+        kv = "fp8" if quantization else "auto"
+        outputs = {kernels: LLMEngine(EngineConfig(model_dir=str(model_dir), num_blocks=64, kernels=kernels,
+                                                   quantization=quantization, kv_cache_dtype=kv)).generate(
+            PROMPTS, params) for kernels in ("torch", "triton")}
+        assert outputs["triton"] == outputs["torch"], quantization

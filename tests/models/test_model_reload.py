@@ -59,7 +59,7 @@ def test_spec_defaults_from_the_worker(model_dirs):
 def test_replace_reuses_the_kv_pool_of_the_same_shape(model_dirs):
     a, b = model_dirs["LlamaForCausalLM"], model_dirs["Qwen2ForCausalLM"]  # one KV shape, other weights
     checked_a, checked_b = check_model(spec(a), CFG), check_model(spec(b), CFG)
-    assert checked_a.kv_shape == checked_b.kv_shape == (2, 2, 16, "float32")
+    assert checked_a.kv_shape == checked_b.kv_shape == (2, 2, 2, 16, "float32")  # layers, K+V, heads, dim
     built = build_model(checked_a, CFG, cuda_graphs=True, overlap=False)
     vocab = built.engine.model_config.vocab_size
     prompts = [random_prompt(n, vocab, seed=40 + n) for n in (5, 37, 70)]
@@ -80,7 +80,7 @@ def test_replace_frees_a_kv_pool_of_another_shape(model_dirs, tmp_path):
     config = json.loads((deeper / "config.json").read_text())
     (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     checked_deeper = check_model(spec(deeper, load_format="dummy"), CFG)
-    assert checked_deeper.kv_shape == (3, 2, 16, "float32")
+    assert checked_deeper.kv_shape == (3, 2, 2, 16, "float32")
     built = build_model(check_model(spec(model_dirs["LlamaForCausalLM"]), CFG), CFG, True, False)
     leftovers = release_model(built, CFG, checked_deeper)
     assert leftovers.kv_cache is None

@@ -1,6 +1,9 @@
-"""The paged KV pool: one K and one V tensor per layer, [num_blocks, block_size, kv_heads, head_dim]."""
+"""The paged KV pool: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim], or
+MLA's one latent tensor [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,8 +15,29 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What one token keeps in one layer: `planes` tensors of heads × dim each, K and V (2 planes), or
+    MLA's latent with the rotary key appended (1 plane, 1 head). The model's attention reads the layer
+    as the tuple of its planes."""
+
+    planes: int
+    heads: int
+    dim: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "CacheLayout":
+        if cfg.mla is not None:
+            return cls(1, 1, cfg.mla.latent_dim)
+        return cls(2, cfg.num_key_value_heads, cfg.head_dim)
+
+    @property
+    def token_elements(self) -> int:
+        return self.planes * self.heads * self.dim
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * dtype.itemsize
+    return cfg.num_hidden_layers * block_size * CacheLayout.of(cfg).token_elements * dtype.itemsize
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -26,11 +50,12 @@ class KVCache:
             raise ValueError("the KV cache needs at least one block; raise the memory budget or num_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        layout = CacheLayout.of(cfg)
+        shape = (cfg.num_hidden_layers, layout.planes, num_blocks, block_size, layout.heads, layout.dim)
         # One allocation for the whole pool: a single free-memory figure, one tensor to hand to UCX later.
         # Zeroed, so padded graph rows that read block 0 see finite values.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.layers = [tuple(self.pool[i, p] for p in range(layout.planes)) for i in range(cfg.num_hidden_layers)]
 
     @property
     def nbytes(self) -> int:

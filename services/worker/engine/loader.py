@@ -18,6 +18,7 @@ from services.worker.engine.compressed_weights import is_compressed, load_compre
 from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.mla_weights import mla_tensors
 from services.worker.engine.moe_weights import expert_tensors
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.placement import Placement, ShardedTensor, Slice
@@ -33,7 +34,7 @@ class WeightLoadError(ValueError):
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
-    h, q, kv, inter, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     out = {
         "model.embed_tokens.weight": Placement("embed_tokens.weight", 0, (cfg.vocab_size, h)),
         "model.norm.weight": Placement("norm", 0, (h,)),
@@ -43,18 +44,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = dst + "self_attn."
-        out[src + "self_attn.q_proj.weight"] = Placement(attn + "qkv_proj.weight", 0, (q, h))
-        out[src + "self_attn.k_proj.weight"] = Placement(attn + "qkv_proj.weight", q, (kv, h))
-        out[src + "self_attn.v_proj.weight"] = Placement(attn + "qkv_proj.weight", q + kv, (kv, h))
-        if cfg.attention_bias:
-            out[src + "self_attn.q_proj.bias"] = Placement(attn + "qkv_proj.bias", 0, (q,))
-            out[src + "self_attn.k_proj.bias"] = Placement(attn + "qkv_proj.bias", q, (kv,))
-            out[src + "self_attn.v_proj.bias"] = Placement(attn + "qkv_proj.bias", q + kv, (kv,))
-        if cfg.qk_norm:
-            q_norm, k_norm = (q, kv) if cfg.qk_norm_whole else (hd, hd)
-            out[src + "self_attn.q_norm.weight"] = Placement(attn + "q_norm", 0, (q_norm,))
-            out[src + "self_attn.k_norm.weight"] = Placement(attn + "k_norm", 0, (k_norm,))
-        out[src + "self_attn.o_proj.weight"] = Placement(attn + "o_proj.weight", 0, (h, q))
+        if cfg.mla is not None:
+            out.update((name, shard.place) for name, shard in mla_tensors(cfg, cfg, src + "self_attn.", attn).items())
+        else:
+            out.update(_attention_tensors(cfg, src + "self_attn.", attn))
         if cfg.is_sparse(i):
             out.update((name, shard.place) for name, shard in expert_tensors(cfg, cfg, i, i).items())
         else:
@@ -63,6 +56,24 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
             out[src + "mlp.down_proj.weight"] = Placement(dst + "mlp.down_proj.weight", 0, (h, inter))
         out[src + "input_layernorm.weight"] = Placement(dst + "input_layernorm", 0, (h,))
         out[src + "post_attention_layernorm.weight"] = Placement(dst + "post_attention_layernorm", 0, (h,))
+    return out
+
+
+def _attention_tensors(cfg: ModelConfig, src: str, attn: str) -> dict[str, Placement]:
+    """Checkpoint name → place of one layer's attention (src "model.layers.{i}.self_attn.", attn its module)."""
+    h, q, kv, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+    out = {src + "q_proj.weight": Placement(attn + "qkv_proj.weight", 0, (q, h)),
+           src + "k_proj.weight": Placement(attn + "qkv_proj.weight", q, (kv, h)),
+           src + "v_proj.weight": Placement(attn + "qkv_proj.weight", q + kv, (kv, h)),
+           src + "o_proj.weight": Placement(attn + "o_proj.weight", 0, (h, q))}
+    if cfg.attention_bias:
+        out[src + "q_proj.bias"] = Placement(attn + "qkv_proj.bias", 0, (q,))
+        out[src + "k_proj.bias"] = Placement(attn + "qkv_proj.bias", q, (kv,))
+        out[src + "v_proj.bias"] = Placement(attn + "qkv_proj.bias", q + kv, (kv,))
+    if cfg.qk_norm:
+        q_norm, k_norm = (q, kv) if cfg.qk_norm_whole else (hd, hd)
+        out[src + "q_norm.weight"] = Placement(attn + "q_norm", 0, (q_norm,))
+        out[src + "k_norm.weight"] = Placement(attn + "k_norm", 0, (k_norm,))
     return out
 
 
@@ -238,8 +249,8 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     plan = None if gguf or dummy or compressed else plan_load(model_path, cfg, shards)
     with torch.device("meta"):
         model = DecoderLM(build_cfg or cfg, ops or TorchOps())
-    # Cast while still on meta (free), then allocate once in the final dtype.
-    model = _materialize(model.to(dtype), device)
+    # Cast while still on meta (free), then allocate once in the final dtype (but what stays fp32).
+    model = _materialize(model.to(dtype).keep_fp32(), device)
     params = dict(model.named_parameters())
 
     def flat_target(place: Placement) -> torch.Tensor:

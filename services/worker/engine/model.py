@@ -1,5 +1,5 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts kin
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), with fused weights."""
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts kin
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and DeepSeek-V2/V3 (latent attention), with fused weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from torch import nn
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.layers import MLP, Embedding, Linear
+from services.worker.engine.mla import MLAttention
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.moe import MoE
 from services.worker.engine.ops import TorchOps
@@ -61,7 +62,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = MLAttention(cfg, ops) if cfg.mla is not None else Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.mlp = MoE(cfg, ops) if cfg.is_sparse(layer_id) else MLP(cfg, ops)
         # An EAGLE-3 head reads the residual stream at this layer's input: kept as `stream` when set
@@ -112,7 +113,7 @@ class DecoderLM(nn.Module):
     def init_rope(self, max_positions: int, device) -> None:
         cfg = self.cfg
         self.cos_sin = rope_cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+            cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -124,6 +125,15 @@ class DecoderLM(nn.Module):
                 kv_caches) == len(self.layers) else None
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm, self.cfg.rms_norm_eps)
         return h
+
+    def keep_fp32(self) -> "DecoderLM":
+        """After a cast to the serving dtype: the parameters kept in fp32 as they were trained (an MoE
+        router's score correction bias, whose small differences pick the experts) back to fp32."""
+        for module in self.modules():
+            bias = getattr(module, "score_bias", None)
+            if isinstance(bias, nn.Parameter):
+                module.score_bias = nn.Parameter(bias.float(), requires_grad=False)
+        return self
 
     def quantize_fp8(self) -> None:
         """Every projection of every layer to e4m3 weights; embeddings and the LM head stay as

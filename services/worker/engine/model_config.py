@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -41,6 +45,55 @@ class RopeFreqFactors:
 
 
 @dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN (rope_type "yarn", as DeepSeek's configs use it): the low frequencies divided by the
+    factor, the high ones kept, a linear ramp between; cos and sin scaled by attention_factor, and
+    the attention's softmax scale by mscale(mscale_all_dim)² (transformers' yarn_apply_mscale)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @staticmethod
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        if self.mscale and self.mscale_all_dim:
+            return self.get_mscale(self.factor, self.mscale) / self.get_mscale(self.factor, self.mscale_all_dim)
+        return self.get_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        return self.get_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): per token and layer the cache keeps
+    only the latent (kv_lora_rank, after its norm) and the shared rotary key (qk_rope_head_dim);
+    kv_b_proj expands the latent to each head's no-rope key and value."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (V2-Lite); else q_a → norm → q_b
+    # The checkpoint's rotary dimensions come in interleaved pairs (V2 always; V3 where rope_interleave).
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """One cache row: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class MoEConfig:
     """A mixture-of-experts MLP: the router picks top_k of num_experts per token (softmax in fp32,
     then top-k, renormalised over the chosen when renormalize); a shared expert, where there is one,
@@ -56,6 +109,16 @@ class MoEConfig:
     # (ParallelLayout.local_config); one process holds them all.
     first_expert: int = 0
     local_experts: int = 0  # 0: all of them
+    # DeepSeek's routers: "sigmoid" scores (V3) with a learnt bias that only steers the choice
+    # (score_bias), experts chosen within the topk_group best of n_group groups (a group scored by
+    # its best expert, or by its best two with the bias where score_bias), the weights multiplied by
+    # routed_scaling_factor. A shared expert there has no gate (shared_gate False).
+    scoring: str = "softmax"
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_gate: bool = True
 
     @property
     def held_experts(self) -> int:
@@ -76,12 +139,13 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | RopeFreqFactors | None = None
+    rope_scaling: RopeScaling | RopeFreqFactors | YarnScaling | None = None
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     qk_norm_whole: bool = False  # OLMoE: the RMSNorm spans all of q (and all of k), not each head
     clip_qkv: float | None = None  # OLMoE's optional clamp of q, k and v
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     sliding_window: int | None = None
     torch_dtype: str = "bfloat16"
 
@@ -92,6 +156,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a head: all of it, or MLA's rotary part."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -142,6 +211,9 @@ class ModelConfig:
         heads = need("num_attention_heads", int)
         kv_heads = raw.get("num_key_value_heads") or heads
         head_dim = raw.get("head_dim") or (hidden // heads if heads else 0)
+        mla = _mla_config(arch, raw, source)
+        if mla is not None:  # a query/key head is the no-rope part and the rotary part (config's head_dim: the latter)
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         for key, value in (("hidden_size", hidden), ("num_attention_heads", heads),
                            ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -168,8 +240,10 @@ class ModelConfig:
                     )
                 except KeyError as e:
                     raise ModelConfigError(f"{source}: rope_scaling of type llama3 lacks {e.args[0]!r}") from e
+            elif kind == "yarn":
+                scaling = _yarn(rs, raw, source)
             elif kind not in (None, "default"):
-                raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
+                raise ModelConfigError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3, yarn)")
         if raw.get("rope_freq_factors"):
             factors = tuple(float(f) for f in raw["rope_freq_factors"])
             if len(factors) != head_dim // 2:
@@ -178,7 +252,7 @@ class ModelConfig:
             scaling = RopeFreqFactors(factors)
 
         bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and raw.get("qkv_bias", True)
-        if not bias and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        if not bias and (raw.get("attention_bias") or raw.get("mlp_bias")) and mla is None:
             raise ModelConfigError(f"{source}: attention_bias / mlp_bias are not supported for {arch}")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         cfg = cls(
@@ -200,6 +274,7 @@ class ModelConfig:
             qk_norm_whole=arch == "OlmoeForCausalLM",
             clip_qkv=float(raw["clip_qkv"]) if arch == "OlmoeForCausalLM" and raw.get("clip_qkv") else None,
             moe=_moe_config(arch, raw, need("num_hidden_layers", int), source),
+            mla=mla,
             sliding_window=sliding if isinstance(sliding, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         )
@@ -234,8 +309,66 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+def _yarn(rs: dict, raw: dict, source: str) -> YarnScaling:
+    try:
+        original = int(rs["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ModelConfigError(f"{source}: rope_scaling of type yarn lacks 'original_max_position_embeddings'") from e
+    factor = rs.get("factor") or raw.get("max_position_embeddings", original) / original
+    return YarnScaling(factor=float(factor), original_max_position_embeddings=original,
+                       beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                       mscale=float(rs.get("mscale") or 0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0),
+                       truncate=bool(rs.get("truncate", True)))
+
+
+def _mla_config(arch: str, raw: dict, source: str) -> MLAConfig | None:
+    if arch not in DEEPSEEK_ARCHITECTURES:
+        return None
+    dims = {}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        dims[key] = value
+    if raw.get("attention_bias"):
+        raise ModelConfigError(f"{source}: attention_bias is not supported for {arch}")
+    if dims["qk_rope_head_dim"] % 2:
+        raise ModelConfigError(f"{source}: qk_rope_head_dim ({dims['qk_rope_head_dim']}) must be even")
+    interleave = arch == "DeepseekV2ForCausalLM" or bool(raw.get("rope_interleave", True))
+    return MLAConfig(**dims, q_lora_rank=int(raw.get("q_lora_rank") or 0), rope_interleave=interleave)
+
+
+def _deepseek_moe(arch: str, raw: dict, num_layers: int, source: str) -> MoEConfig | None:
+    """DeepSeek's experts as transformers reads them: V2 softmax scores, greedy or best-in-group
+    (a group scored by its best expert); V3 sigmoid scores with a bias that steers the choice (a
+    group scored by its best two); both times routed_scaling_factor; shared experts without a gate;
+    the first first_k_dense_replace layers dense."""
+    experts, top_k, inter = raw.get("n_routed_experts"), raw.get("num_experts_per_tok"), raw.get("moe_intermediate_size")
+    if experts is None:
+        return None
+    for key, value in (("n_routed_experts", experts), ("num_experts_per_tok", top_k), ("moe_intermediate_size", inter)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    v3 = arch == "DeepseekV3ForCausalLM"
+    grouped = v3 or raw.get("topk_method") == "group_limited_greedy"
+    n_group = int(raw.get("n_group") or 1) if grouped else 1
+    topk_group = int(raw.get("topk_group") or 1) if grouped else 1
+    if experts % n_group or not 0 < topk_group <= n_group or top_k > topk_group * (experts // n_group):
+        raise ModelConfigError(f"{source}: {experts} experts in {n_group} groups, {topk_group} of them chosen, "
+                               f"cannot give {top_k} experts a token")
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    sparse = tuple(range(first_dense, num_layers))  # (transformers, as the published configs, ignores moe_layer_freq)
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                     renormalize=v3 and bool(raw.get("norm_topk_prob", False)),
+                     shared_intermediate_size=inter * int(raw.get("n_shared_experts") or 0), sparse_layers=sparse,
+                     scoring="sigmoid" if v3 else "softmax", score_bias=v3, n_group=n_group, topk_group=topk_group,
+                     routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), shared_gate=False)
+
+
 def _moe_config(arch: str, raw: dict, num_layers: int, source: str) -> MoEConfig | None:
     """The experts of an MoE architecture, each family's keys read as transformers reads them."""
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return _deepseek_moe(arch, raw, num_layers, source)
     if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         return None
     mixtral = arch == "MixtralForCausalLM"

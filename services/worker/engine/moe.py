@@ -26,6 +26,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         h, inter = cfg.hidden_size, moe.intermediate_size
+        self.moe = moe
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.first_expert = moe.first_expert
         self.gate = Linear(h, moe.num_experts, ops)
@@ -33,7 +34,10 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.held_experts, h, inter))
         self.w13_scale = self.w2_scale = None  # fp32 [E, rows] once quantize_fp8() made the experts e4m3
         self.shared_expert = MLP(cfg, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-        self.shared_expert_gate = Linear(h, 1, ops) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = Linear(h, 1, ops) if moe.shared_intermediate_size and moe.shared_gate else None
+        # DeepSeek's routers (scoring, groups, scaling) and V3's score correction bias (fp32, as trained).
+        self.grouped = moe.scoring != "softmax" or moe.n_group > 1 or moe.routed_scaling_factor != 1.0
+        self.score_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32)) if moe.score_bias else None
         # Tokens routed to each expert (all of them, from the replicated router) since the start:
         # the load statistics of /metrics. Counted on the device, read when metrics are scraped.
         self.register_buffer("routed", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
@@ -53,9 +57,13 @@ class MoE(nn.Module):
 
     def forward(self, h, residual, norm, eps, ops: TorchOps):
         x, residual = ops.add_rmsnorm(h, residual, norm, eps)
-        weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed)
+        if self.grouped:
+            weights, ids = ops.group_route(self.gate(x), self.moe, self.score_bias, self.routed)
+        else:
+            weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed)
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale)
         if self.shared_expert is not None:
             shared = self.shared_expert.down_proj(self.shared_expert.gate_up_proj(x))
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out, residual

@@ -43,9 +43,14 @@ def expert_tensors(cfg: ModelConfig, local: ModelConfig, layer: int, local_layer
                                                    rows(i0, inter))
         out[name + f"{down}.weight"] = ShardedTensor((h, moe.intermediate_size),
                                                      Placement(dst + "w2", e * h, (h, inter)), cols(i0, inter))
+    if moe.score_bias:
+        out[src + f"{router}.e_score_correction_bias"] = ShardedTensor(
+            (moe.num_experts,), Placement(dst + "score_bias", 0, (moe.num_experts,)))
     if moe.shared_intermediate_size:
         # The shared expert is a dense MLP seen by every token: split by tensor parallelism either way.
-        shared, s_inter = src + "shared_expert.", mine.shared_intermediate_size
+        # (DeepSeek's n_shared_experts are one MLP of their summed width, named in the plural.)
+        shared = src + ("shared_expert." if moe.shared_gate else "shared_experts.")
+        s_inter = mine.shared_intermediate_size
         s_full, s0 = moe.shared_intermediate_size, tp_rank * s_inter
         whole = s_inter == s_full
         s_rows = None if whole else Slice(0, s0, s_inter)
@@ -55,6 +60,7 @@ def expert_tensors(cfg: ModelConfig, local: ModelConfig, layer: int, local_layer
         out[shared + "up_proj.weight"] = ShardedTensor((s_full, h), Placement(gate_up, s_inter, (s_inter, h)), s_rows)
         out[shared + "down_proj.weight"] = ShardedTensor(
             (h, s_full), Placement(dst + "shared_expert.down_proj.weight", 0, (h, s_inter)), s_cols)
-        out[src + "shared_expert_gate.weight"] = ShardedTensor(
-            (1, h), Placement(dst + "shared_expert_gate.weight", 0, (1, h)))
+        if moe.shared_gate:
+            out[src + "shared_expert_gate.weight"] = ShardedTensor(
+                (1, h), Placement(dst + "shared_expert_gate.weight", 0, (1, h)))
     return out

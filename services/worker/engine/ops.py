@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, moe_route,
-                                     rmsnorm, rope, sampling, silu_mul)
+from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, mla_decode,
+                                     mla_prefill, mla_rope, moe_group_route, moe_route, rmsnorm, rope, sampling,
+                                     silu_mul)
 
 # Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
 # Triton's host cost per launch) outweigh what it saves.
@@ -64,6 +65,12 @@ class TorchOps:
         [E]) gets each expert's tokens added (kernels/moe_route.py)."""
         return moe_route.route_ref(logits, top_k, renormalize, counts)
 
+    def group_route(self, logits, moe, bias, counts=None):
+        """DeepSeek's router (MoEConfig moe: scoring, groups, scaling; bias: V3's score correction):
+        (fp32 weights, int32 expert ids), each [T, top_k] (kernels/moe_group_route.py)."""
+        return moe_group_route.group_route_ref(logits, moe.top_k, moe.renormalize, moe.scoring, bias, moe.n_group,
+                                               moe.topk_group, moe.routed_scaling_factor, counts)
+
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         """The experts' part of an MoE layer: each token through its top-k experts held here
         (ids from first_expert), weighted and summed (kernels/fused_moe.py)."""
@@ -75,6 +82,24 @@ class TorchOps:
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return extend_attention.paged_extend_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+
+    def mla_rope_write(self, q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave: bool):
+        """MLA: q's rotary part rotated (returned), [latent | rotated k_rot] written at the slots."""
+        return mla_rope.mla_rope_write_ref(q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave)
+
+    def mla_attention(self, q_nope, q_rot, cache, kv_b, meta: AttentionMetadata, scale: float, v_dim: int):
+        """MLA over the latent cache → [T, H, v_dim]: a step of decodes in the absorbed form (the
+        latents read as they are), any other in the expanded form (kernels/mla_prefill.py)."""
+        if meta.decode_only:
+            return self.mla_decode(q_nope, q_rot, cache, kv_b, meta.block_tables, meta.seq_lens, scale,
+                                   meta.max_seq_len)
+        return mla_prefill.mla_prefill(q_nope, q_rot, cache, kv_b, meta.block_tables, meta.query_start_loc,
+                                       meta.seq_lens, meta.max_query_len, meta.max_seq_len, scale, v_dim)
+
+    def mla_decode(self, q_nope, q_rot, cache, kv_b, block_tables, seq_lens, scale: float, max_seq_len: int):
+        q = mla_decode.absorb_query(q_nope, q_rot, kv_b)
+        o_lat = mla_decode.mla_decode_ref(q, cache, block_tables, seq_lens, scale, kv_b.shape[1])
+        return mla_decode.expand_output(o_lat, kv_b, q_nope.shape[-1])
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets, chain: bool = True,
                second_read: bool = True, one_shape: bool = False):
@@ -133,6 +158,30 @@ class TritonOps(TorchOps):
 
     def route(self, logits, top_k: int, renormalize: bool, counts=None):
         return moe_route.route(logits, top_k, renormalize, counts)
+
+    def mla_rope_write(self, q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave: bool):
+        return mla_rope.mla_rope_write(q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave)
+
+    def mla_attention(self, q_nope, q_rot, cache, kv_b, meta: AttentionMetadata, scale: float, v_dim: int):
+        n = meta.decode_rows
+        if meta.decode_only or n < MIN_SPLIT_DECODE_ROWS:
+            return super().mla_attention(q_nope, q_rot, cache, kv_b, meta, scale, v_dim)
+        # A mixed step's decodes in the absorbed form; padding them into the expanded form's
+        # [sequences, longest query] grid would cost a prompt's width each.
+        out = q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], v_dim))
+        out[:n] = self.mla_decode(q_nope[:n], q_rot[:n], cache, kv_b, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                                  meta.max_seq_len)
+        qsl = meta.query_start_loc[n:] - n
+        out[n:] = mla_prefill.mla_prefill(q_nope[n:], q_rot[n:], cache, kv_b, meta.block_tables[n:], qsl,
+                                          meta.seq_lens[n:], meta.max_query_len, meta.max_seq_len, scale, v_dim)
+        return out
+
+    def mla_decode(self, q_nope, q_rot, cache, kv_b, block_tables, seq_lens, scale: float, max_seq_len: int):
+        if not hasattr(mla_decode, "mla_decode"):  # (the kernel is being written)
+            return super().mla_decode(q_nope, q_rot, cache, kv_b, block_tables, seq_lens, scale, max_seq_len)
+        q = mla_decode.absorb_query(q_nope, q_rot, kv_b)
+        o_lat = mla_decode.mla_decode(q, cache, block_tables, seq_lens, scale, kv_b.shape[1], max_seq_len)
+        return mla_decode.expand_output(o_lat, kv_b, q_nope.shape[-1])
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)

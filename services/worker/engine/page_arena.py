@@ -23,9 +23,9 @@ class PageArena:
     event loop releases once the pages have gone."""
 
     def __init__(self, pool: torch.Tensor, num_pages: int):
-        """pool: the KV pool [L, 2, num_blocks, block_size, H, D]; the slots are [n, L, 2, bs, H, D]."""
-        layers, _, _, block_size, heads, dim = pool.shape
-        self.buffer = torch.empty((num_pages, layers, 2, block_size, heads, dim), dtype=pool.dtype,
+        """pool: the KV pool [L, planes, num_blocks, block_size, H, D]; the slots are [n, L, planes, bs, H, D]."""
+        layers, planes, _, block_size, heads, dim = pool.shape
+        self.buffer = torch.empty((num_pages, layers, planes, block_size, heads, dim), dtype=pool.dtype,
                                   device=pool.device)
         self.num_pages = num_pages
         self._starts: list[int] = [0]  # free runs, sorted by start

@@ -20,6 +20,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> tor
         return inv_freq
     if hasattr(scaling, "freq_factors"):  # llama.cpp's form: one divisor per frequency (a GGUF's rope_freqs)
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device=device)
+    if hasattr(scaling, "beta_fast"):
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # transformers' _compute_llama3_parameters, step for step.
     factor = scaling.factor
     low_freq_factor = scaling.low_freq_factor
@@ -35,6 +37,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None) -> tor
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, yarn) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters: the frequencies that turn fewer than beta_slow times
+    over the original context are interpolated (divided by the factor), those that turn more than
+    beta_fast times kept, with a linear ramp between."""
+    def correction_dim(rotations):
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = 1.0 / inv_freq
+    return 1.0 / (yarn.factor * pos_freqs) * (1 - extrapolation) + inv_freq * extrapolation
+
+
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling=None,
                        device=None) -> torch.Tensor:
     """[max_position, head_dim] float32: cos(pos * inv_freq) in the first half, sin in the second.
@@ -45,7 +66,9 @@ def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling=N
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    factor = getattr(scaling, "attention_factor", 1.0)  # YaRN scales cos and sin (as transformers does)
+    return (table * factor if factor != 1.0 else table).contiguous()
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Tensor parallelism from outside the model (Megatron's split, as gpt-fast applies it): which
 slice of each checkpoint tensor a rank loads, and the collectives hooked onto the plain modules.
 
-q/k/v and gate/up are split by output rows (each rank's heads and MLP columns), o_proj and
+q/k/v and gate/up are split by output rows (each rank's heads and MLP columns; MLA: mla_weights.py), o_proj and
 down_proj by input columns, so each layer needs one all-reduce after attention and one after the
 MLP; the embedding and the LM head are split by vocabulary rows. Norms are replicated.
 """
@@ -16,6 +16,7 @@ from torch import nn
 from services.worker.engine.placement import Placement, ShardedTensor, Slice
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
+from services.worker.engine.mla_weights import mla_tensors
 from services.worker.engine.moe_weights import expert_tensors
 from services.worker.engine.parallel.layout import ParallelLayout
 
@@ -52,6 +53,21 @@ def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Shard
         src, dst = f"model.layers.{i}.", f"layers.{i - lo}."
         attn = dst + "self_attn."
         qkv = attn + "qkv_proj."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
+        if cfg.is_sparse(i):
+            out.update(expert_tensors(cfg, local, i, i - lo, tp_rank))
+        else:
+            gate_up = dst + "mlp.gate_up_proj.weight"
+            out[src + "mlp.gate_proj.weight"] = ShardedTensor(
+                (cfg.intermediate_size, h), Placement(gate_up, 0, (inter, h)), rows(i0, inter))
+            out[src + "mlp.up_proj.weight"] = ShardedTensor(
+                (cfg.intermediate_size, h), Placement(gate_up, inter, (inter, h)), rows(i0, inter))
+            out[src + "mlp.down_proj.weight"] = ShardedTensor(
+                (h, cfg.intermediate_size), Placement(dst + "mlp.down_proj.weight", 0, (h, inter)), cols(i0, inter))
+        if cfg.mla is not None:
+            out.update(mla_tensors(cfg, local, src + "self_attn.", attn, tp_rank))
+            continue
         out[src + "self_attn.q_proj.weight"] = ShardedTensor(
             (cfg.q_size, h), Placement(qkv + "weight", 0, (q, h)), rows(q0, q))
         out[src + "self_attn.k_proj.weight"] = ShardedTensor(
@@ -75,18 +91,6 @@ def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Shard
             out[src + "self_attn.k_norm.weight"] = ShardedTensor((hd,), Placement(attn + "k_norm", 0, (hd,)))
         out[src + "self_attn.o_proj.weight"] = ShardedTensor(
             (h, cfg.q_size), Placement(attn + "o_proj.weight", 0, (h, q)), cols(q0, q))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
-        if cfg.is_sparse(i):
-            out.update(expert_tensors(cfg, local, i, i - lo, tp_rank))
-            continue
-        gate_up = dst + "mlp.gate_up_proj.weight"
-        out[src + "mlp.gate_proj.weight"] = ShardedTensor(
-            (cfg.intermediate_size, h), Placement(gate_up, 0, (inter, h)), rows(i0, inter))
-        out[src + "mlp.up_proj.weight"] = ShardedTensor(
-            (cfg.intermediate_size, h), Placement(gate_up, inter, (inter, h)), rows(i0, inter))
-        out[src + "mlp.down_proj.weight"] = ShardedTensor(
-            (h, cfg.intermediate_size), Placement(dst + "mlp.down_proj.weight", 0, (h, inter)), cols(i0, inter))
     return out
 
 
