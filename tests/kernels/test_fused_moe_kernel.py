@@ -217,3 +217,25 @@ def test_route_kernel_matches_reference(top_k, renormalize, device):
     assert torch.equal(ids, want_ids) and ids.dtype == torch.int32
     assert torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
     assert torch.equal(counts, counts_ref) and counts.sum() == 5 * top_k
+
+
+@pytest.mark.parametrize("scoring,bias,n_group,topk_group", [
+    ("sigmoid", True, 4, 2),  # DeepSeek-V3: groups scored by their best two biased scores
+    ("sigmoid", True, 1, 1),  # Kimi K2, Moonlight: one group
+    ("softmax", False, 4, 3),  # DeepSeek-V2: groups scored by their best
+], ids=["v3", "one-group", "v2"])
+def test_grouped_route_kernel_matches_reference(scoring, bias, n_group, topk_group, device):
+    from services.worker.kernels import moe_route
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 16, generator=g).to(device)
+    b = (torch.randn(16, generator=g) * 0.5).to(device) if bias else None
+    counts, counts_ref = (torch.zeros(16, dtype=torch.int64, device=device) for _ in range(2))
+    weights, ids = moe_route.route(logits, 3, scoring == "sigmoid", counts, scoring, b, n_group, topk_group, 2.5)
+    want_w, want_ids = moe_route.group_route_ref(logits, 3, scoring == "sigmoid", scoring, b, n_group, topk_group,
+                                                 2.5, counts_ref)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(counts, counts_ref)
+    if n_group > 1:  # every choice within the kept groups
+        assert all(len({int(e) // 4 for e in row}) <= topk_group for row in ids)

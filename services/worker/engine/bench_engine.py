@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     result.update(tensor_parallel=args.tensor_parallel_size, pipeline_parallel=args.pipeline_parallel_size,
                   custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm,
-                  expert_parallel=args.enable_expert_parallel, kv_gib=engine.memory_report.get("kv_gib"))
+                  expert_parallel=args.enable_expert_parallel, kv_gib=engine.memory_report.get("kv_gib"),
+                  memory=engine.memory_report)
     if args.json:
         print(json.dumps(result))
     else:

@@ -24,7 +24,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.engine_stats import EngineStats, engine_stats
 from services.worker.engine.drafts import advance_matchers, checked_drafts, constrain, make_drafts
-from services.worker.engine.kv_cache import KVCache, kv_cache_dtype
+from services.worker.engine.kv_cache import CacheLayout, KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
@@ -183,7 +183,7 @@ class LLMEngine:
                                      min(self.max_model_len, config.max_graph_len), self.device)
             self.graph_capture_seconds = graphs.capture()
             self.runner.graphs = graphs
-            if config.mixed_graphs:
+            if config.mixed_graphs and CacheLayout.of(self.rank_config).graphs_mixed_steps:
                 from services.worker.engine.mixed_graphs import MixedGraphRunner
                 mixed = MixedGraphRunner(self.model, self.kv_cache, config.max_num_seqs,
                                          config.max_num_batched_tokens, min(self.max_model_len, config.max_graph_len),

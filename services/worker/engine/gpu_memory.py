@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
-from services.worker.engine.kv_cache import KVCache, kv_bytes_per_block
+from services.worker.engine.kv_cache import CacheLayout, KVCache, kv_bytes_per_block
 from services.worker.engine.kv_export import handoff_buffer_blocks
 from services.worker.engine.sampler import log_probs
 from services.worker.kernels.extend_attention import query_tiles
@@ -85,7 +85,7 @@ def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
 def mixed_graph_bytes(engine) -> int:
     """The graph pool's share for mixed-step graphs: one step's activations at their largest
     bucket (q, k, v, attention out, gate/up, SiLU and a few hidden-sized buffers per token)."""
-    if not engine.config.mixed_graphs:
+    if not engine.config.mixed_graphs or not CacheLayout.of(engine.rank_config).graphs_mixed_steps:
         return 0
     from services.worker.engine.mixed_graphs import MAX_GRAPH_TOKENS
     mc = engine.rank_config

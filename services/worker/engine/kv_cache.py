@@ -32,6 +32,13 @@ class CacheLayout:
         return cls(2, cfg.num_key_value_heads, cfg.head_dim)
 
     @property
+    def graphs_mixed_steps(self) -> bool:
+        """Whether steps with prompt chunks can replay CUDA graphs: not over latents, whose prefill
+        (kernels/mla_prefill.py) pads to the step's longest query and context, which a graph would
+        fix at their bounds (2,048 queries × the longest context, per sequence)."""
+        return self.planes == 2
+
+    @property
     def token_elements(self) -> int:
         return self.planes * self.heads * self.dim
 

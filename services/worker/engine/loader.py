@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import structlog
 import torch
 
 from services.worker.cuda_early import STAGING_BYTES
@@ -25,6 +26,8 @@ from services.worker.engine.placement import Placement, ShardedTensor, Slice
 from services.worker.engine.safetensors_file import TensorEntry, read_all_headers
 from shared.gguf_file import GGUFError, is_gguf, open_gguf
 from shared.progress import progress
+
+log = structlog.get_logger("worker.loader")
 
 PROGRESS_MIN_BYTES = 1 << 30  # loads from a gigabyte on show their progress
 
@@ -247,6 +250,9 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         raise WeightLoadError(f"{model_path}: a compressed directory loads on one rank only for now; "
                               "tensor/pipeline parallelism needs the uncompressed one")
     plan = None if gguf or dummy or compressed else plan_load(model_path, cfg, shards)
+    if cfg.mtp_layers:
+        log.info("multi-token-prediction layers not loaded", layers=cfg.mtp_layers,
+                 first=f"model.layers.{cfg.num_hidden_layers}")
     with torch.device("meta"):
         model = DecoderLM(build_cfg or cfg, ops or TorchOps())
     # Cast while still on meta (free), then allocate once in the final dtype (but what stays fp32).

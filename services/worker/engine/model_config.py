@@ -146,6 +146,9 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE's optional clamp of q, k and v
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    # DeepSeek-V3's multi-token-prediction layers after the last (num_nextn_predict_layers): not
+    # loaded (speculation here has its own drafters); the loader says so.
+    mtp_layers: int = 0
     sliding_window: int | None = None
     torch_dtype: str = "bfloat16"
 
@@ -275,6 +278,7 @@ class ModelConfig:
             clip_qkv=float(raw["clip_qkv"]) if arch == "OlmoeForCausalLM" and raw.get("clip_qkv") else None,
             moe=_moe_config(arch, raw, need("num_hidden_layers", int), source),
             mla=mla,
+            mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla is not None else 0,
             sliding_window=sliding if isinstance(sliding, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         )

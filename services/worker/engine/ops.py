@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.kernels import (decode_attention, extend_attention, fp8_linear, fused_moe, gemv, mla_decode,
-                                     mla_prefill, mla_rope, moe_group_route, moe_route, rmsnorm, rope, sampling,
+                                     mla_prefill, mla_rope, moe_route, rmsnorm, rope, sampling,
                                      silu_mul)
 
 # Below this many decodes in a mixed step, the decode kernel's extra launches (eager steps pay
@@ -67,8 +67,8 @@ class TorchOps:
 
     def group_route(self, logits, moe, bias, counts=None):
         """DeepSeek's router (MoEConfig moe: scoring, groups, scaling; bias: V3's score correction):
-        (fp32 weights, int32 expert ids), each [T, top_k] (kernels/moe_group_route.py)."""
-        return moe_group_route.group_route_ref(logits, moe.top_k, moe.renormalize, moe.scoring, bias, moe.n_group,
+        (fp32 weights, int32 expert ids), each [T, top_k] (kernels/moe_route.py)."""
+        return moe_route.group_route_ref(logits, moe.top_k, moe.renormalize, moe.scoring, bias, moe.n_group,
                                                moe.topk_group, moe.routed_scaling_factor, counts)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
@@ -158,6 +158,10 @@ class TritonOps(TorchOps):
 
     def route(self, logits, top_k: int, renormalize: bool, counts=None):
         return moe_route.route(logits, top_k, renormalize, counts)
+
+    def group_route(self, logits, moe, bias, counts=None):
+        return moe_route.route(logits, moe.top_k, moe.renormalize, counts, moe.scoring, bias, moe.n_group,
+                               moe.topk_group, moe.routed_scaling_factor)
 
     def mla_rope_write(self, q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave: bool):
         return mla_rope.mla_rope_write(q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave)
