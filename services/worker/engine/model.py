@@ -137,9 +137,12 @@ class DecoderLM(nn.Module):
 
     def quantize_fp8(self) -> None:
         """Every projection of every layer to e4m3 weights; embeddings and the LM head stay as
-        they are (as vLLM's fp8: the head's precision shows in every sampled token)."""
+        they are (as vLLM's fp8: the head's precision shows in every sampled token), and so do the
+        MoE routers (a few rows, whose rounding would move tokens between experts; an 8-row gate
+        is no GEMM shape for fp8 either)."""
+        routers = {id(m.gate) for m in self.layers.modules() if isinstance(m, MoE)}
         for module in self.layers.modules():
-            if isinstance(module, (Linear, MoE)):
+            if isinstance(module, (Linear, MoE)) and id(module) not in routers:
                 module.quantize_fp8()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
