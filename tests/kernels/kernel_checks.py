@@ -46,14 +46,26 @@ def paged_kv(lens, n_kv, head_dim, page, dtype, device, spare_blocks=3):
     return k_cache, v_cache, tables.to(device), dense_k, dense_v
 
 
-def dense_causal_attention(q, k, v, scale):
-    """Naive fp64 attention of q [n, Hq, D] over k/v [L, Hkv, D]; row i sees keys 0..L-n+i."""
+def dense_causal_attention(q, k, v, scale, chunk=0):
+    """Naive fp64 attention of q [n, Hq, D] over k/v [L, Hkv, D]; row i sees keys 0..L-n+i (chunk > 0:
+    only those of its position's chunk, position // chunk)."""
     n, n_q, _ = q.shape
     length, n_kv, _ = k.shape
     group = n_q // n_kv
     kk = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
     vv = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), kk) * scale
-    allowed = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
+    last = length - n + torch.arange(n)
+    allowed = torch.arange(length)[None, :] <= last[:, None]
+    if chunk:
+        allowed &= torch.arange(length)[None, :] >= (last // chunk * chunk)[:, None]
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vv)
+
+
+def poison_before_chunks(v_cache, tables, first_positions, chunk, page):
+    """NaN into V at every position of sequence b before the chunk of first_positions[b]: a kernel that
+    reads any of them (and masks it after) gives NaN, one that skips them does not."""
+    for b, first in enumerate(first_positions):
+        for pos in range(first // chunk * chunk):
+            v_cache[tables[b, pos // page].long(), pos % page] = float("nan")

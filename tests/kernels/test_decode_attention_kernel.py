@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, dense_causal_attention, paged_kv, rel_err
+from kernel_checks import TOL, dense_causal_attention, paged_kv, poison_before_chunks, rel_err
 
 from services.worker.kernels import decode_attention as K
 
@@ -106,3 +106,21 @@ def test_fp8_cache_matches_reference(lens, hkv, group, head_dim, page, device):
     out = K.paged_decode_attention(q, kc8, vc8, tables, seq_lens, scale, max_seq_len=max(lens))
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
     assert rel_err(ref, K.paged_decode_attention_ref(q, kc, vc, tables, seq_lens, scale)) <= 0.08
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_chunked_decode_reads_only_its_chunk(num_splits, device):
+    """Llama 4's chunked local attention: each sequence sees the keys of its last position's chunk
+    (a chunk just begun, a full one, one shorter than the context, a padding row), split or not; the
+    earlier keys are never read (NaN there stays out)."""
+    lens, chunk, page = [33, 48, 17, 0, 5], 16, 8
+    q, kc, vc, tables, seq_lens, dense_k, dense_v = _case(lens, 2, 4, 32, page, torch.float32, device)
+    ref = K.paged_decode_attention_ref(q, kc, vc, tables, seq_lens, 0.2, chunk=chunk)
+    for b, n in enumerate(lens):
+        if n:
+            want = dense_causal_attention(q[b:b + 1], dense_k[b], dense_v[b], 0.2, chunk)[0]
+            assert rel_err(ref[b], want) <= 1e-6
+    poison_before_chunks(vc, tables, [max(n - 1, 0) for n in lens], chunk, page)
+    out = K.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.2, num_splits=num_splits, max_seq_len=max(lens),
+                                   chunk=chunk)
+    assert rel_err(out, ref) <= TOL[torch.float32]

@@ -82,3 +82,14 @@ def test_triton_engine_serves_latent_attention_as_torch(tmp_path, monkeypatch):
                                                    quantization=quantization, kv_cache_dtype=kv)).generate(
             PROMPTS, params) for kernels in ("torch", "triton")}
         assert outputs["triton"] == outputs["torch"], quantization
+
+
+def test_triton_engine_serves_llama4_as_torch(tmp_path, monkeypatch):
+    """Llama 4: a chunked RoPE layer (interleaved rotary with the QK-norm in the KV write, the 17-token
+    prompt over two chunks of 16) and a global NoPE layer (temperature-scaled queries, input-scaled
+    top-1 experts through the router's kernel and the grouped GEMMs, then the GEMV path)."""
+    model_dir = _model(tmp_path, monkeypatch, arch="Llama4ForCausalLM")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = {kernels: LLMEngine(EngineConfig(model_dir=str(model_dir), num_blocks=64, kernels=kernels)).generate(
+        PROMPTS, params) for kernels in ("torch", "triton")}
+    assert outputs["triton"] == outputs["torch"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, dense_causal_attention, paged_kv, rel_err
+from kernel_checks import TOL, dense_causal_attention, paged_kv, poison_before_chunks, rel_err
 
 from services.worker.kernels import decode_attention
 from services.worker.kernels import extend_attention as K
@@ -151,3 +151,38 @@ def test_fp8_cache_matches_reference(lens, q_lens, hkv, group, head_dim, page, d
     out = K.paged_extend_attention(q, kc8, vc8, tables, qsl_t, lens_t, scale, max_query_len=max(q_lens), tiles=tiles)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= TOL[torch.bfloat16]
     assert rel_err(ref, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, scale)) <= 0.08
+
+
+CHUNK_CASES = [
+    # lens, q_lens, kv heads, group, head_dim, page, chunk: prompts over several chunks, a chunk on a
+    # cached prefix that starts mid-chunk, a decode, a chunk longer than some contexts
+    ([45, 37, 20], [45, 10, 1], 2, 2, 32, 8, 16),
+    ([70, 9], [30, 9], 1, 4, 16, 16, 24),
+]
+
+
+def test_chunked_reference_matches_dense_chunked_attention():
+    lens, q_lens, hkv, group, head_dim, page, chunk = CHUNK_CASES[0]
+    q, kc, vc, tables, qsl_t, lens_t, dense_k, dense_v, qsl = _case(lens, q_lens, hkv, group, head_dim, page,
+                                                                     torch.float32, "cpu")
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2, chunk=chunk)
+    for b in range(len(lens)):
+        want = dense_causal_attention(q[qsl[b]:qsl[b + 1]], dense_k[b], dense_v[b], 0.2, chunk)
+        assert rel_err(ref[qsl[b]:qsl[b + 1]], want) <= 1e-6
+    assert rel_err(ref, K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2)) > 0.1
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grid", "tiled"])
+@pytest.mark.parametrize("lens,q_lens,hkv,group,head_dim,page,chunk", CHUNK_CASES)
+def test_chunked_triton_matches_reference_and_skips_earlier_keys(lens, q_lens, hkv, group, head_dim, page, chunk,
+                                                                 tiled, device):
+    """Llama 4's chunked local attention: each row within its chunk (tiles straddling a chunk's
+    border included); the keys before the first query's chunk are never read (NaN there stays out)."""
+    dtype = torch.bfloat16 if tiled else torch.float32
+    q, kc, vc, tables, qsl_t, lens_t, _, _, _ = _case(lens, q_lens, hkv, group, head_dim, page, dtype, device)
+    ref = K.paged_extend_attention_ref(q, kc, vc, tables, qsl_t, lens_t, 0.2, chunk=chunk)
+    poison_before_chunks(vc, tables, [n - m for n, m in zip(lens, q_lens)], chunk, page)
+    tiles = torch.from_numpy(K.query_tiles(q_lens)).to(device=device, dtype=torch.int32) if tiled else None
+    out = K.paged_extend_attention(q, kc, vc, tables, qsl_t, lens_t, 0.2, max_query_len=max(q_lens), tiles=tiles,
+                                   chunk=chunk)
+    assert rel_err(out, ref) <= TOL[dtype]

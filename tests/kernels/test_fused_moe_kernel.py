@@ -239,3 +239,18 @@ def test_grouped_route_kernel_matches_reference(scoring, bias, n_group, topk_gro
     assert torch.equal(counts, counts_ref)
     if n_group > 1:  # every choice within the kept groups
         assert all(len({int(e) // 4 for e in row}) <= topk_group for row in ids)
+
+
+def test_llama4_route_picks_by_logits_and_weighs_by_sigmoid(device):
+    """Llama 4's router (sigmoid, no bias, top-1) as transformers': the largest logit, even where fp32's
+    sigmoid rounds two of them to 1.0 (row 0: experts 1 and 4); the weight is its sigmoid."""
+    from services.worker.kernels import moe_route
+
+    logits = torch.randn(6, 5, device=device)
+    logits[0, 1], logits[0, 4] = 40.0, 50.0
+    weights, ids = moe_route.route(logits, 1, False, None, "sigmoid")
+    want_w, want_ids = moe_route.group_route_ref(logits, 1, False, "sigmoid", None, 1, 1, 1.0)
+    assert torch.equal(ids, want_ids) and torch.equal(want_ids[:, 0].long(), logits.argmax(-1))
+    assert int(ids[0, 0]) == 4
+    assert torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(want_w[:, 0], torch.sigmoid(logits.max(-1).values))

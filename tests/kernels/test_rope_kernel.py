@@ -157,3 +157,47 @@ def test_rope_kv_write_into_an_fp8_cache(device):
     # k is rotated in fp32 by both; a rounding tie may fall either way, one fp8 step at most.
     diff = (kc.float() - kc_ref.float()).abs()
     assert (diff <= kc_ref.float().abs() / 8 + 1e-3).all() and (diff > 0).float().mean() < 0.05
+
+
+def test_llama4_reference_equals_transformers_rotary_and_qk_norm():
+    """Llama 4's complex-number rotary over interleaved pairs and its L2 QK-norm: the reference's q and
+    k are transformers' with each head's pairs in the half-split order (K.halves)."""
+    modeling_llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+    t, hq, hkv, head_dim = 7, 4, 2, 16
+    q, k, v = torch.randn(t, hq, head_dim), torch.randn(t, hkv, head_dim), torch.randn(t, hkv, head_dim)
+    positions = torch.randint(0, 60, (t,))
+    cos_sin = K.rope_cos_sin_cache(head_dim, 64, 500000.0, LLAMA3_SCALING)
+    kc = torch.zeros(1, 16, hkv, head_dim)
+    q_rot, k_rot = K.rope_kv_write_ref(q, k, v, positions, cos_sin, kc, kc.clone(), torch.arange(t),
+                                       interleave=True, norm_eps=1e-5)
+    inv_freq = K.rope_inv_freq(head_dim, 500000.0, LLAMA3_SCALING)
+    freqs = positions[None, :, None].float() * inv_freq
+    hf_q, hf_k = modeling_llama4.apply_rotary_emb(q[None], k[None], torch.polar(torch.ones_like(freqs), freqs))
+    norm = modeling_llama4.Llama4TextL2Norm(1e-5)
+    assert rel_err(q_rot, K.halves(norm(hf_q[0]), True)) <= 1e-6
+    assert rel_err(k_rot, K.halves(norm(hf_k[0]), True)) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["interleave-norm", "nope-scale"])
+def test_llama4_variants_match_reference(variant, dtype, device):
+    """A RoPE layer of Llama 4 (interleaved pairs, then the L2 QK-norm) and a NoPE one (no rotation,
+    each token's q scaled by its temperature): q, k and the cache as the reference has them."""
+    t, hq, hkv, head_dim, page = 9, 4, 2, 16, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, device=device).to(dtype)
+    q, k, v = (x.view(t, -1, head_dim) for x in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    positions = torch.randint(0, 60, (t,), device=device)
+    rope = variant == "interleave-norm"
+    kwargs = dict(interleave=True, norm_eps=1e-5) if rope else dict(
+        q_scale=torch.rand(t, device=device) + 1.0)
+    cos_sin = K.rope_cos_sin_cache(head_dim, 64, 10000.0).to(device) if rope else None
+    slots = torch.randperm(3 * page)[:t].to(device)
+    kc = torch.full((3, page, hkv, head_dim), float("nan"), dtype=dtype, device=device)
+    vc, kc_ref, vc_ref = kc.clone(), kc.clone(), kc.clone()
+    q_rot, k_rot = K.rope_kv_write(q, k, v, positions, cos_sin, kc, vc, slots, **kwargs)
+    q_ref, k_ref = K.rope_kv_write_ref(q, k, v, positions, cos_sin, kc_ref, vc_ref, slots, **kwargs)
+    assert rel_err(q_rot, q_ref) <= TOL[dtype] and rel_err(k_rot, k_ref) <= TOL[dtype]
+    assert rel_err(kc.view(-1, hkv, head_dim)[slots], kc_ref.view(-1, hkv, head_dim)[slots]) <= TOL[dtype]
+    assert torch.equal(vc.nan_to_num(0.0), vc_ref.nan_to_num(0.0))
+    if not rope:  # nothing rotated: k is written as it came
+        assert torch.equal(kc.view(-1, hkv, head_dim)[slots], k)

@@ -18,6 +18,7 @@ from services.worker.cuda_early import STAGING_BYTES
 from services.worker.engine.compressed_weights import is_compressed, load_compressed_weights
 from services.worker.engine.gguf_weights import load_gguf_weights
 from services.worker.engine.model import DecoderLM
+from services.worker.engine.llama4_weights import llama4_feed_forward
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.mla_weights import mla_tensors
 from services.worker.engine.moe_weights import expert_tensors
@@ -51,7 +52,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Placement]:
             out.update((name, shard.place) for name, shard in mla_tensors(cfg, cfg, src + "self_attn.", attn).items())
         else:
             out.update(_attention_tensors(cfg, src + "self_attn.", attn))
-        if cfg.is_sparse(i):
+        if cfg.llama4 is not None:
+            out.update((name, shard.place) for name, shard in llama4_feed_forward(cfg, cfg, i, i).items())
+        elif cfg.is_sparse(i):
             out.update((name, shard.place) for name, shard in expert_tensors(cfg, cfg, i, i).items())
         else:
             out[src + "mlp.gate_proj.weight"] = Placement(dst + "mlp.gate_up_proj.weight", 0, (inter, h))
@@ -85,7 +88,7 @@ def plan_load(model_dir: Path, cfg: ModelConfig, shards: dict[str, ShardedTensor
     Returns (entry, placement, column slice) triples; a row slice is already cut into the entry."""
     entries = read_all_headers(model_dir)
     if shards is None:
-        shards = {name: ShardedTensor(place.shape, place) for name, place in expected_tensors(cfg).items()}
+        shards = {name: ShardedTensor(place.stored_shape, place) for name, place in expected_tensors(cfg).items()}
     plan = []
     for name, shard in shards.items():
         entry = entries.get(name)
@@ -282,6 +285,9 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
                           staging if staging is not None else StagingPool())
         if shards is not None:
             _zero_unloaded_rows(params, shards)
+    if not dummy:
+        _turn_transposed(expected.values() if shards is None else [s.place for s in shards.values()], flat_target)
+    model.finish_load()
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
 
@@ -299,6 +305,20 @@ def _materialize(model: DecoderLM, device: torch.device) -> DecoderLM:
             if b is not None:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
     return model
+
+
+def _turn_transposed(places, flat_target) -> None:
+    """The placements whose checkpoint tensor holds each matrix transposed (Llama 4's stacked experts)
+    were filled byte for byte as stored: each matrix is turned now, one at a time through a copy
+    (so the safetensors and the compressed readers need no transposing path of their own)."""
+    with torch.no_grad():
+        for place in places:
+            if place.transpose:
+                *_, rows, cols = place.shape
+                flat = flat_target(place)
+                stored, wanted = flat.view(-1, cols, rows), flat.view(-1, rows, cols)
+                for m in range(stored.shape[0]):
+                    wanted[m].copy_(stored[m].t().contiguous())
 
 
 def _zero_unloaded_rows(params: dict, shards: dict[str, ShardedTensor]) -> None:

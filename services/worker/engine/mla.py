@@ -48,9 +48,9 @@ class MLAttention(nn.Module):
         n = qkv.shape[0]
         q, compressed = qkv.split([self.q_out, self.lora + self.rope], dim=-1)
         if self.q_b_proj is not None:
-            q = self.q_b_proj(ops.rmsnorm(q.contiguous(), self.q_a_layernorm, self.eps))
+            q = self.q_b_proj(ops.rmsnorm(q, self.q_a_layernorm, self.eps))
         q = q.view(n, self.num_heads, self.nope + self.rope)
-        latent = ops.rmsnorm(compressed[:, :self.lora].contiguous(), self.kv_a_layernorm, self.eps)
+        latent = ops.rmsnorm(compressed[:, :self.lora], self.kv_a_layernorm, self.eps)  # (row stride free)
         (cache,) = kv_cache
         q_rot = ops.mla_rope_write(q[..., self.nope:], compressed[:, self.lora:], latent, positions, cos_sin, cache,
                                    meta.slot_mapping, self.interleave)

@@ -1,5 +1,6 @@
 """The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts kin
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and DeepSeek-V2/V3 (latent attention), with fused weights."""
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), DeepSeek-V2/V3 (latent attention) and Llama 4 (iRoPE), with
+fused weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from torch import nn
 
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.layers import MLP, Embedding, Linear
+from services.worker.engine.llama4 import Llama4Attention
 from services.worker.engine.mla import MLAttention
 from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.moe import MoE
@@ -62,7 +64,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.self_attn = MLAttention(cfg, ops) if cfg.mla is not None else Attention(cfg, ops)
+        if cfg.mla is not None:
+            self.self_attn = MLAttention(cfg, ops)
+        elif cfg.llama4 is not None:
+            self.self_attn = Llama4Attention(cfg, ops, layer_id)
+        else:
+            self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.mlp = MoE(cfg, ops) if cfg.is_sparse(layer_id) else MLP(cfg, ops)
         # An EAGLE-3 head reads the residual stream at this layer's input: kept as `stream` when set
@@ -134,6 +141,13 @@ class DecoderLM(nn.Module):
             if isinstance(bias, nn.Parameter):
                 module.score_bias = nn.Parameter(bias.float(), requires_grad=False)
         return self
+
+    def finish_load(self) -> None:
+        """What the loaded weights become before serving: DeepSeek's shared experts into the stacked
+        experts (MoE.fuse_shared_experts)."""
+        for module in self.layers.modules():
+            if isinstance(module, MoE):
+                module.fuse_shared_experts()
 
     def quantize_fp8(self) -> None:
         """Every projection of every layer to e4m3 weights; embeddings and the LM head stay as

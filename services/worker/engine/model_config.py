@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM",
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -94,6 +95,30 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Llama4Config:
+    """Llama 4's text model (iRoPE): most layers rotate q and k (in interleaved pairs, as its
+    complex-number rotary does) and attend only within their chunk of attention_chunk_size positions
+    (chunk = position // size); the NoPE layers rotate nothing, attend to the whole context and
+    multiply each query by log(1 + floor((position + 1) / floor_scale)) * attn_scale + 1 (temperature
+    tuning). Layer ids are the built model's (ParallelLayout.local_config renumbers a stage's)."""
+
+    nope_layers: tuple[int, ...]
+    chunked_layers: tuple[int, ...]
+    attention_chunk_size: int  # 0: no layer is chunked
+    qk_norm: bool  # use_qk_norm: q and k L2-normed per head (no weight) after the rotation, on the RoPE layers
+    temperature_tuning: bool
+    floor_scale: float
+    attn_scale: float
+
+    def uses_rope(self, layer: int) -> bool:
+        return layer not in self.nope_layers
+
+    def chunk(self, layer: int) -> int:
+        """The layer's attention chunk in positions; 0: it attends to the whole context."""
+        return self.attention_chunk_size if layer in self.chunked_layers else 0
+
+
+@dataclass(frozen=True, slots=True)
 class MoEConfig:
     """A mixture-of-experts MLP: the router picks top_k of num_experts per token (softmax in fp32,
     then top-k, renormalised over the chosen when renormalize); a shared expert, where there is one,
@@ -119,6 +144,9 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_gate: bool = True
+    # Llama 4: the router's weight scales each chosen expert's input, not its output (transformers'
+    # Llama4TextMoe). For a SiLU-gated expert f(w·x) ≠ w·f(x), so this is not the same model.
+    scale_inputs: bool = False
 
     @property
     def held_experts(self) -> int:
@@ -146,6 +174,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE's optional clamp of q, k and v
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    llama4: Llama4Config | None = None
     # DeepSeek-V3's multi-token-prediction layers after the last (num_nextn_predict_layers): not
     # loaded (speculation here has its own drafters); the loader says so.
     mtp_layers: int = 0
@@ -229,6 +258,8 @@ class ModelConfig:
 
         # transformers 5 writes rope settings under "rope_parameters"; older files at the top level.
         rope = raw.get("rope_parameters") or {}
+        num_layers = need("num_hidden_layers", int)
+        llama4 = _llama4_config(arch, raw, num_layers, source)
         scaling = None
         rs = raw.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
         if rs:
@@ -262,13 +293,14 @@ class ModelConfig:
             architecture=arch,
             vocab_size=need("vocab_size", int),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size", int),
-            num_hidden_layers=need("num_hidden_layers", int),
+            # Llama 4's intermediate_size is each expert's; its dense layers' is intermediate_size_mlp.
+            intermediate_size=need("intermediate_size_mlp" if llama4 else "intermediate_size", int),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if llama4 else 1e-6)),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or (500000.0 if llama4 else 10000.0)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
@@ -276,8 +308,9 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             qk_norm_whole=arch == "OlmoeForCausalLM",
             clip_qkv=float(raw["clip_qkv"]) if arch == "OlmoeForCausalLM" and raw.get("clip_qkv") else None,
-            moe=_moe_config(arch, raw, need("num_hidden_layers", int), source),
+            moe=_moe_config(arch, raw, num_layers, source),
             mla=mla,
+            llama4=llama4,
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla is not None else 0,
             sliding_window=sliding if isinstance(sliding, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
@@ -291,13 +324,13 @@ class ModelConfig:
     def mlp_activation_width(self) -> int:
         """Activation elements per token of a layer's MLP at its widest: the dense MLP's [gate | up]
         and SiLU output, or the experts' (each of the top-k's SiLU output and down-projected row,
-        the router's logits) and a shared expert's."""
+        the router's logits; its scaled input where the weight scales the input) and a shared expert's."""
         dense = 3 * self.intermediate_size
         if self.moe is None:
             return dense
         moe = self.moe
         sparse = moe.top_k * (moe.intermediate_size + self.hidden_size) + moe.num_experts + (
-            3 * moe.shared_intermediate_size)
+            3 * moe.shared_intermediate_size) + moe.scale_inputs * moe.top_k * self.hidden_size
         return sparse if len(moe.sparse_layers) == self.num_hidden_layers else max(dense, sparse)
 
     def is_sparse(self, layer: int) -> bool:
@@ -369,10 +402,61 @@ def _deepseek_moe(arch: str, raw: dict, num_layers: int, source: str) -> MoEConf
                      routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), shared_gate=False)
 
 
+def _llama4_config(arch: str, raw: dict, num_layers: int, source: str) -> Llama4Config | None:
+    """Llama4TextConfig's per-layer attention as transformers derives it: no_rope_layers (1 = RoPE;
+    absent or empty: every no_rope_layer_interval-th layer is NoPE), layer_types (absent: the RoPE
+    layers chunked when attention_chunk_size is set)."""
+    if arch != "Llama4ForCausalLM":
+        return None
+    interval = raw.get("no_rope_layer_interval") or 4
+    flags = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise ModelConfigError(f"{source}: no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    nope = tuple(i for i in range(num_layers) if not flags[i])
+    chunk = raw.get("attention_chunk_size")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+        raise ModelConfigError(f"{source}: attention_chunk_size must be a positive integer, got {chunk!r}")
+    types = raw.get("layer_types") or [
+        "chunked_attention" if i not in nope and chunk is not None else "full_attention" for i in range(num_layers)]
+    chunked = tuple(i for i, kind in enumerate(types[:num_layers]) if kind == "chunked_attention")
+    if chunked and chunk is None:
+        raise ModelConfigError(f"{source}: chunked_attention layers need an attention_chunk_size")
+    floor_scale = raw.get("floor_scale", 8192)
+    if not isinstance(floor_scale, (int, float)) or floor_scale <= 0:
+        raise ModelConfigError(f"{source}: floor_scale must be positive, got {floor_scale!r}")
+    return Llama4Config(nope_layers=nope, chunked_layers=chunked, attention_chunk_size=chunk or 0,
+                        qk_norm=bool(raw.get("use_qk_norm", True)),
+                        temperature_tuning=bool(raw.get("attn_temperature_tuning", True)),
+                        floor_scale=float(floor_scale), attn_scale=float(raw.get("attn_scale", 0.1)))
+
+
+def _llama4_moe(raw: dict, num_layers: int, source: str) -> MoEConfig:
+    """Llama 4's experts: the top num_experts_per_tok router logits, each one's sigmoid scaling the
+    token on its way into that expert; a shared expert of the experts' width, without a gate, seen by
+    every token; the layers in moe_layers (absent: every interleave_moe_layer_step-th) sparse."""
+    experts, top_k, inter = raw.get("num_local_experts"), raw.get("num_experts_per_tok", 1), raw.get(
+        "intermediate_size")
+    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k), ("intermediate_size", inter)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ModelConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds the {experts} experts")
+    step = raw.get("interleave_moe_layer_step") or 1
+    layers = raw.get("moe_layers")
+    sparse = tuple(sorted(set(layers))) if layers is not None else tuple(range(step - 1, num_layers, step))
+    if any(not 0 <= i < num_layers for i in sparse):
+        raise ModelConfigError(f"{source}: moe_layers {list(sparse)} outside the {num_layers} layers")
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, renormalize=False,
+                     shared_intermediate_size=inter, sparse_layers=sparse, scoring="sigmoid", shared_gate=False,
+                     scale_inputs=True)
+
+
 def _moe_config(arch: str, raw: dict, num_layers: int, source: str) -> MoEConfig | None:
     """The experts of an MoE architecture, each family's keys read as transformers reads them."""
     if arch in DEEPSEEK_ARCHITECTURES:
         return _deepseek_moe(arch, raw, num_layers, source)
+    if arch == "Llama4ForCausalLM":
+        return _llama4_moe(raw, num_layers, source)
     if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         return None
     mixtral = arch == "MixtralForCausalLM"

@@ -65,23 +65,29 @@ class TorchOps:
         [E]) gets each expert's tokens added (kernels/moe_route.py)."""
         return moe_route.route_ref(logits, top_k, renormalize, counts)
 
-    def group_route(self, logits, moe, bias, counts=None):
+    def group_route(self, logits, moe, bias, counts=None, fused=(0, 0)):
         """DeepSeek's router (MoEConfig moe: scoring, groups, scaling; bias: V3's score correction):
-        (fp32 weights, int32 expert ids), each [T, top_k] (kernels/moe_route.py)."""
+        (fp32 weights, int32 expert ids), each [T, top_k + n] (kernels/moe_route.py); fused (first id,
+        n): the shared experts fused into the stacked ones, every token's at weight 1."""
         return moe_route.group_route_ref(logits, moe.top_k, moe.renormalize, moe.scoring, bias, moe.n_group,
-                                               moe.topk_group, moe.routed_scaling_factor, counts)
+                                         moe.topk_group, moe.routed_scaling_factor, counts, fused)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         """The experts' part of an MoE layer: each token through its top-k experts held here
         (ids from first_expert), weighted and summed (kernels/fused_moe.py)."""
         return fused_moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
-    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-        return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleave: bool = False,
+                      norm_eps: float | None = None, q_scale=None):
+        """q and k rotated (cos_sin None: not), k and v written at their slots; Llama 4's interleaved
+        pairs, QK-norm and query temperature where asked (kernels/rope.py)."""
+        return rope.rope_kv_write_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleave,
+                                      norm_eps, q_scale)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, chunk: int = 0):
+        """Causal attention over the paged cache; chunk > 0: within each position's chunk only."""
         return extend_attention.paged_extend_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, chunk)
 
     def mla_rope_write(self, q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave: bool):
         """MLA: q's rotary part rotated (returned), [latent | rotated k_rot] written at the slots."""
@@ -159,9 +165,9 @@ class TritonOps(TorchOps):
     def route(self, logits, top_k: int, renormalize: bool, counts=None):
         return moe_route.route(logits, top_k, renormalize, counts)
 
-    def group_route(self, logits, moe, bias, counts=None):
+    def group_route(self, logits, moe, bias, counts=None, fused=(0, 0)):
         return moe_route.route(logits, moe.top_k, moe.renormalize, counts, moe.scoring, bias, moe.n_group,
-                               moe.topk_group, moe.routed_scaling_factor)
+                               moe.topk_group, moe.routed_scaling_factor, fused)
 
     def mla_rope_write(self, q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave: bool):
         return mla_rope.mla_rope_write(q_rot, k_rot, latent, positions, cos_sin, cache, slot_mapping, interleave)
@@ -190,13 +196,16 @@ class TritonOps(TorchOps):
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None):
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
-    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-        return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    def rope_kv_write(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleave: bool = False,
+                      norm_eps: float | None = None, q_scale=None):
+        return rope.rope_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleave,
+                                  norm_eps, q_scale)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, chunk: int = 0):
         if meta.decode_only:
             return decode_attention.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
+                chunk=chunk)
         n = meta.decode_rows
         if n >= MIN_SPLIT_DECODE_ROWS and meta.tiles is not None:
             # A mixed step's decodes to the decode kernel, which reads their KV at the bandwidth
@@ -204,13 +213,13 @@ class TritonOps(TorchOps):
             out = torch.empty_like(q)
             decode_attention.paged_decode_attention(
                 q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
-                max_seq_len=meta.max_seq_len, out=out[:n])
+                max_seq_len=meta.max_seq_len, out=out[:n], chunk=chunk)
             return extend_attention.paged_extend_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                max_query_len=meta.max_query_len, tiles=meta.tiles, out=out, tile_start=n)
+                max_query_len=meta.max_query_len, tiles=meta.tiles, out=out, tile_start=n, chunk=chunk)
         return extend_attention.paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            max_query_len=meta.max_query_len, tiles=meta.tiles)
+            max_query_len=meta.max_query_len, tiles=meta.tiles, chunk=chunk)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, offsets, chain: bool = True,
                second_read: bool = True, one_shape: bool = False):

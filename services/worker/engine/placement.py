@@ -13,6 +13,14 @@ class Placement:
     param: str
     row: int
     shape: tuple[int, ...]
+    # The checkpoint holds each matrix transposed, [.., cols, rows] for this [.., rows, cols] (Llama 4's
+    # stacked experts): its bytes land as stored, and the loader turns each matrix after the load.
+    transpose: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape when it is all of it."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transpose else self.shape
 
 
 @dataclass(frozen=True, slots=True)

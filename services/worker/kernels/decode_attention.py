@@ -19,9 +19,10 @@ _MAX_SPLITS = 64
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, chunk: int = 0,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; each sequence b attends to its first seq_lens[b] cached tokens (fp32 math).
+    """q: [B, Hq, D]; each sequence b attends to its first seq_lens[b] cached tokens (fp32 math);
+    with chunk > 0 only to those of its last position's chunk (Llama 4's chunked local attention).
 
     A sequence with seq_lens[b] == 0 (a padding row) gets zeros.
     """
@@ -36,6 +37,8 @@ def paged_decode_attention_ref(
         return out
     pos = torch.arange(max_len, device=q.device)
     valid = pos[None, :] < seq_lens[:, None].long()  # [B, L]
+    if chunk:
+        valid &= pos[None, :] >= ((seq_lens.long() - 1).clamp(min=0) // chunk * chunk)[:, None]
     # Table entries past a sequence's end may hold anything: never follow them.
     blocks = torch.where(valid, block_tables[:, pos // page].long(), 0)
     k = k_cache[blocks, pos % page].float()  # [B, L, Hkv, D]
@@ -62,7 +65,7 @@ def _decode_split_kernel(
     po_stride_b, po_stride_h, po_stride_s, pl_stride_b, pl_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -70,9 +73,13 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence is cut into num_splits equal runs of whole BLOCK_N tiles.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # Each sequence's keys (CHUNK > 0: those of its last position's chunk, the earlier ones unread)
+    # are cut into num_splits equal runs of whole BLOCK_N tiles.
+    kv_start = 0
+    if CHUNK > 0:
+        kv_start = tl.maximum(seq_len - 1, 0) // CHUNK * CHUNK
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -166,7 +173,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, chunk: int = 0,
 ) -> torch.Tensor:
     """Same contract as paged_decode_attention_ref. No host sync and no value-dependent allocation:
     num_splits comes from max_seq_len (a host-side hint, else the block table's width), so a
@@ -188,8 +195,10 @@ def paged_decode_attention(
     if n_seqs == 0:
         return out
     group = n_q // n_kv
+    check(chunk >= 0, "chunk must be non-negative, got {}", chunk)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+        bound = min(bound, chunk) if chunk else bound  # a chunk is all a sequence reads
         num_splits = choose_num_splits(n_seqs, n_kv, bound)
     check(num_splits >= 1, "num_splits must be positive, got {}", num_splits)
     block_d = next_power_of_2(head_dim)
@@ -214,7 +223,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct, PRECISION=dot_precision(q.dtype),
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(device),
     )
     if not direct:

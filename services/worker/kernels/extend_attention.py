@@ -15,12 +15,14 @@ from services.worker.kernels.decode_attention import paged_decode_attention_ref
 
 def paged_extend_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, chunk: int = 0,
 ) -> torch.Tensor:
     """q: [T, Hq, D]. Sequence b owns rows qsl[b]:qsl[b+1] (its q_len new tokens, whose K/V are
     already in the cache) and has seq_lens[b] tokens of context; its new token i sits at position
     seq_lens[b] - q_len + i and sees cache positions 0..that position. fp32 math, HF's order
-    (scores = (q @ k^T) * scale, masked, fp32 softmax, @ v), vectorised per sequence."""
+    (scores = (q @ k^T) * scale, masked, fp32 softmax, @ v), vectorised per sequence.
+    chunk > 0: chunked local attention (Llama 4): a token sees only the positions of its own chunk,
+    position // chunk."""
     n_tokens, n_q, head_dim = q.shape
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_q // n_kv
@@ -29,7 +31,7 @@ def paged_extend_attention_ref(
     n_seqs = len(lens)
     if n_seqs == n_tokens and all(qsl[b + 1] - qsl[b] == 1 for b in range(n_seqs)):
         # All decodes: one batched gather instead of a loop over sequences.
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, chunk)
     out = torch.zeros_like(q)
     for b in range(n_seqs):
         start, end, ctx = qsl[b], qsl[b + 1], lens[b]
@@ -44,6 +46,8 @@ def paged_extend_attention_ref(
         scores = torch.matmul(qb, k[:, None]) * scale  # [Hkv, G, n, L]
         last = ctx - n + torch.arange(n, device=q.device)
         allowed = pos[None, :] <= last[:, None]  # [n, L]
+        if chunk:
+            allowed &= pos[None, :] >= (last // chunk * chunk)[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v[:, None])  # [Hkv, G, n, D]
@@ -62,7 +66,7 @@ def _extend_kernel(
     tiles_ptr, tiles_stride, tile_start,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TILED: tl.constexpr,
+    TILED: tl.constexpr, CHUNK: tl.constexpr = 0,
 ):
     """One program: BLOCK_M // GROUP_PAD new tokens of one sequence times the GROUP query heads
     that share one KV head, so every K/V tile read from the cache serves the whole group.
@@ -70,7 +74,8 @@ def _extend_kernel(
     TILED: program i takes tile j = tile_start + i (tiles[0, j] = sequence, tiles[1, j] = its token
     tile), a list the host builds per step, so the grid depends only on the list's length (a CUDA
     graph's padded list ends in sequence -1); else the grid is (token tiles of the longest query,
-    kv heads, seqs)."""
+    kv heads, seqs). CHUNK > 0: a row sees only the keys of its position's chunk; the keys before the
+    chunk of the tile's first token are no row's, and are not read."""
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
     if TILED:
@@ -107,10 +112,14 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride
-    # Keys past the tile's last token are never seen; key 0 is seen by every row, so each row's
-    # running max is finite after the first tile.
+    # Keys past the tile's last token are never seen; without chunks key 0 is seen by every row, so
+    # each row's running max is finite after the first tile.
     kv_end = tl.minimum(seq_len, prefix + t0 + BLOCK_T)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if CHUNK > 0:
+        kv_start = (prefix + t0) // CHUNK * CHUNK
+        first = last // CHUNK * CHUNK  # the first key each row may see
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < kv_end
         block = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
@@ -123,10 +132,17 @@ def _extend_kernel(
                     + kv_head * vc_stride_h + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION) * scale
         allowed = t_mask[None, :] & (tok[None, :] <= last[:, None])
+        if CHUNK > 0:
+            allowed = allowed & (tok[None, :] >= first[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_ref = m_new
+        if CHUNK > 0:
+            # A row whose chunk starts past this block has seen no key yet: its max is still -inf,
+            # taken as 0 here so its weights are exp(-inf) = 0, not NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = mma(cast_rtne(p, v.dtype), v, acc * alpha[:, None], PRECISION)
         m_i = m_new
@@ -164,7 +180,7 @@ def query_tiles(query_lens, pad_to: int = 0):
 def paged_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-    tiles: torch.Tensor | None = None, out: torch.Tensor | None = None, tile_start: int = 0,
+    tiles: torch.Tensor | None = None, out: torch.Tensor | None = None, tile_start: int = 0, chunk: int = 0,
 ) -> torch.Tensor:
     """Same contract as paged_extend_attention_ref; max_query_len (host int) sizes the grid.
     tiles ([2, n] int32 from query_tiles, on the device): the grid is n programs per KV head
@@ -185,6 +201,7 @@ def paged_extend_attention(
     check(n_seqs <= 65535, "at most 65535 sequences per launch, got {}", n_seqs)
     check(n_kv <= 65535, "at most 65535 kv heads, got {}", n_kv)
     check(max_query_len >= 0, "max_query_len must be non-negative, got {}", max_query_len)
+    check(chunk >= 0, "chunk must be non-negative, got {}", chunk)
 
     if out is None:
         out = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=device)
@@ -219,7 +236,7 @@ def paged_extend_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         tiles if tiles is not None else seq_lens, 0 if tiles is None else tiles.stride(0), tile_start,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), TILED=tiles is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), TILED=tiles is not None, CHUNK=chunk,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -16,11 +16,7 @@ import triton.language as tl
 from services.worker.kernels._common import (
     FLOAT_DTYPES, FP8_KV, INDEX_DTYPES, cast_rtne, check, check_shape, check_tensor, copy_rows_, next_power_of_2,
     to_kv, to_kv_ref)
-from services.worker.kernels.rope import _rotate_ref
-
-
-def _halves(x: torch.Tensor, interleave: bool) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if interleave else x
+from services.worker.kernels.rope import _rotate_ref, halves
 
 
 def mla_rope_write_ref(q_rot: torch.Tensor, k_rot: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor,
@@ -32,8 +28,8 @@ def mla_rope_write_ref(q_rot: torch.Tensor, k_rot: torch.Tensor, latent: torch.T
     half = q_rot.shape[-1] // 2
     cs = cos_sin[positions.long()]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    q_out = _rotate_ref(_halves(q_rot, interleave), cos, sin)
-    k_out = _rotate_ref(_halves(k_rot, interleave)[:, None], cos, sin)[:, 0]
+    q_out = _rotate_ref(halves(q_rot, interleave), cos, sin)
+    k_out = _rotate_ref(halves(k_rot, interleave)[:, None], cos, sin)[:, 0]
     rows = torch.cat((latent, k_out), dim=-1)
     slots = slot_mapping.long()
     valid = slots >= 0

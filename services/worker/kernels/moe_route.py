@@ -28,16 +28,22 @@ def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def group_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str, bias: torch.Tensor | None,
-                    n_group: int, topk_group: int, scaling: float,
-                    counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_group: int, topk_group: int, scaling: float, counts: torch.Tensor | None = None,
+                    fused: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] → (weights fp32 [T, top_k], expert ids int32 [T, top_k]), as transformers'
-    DeepseekV2/V3 routers: scores are softmax (V2) or sigmoid (V3) in fp32; the choice adds `bias`
+    DeepseekV2/V3 routers (and Llama 4's: sigmoid, no bias, no groups): scores are softmax (V2) or
+    sigmoid (V3) in fp32; the choice adds `bias`
     (V3's e_score_correction_bias) and keeps to the topk_group best of n_group groups (a group
     scored by its best two biased scores with a bias, else by its best score); the weights are the
     unbiased scores of the chosen, renormalised where asked, times `scaling`. counts (int64 [E])
-    gets each expert's tokens added. No host sync: CUDA graphs capture it."""
+    gets each expert's tokens added. fused (first, n): n more columns, experts first..first + n - 1
+    at weight 1 (shared experts fused into the stacked ones). No host sync: CUDA graphs capture it."""
     scores = torch.sigmoid(logits.float()) if scoring == "sigmoid" else torch.softmax(logits.float(), dim=-1)
     choice = scores if bias is None else scores + bias.float()
+    if scoring == "sigmoid" and bias is None:
+        # Llama 4 picks by the logits: the sigmoids' order, but for logits large enough that fp32
+        # rounds their sigmoids to the same 1.0.
+        choice = logits.float()
     if n_group > 1:
         t, e = choice.shape
         grouped = choice.view(t, n_group, e // n_group)
@@ -50,18 +56,24 @@ def group_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool, scoring
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if counts is not None:
         counts.index_add_(0, ids.view(-1), torch.ones_like(ids.view(-1)))
-    return weights * scaling, ids.to(torch.int32)
+    weights, ids = weights * scaling, ids.to(torch.int32)
+    first, n = fused
+    if n:
+        extra = torch.arange(first, first + n, dtype=torch.int32, device=ids.device).expand(ids.shape[0], n)
+        ids = torch.cat((ids, extra), dim=1)
+        weights = torch.cat((weights, torch.ones(extra.shape, dtype=weights.dtype, device=weights.device)), dim=1)
+    return weights, ids
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, num_experts, stride, scale,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, SIGMOID: tl.constexpr,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, num_experts, stride, scale, fused_first,
+                  TOP_K: tl.constexpr, FUSED: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, SIGMOID: tl.constexpr,
                   BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     """One token a program: its row's scores (softmax, or sigmoid), the choice (scores plus the
     bias) kept to the TOPK_GROUP best groups, then K rounds of taking the largest choice (the lowest
     index among equals, as torch.topk on distinct values) and masking it out; a chosen expert's
-    weight is its unbiased score."""
+    weight is its unbiased score. A row holds TOP_K + FUSED columns: then the fused shared experts."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -75,6 +87,8 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, num_ex
     choice = p
     if BIAS:
         choice = tl.where(valid, p + tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32), -float("inf"))
+    elif SIGMOID:
+        choice = x  # by the logits, as the reference (-inf past the experts)
     if N_GROUP > 1:
         # A group's score: its best two choices with a bias (V3), its best one without (V2).
         group = cols // (num_experts // N_GROUP)
@@ -99,22 +113,25 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, num_ex
         index = tl.argmax(choice, axis=0)
         score = tl.sum(tl.where(cols == index, p, 0.0), axis=0)
         total += score
-        tl.store(ids_ptr + t * TOP_K + k, index.to(tl.int32))
+        tl.store(ids_ptr + t * (TOP_K + FUSED) + k, index.to(tl.int32))
         chosen = tl.where(cols == index, score, chosen)
         choice = tl.where(cols == index, -float("inf"), choice)
         if COUNT:
             tl.atomic_add(counts_ptr + index, 1)
     for k in tl.static_range(TOP_K):
-        index = tl.load(ids_ptr + t * TOP_K + k)
+        index = tl.load(ids_ptr + t * (TOP_K + FUSED) + k)
         w = tl.sum(tl.where(cols == index, chosen, 0.0), axis=0)
         if RENORMALIZE:
             w = w / (total + 1e-20) if SIGMOID else w / total
-        tl.store(weights_ptr + t * TOP_K + k, w * scale)
+        tl.store(weights_ptr + t * (TOP_K + FUSED) + k, w * scale)
+    for j in tl.static_range(FUSED):
+        tl.store(ids_ptr + t * (TOP_K + FUSED) + TOP_K + j, (fused_first + j).to(tl.int32))
+        tl.store(weights_ptr + t * (TOP_K + FUSED) + TOP_K + j, 1.0)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
           scoring: str = "softmax", bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, fused: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """route_ref's contract (group_route_ref's, given scoring, bias, groups or a scale) in one launch
     (a decode step's router took seven: softmax, top-k, the renormalising sum and division, the id
     cast, the count; DeepSeek's grouped rule in torch takes a dozen)."""
@@ -134,13 +151,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Ten
     # One warp a row while it fits: the K rounds of max and argmax are shuffles within it, not trips
     # through shared memory (H200, 128 experts, K = 8: 10.4 us a launch with 4 warps).
     block = triton.next_power_of_2(experts)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((tokens, top_k + fused[1]), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k + fused[1]), dtype=torch.int32, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](logits, bias if bias is not None else logits, weights, ids,
                                  counts if counts is not None else ids, experts, logits.stride(0), float(scale),
-                                 TOP_K=top_k, RENORMALIZE=renormalize, COUNT=counts is not None,
-                                 SIGMOID=scoring == "sigmoid", BIAS=bias is not None, N_GROUP=n_group,
+                                 fused[0], TOP_K=top_k, FUSED=fused[1], RENORMALIZE=renormalize,
+                                 COUNT=counts is not None, SIGMOID=scoring == "sigmoid", BIAS=bias is not None, N_GROUP=n_group,
                                  TOPK_GROUP=topk_group, BLOCK_E=block, num_warps=1 if block <= 512 else 4,
                                  **pdl_args(logits.device))
     return weights, ids

@@ -39,7 +39,8 @@ def rank_weights(rank_config: ModelConfig, dtype: torch.dtype, fp8: bool) -> Ran
     attention or MoE shape is counted without changes here. Cached by shape: a group's ranks and a
     --compare's layouts share them."""
     with torch.device("meta"):
-        model = DecoderLM(rank_config, TorchOps()).to(dtype)
+        model = DecoderLM(rank_config, TorchOps()).to(dtype).keep_fp32()
+        model.finish_load()  # (what the loader does last: shared experts fused into the stacked ones)
     counts = keep_one_layer_per_shape(model)
     loaded = held_bytes(model, counts)
     if not fp8:

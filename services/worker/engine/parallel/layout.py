@@ -101,6 +101,9 @@ class ParallelLayout:
         moe, tp = cfg.moe, self.tp
         if self.expert_parallel and moe.num_experts % tp:
             raise ParallelConfigError(f"{moe.num_experts} experts do not spread over {tp} expert-parallel ranks")
+        if cfg.llama4 is not None and tp > 1 and not self.expert_parallel:
+            raise ParallelConfigError("Llama 4's experts are stored stacked ([E, H, 2I]): they spread over the "
+                                      "ranks whole (--enable-expert-parallel), not split by tensor parallelism")
         if not self.expert_parallel and moe.intermediate_size % tp:
             raise ParallelConfigError(f"the experts' intermediate size {moe.intermediate_size} does not split over "
                                       f"tensor_parallel_size {tp} (--enable-expert-parallel spreads whole experts)")
@@ -114,7 +117,7 @@ class ParallelLayout:
         moe = cfg.moe
         if moe is None:
             return None
-        layers = tuple(i - lo for i in moe.sparse_layers if lo <= i < hi)
+        layers = _stage_layers(moe.sparse_layers, lo, hi)
         shared = moe.shared_intermediate_size // self.tp
         if self.expert_parallel:
             held = moe.num_experts // self.tp
@@ -149,4 +152,12 @@ class ParallelLayout:
             vocab_size=self.vocab_rows(cfg),
             num_hidden_layers=hi - lo,
             moe=self.local_moe(cfg, lo, hi),
+            llama4=None if cfg.llama4 is None else dataclasses.replace(
+                cfg.llama4, nope_layers=_stage_layers(cfg.llama4.nope_layers, lo, hi),
+                chunked_layers=_stage_layers(cfg.llama4.chunked_layers, lo, hi)),
         )
+
+
+def _stage_layers(layers: tuple[int, ...], lo: int, hi: int) -> tuple[int, ...]:
+    """The stage [lo, hi)'s layers among `layers`, renumbered from 0."""
+    return tuple(i - lo for i in layers if lo <= i < hi)

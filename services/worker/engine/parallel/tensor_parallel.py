@@ -1,9 +1,10 @@
 """Tensor parallelism from outside the model (Megatron's split, as gpt-fast applies it): which
 slice of each checkpoint tensor a rank loads, and the collectives hooked onto the plain modules.
 
-q/k/v and gate/up are split by output rows (each rank's heads and MLP columns; MLA: mla_weights.py), o_proj and
-down_proj by input columns, so each layer needs one all-reduce after attention and one after the
-MLP; the embedding and the LM head are split by vocabulary rows. Norms are replicated.
+q/k/v and gate/up are split by output rows (each rank's heads and MLP columns; MLA: mla_weights.py;
+Llama 4's feed-forward: llama4_weights.py), o_proj and down_proj by input columns, so each layer needs
+one all-reduce after attention and one after the MLP; the embedding and the LM head are split by
+vocabulary rows. Norms are replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.worker.engine.llama4_weights import llama4_feed_forward
 from services.worker.engine.placement import Placement, ShardedTensor, Slice
 from services.worker.engine.model import DecoderLM
 from services.worker.engine.model_config import ModelConfig
@@ -55,7 +57,9 @@ def sharded_tensors(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Shard
         qkv = attn + "qkv_proj."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[src + norm + ".weight"] = ShardedTensor((h,), Placement(dst + norm, 0, (h,)))
-        if cfg.is_sparse(i):
+        if cfg.llama4 is not None:
+            out.update(llama4_feed_forward(cfg, local, i, i - lo, tp_rank))
+        elif cfg.is_sparse(i):
             out.update(expert_tensors(cfg, local, i, i - lo, tp_rank))
         else:
             gate_up = dst + "mlp.gate_up_proj.weight"
