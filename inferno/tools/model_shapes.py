@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from inferno.tools import deepseek_shapes as ds
+from inferno.tools import llama4_shapes as l4
 
 INIT_STD = 0.02
 
@@ -45,6 +46,10 @@ class Preset:
     # DeepSeek-V2/V3's own config keys (latent attention, routing, YaRN): deepseek_shapes.py; None
     # takes the tiny ones there.
     deepseek: dict | None = None
+    # Llama 4's own config keys (iRoPE, chunked attention, temperature tuning, routing): llama4_shapes.py;
+    # None takes the tiny ones there. Its dense layers' width is intermediate_size, its experts'
+    # moe_intermediate_size.
+    llama4: dict | None = None
 
     def rope_scaling_for(self, arch: str) -> dict | None:
         if arch == "LlamaForCausalLM" and self.llama_rope_scaling is not None:
@@ -184,6 +189,20 @@ PRESETS: dict[str, Preset] = {
         head_dim=64, intermediate_size=18432, vocab_size=163840, max_position_embeddings=131072,
         rope_theta=50000.0, rms_norm_eps=1e-6, architecture="DeepseekV3ForCausalLM", deepseek=ds.KIMI_K2,
     ),
+    # Llama-4-Scout-17B-16E's text model (109 B, 17 B active: --config-only and --load-format dummy).
+    "llama-4-scout-17b-16e": Preset(
+        hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, intermediate_size=16384, vocab_size=202048, max_position_embeddings=10485760,
+        rope_theta=500000.0, rms_norm_eps=1e-5, architecture="Llama4ForCausalLM",
+        num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8192, llama4=l4.LLAMA_4_SCOUT,
+    ),
+    # Llama-4-Maverick-17B-128E's text model (400 B, 17 B active; experts on every other layer).
+    "llama-4-maverick-17b-128e": Preset(
+        hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, intermediate_size=16384, vocab_size=202048, max_position_embeddings=1048576,
+        rope_theta=500000.0, rms_norm_eps=1e-5, architecture="Llama4ForCausalLM",
+        num_experts=128, num_experts_per_tok=1, moe_intermediate_size=8192, llama4=l4.LLAMA_4_MAVERICK,
+    ),
 }
 
 ARCHITECTURES = {
@@ -197,6 +216,7 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Llama4ForCausalLM": "llama4_text",
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -263,6 +283,9 @@ def model_config_dict(arch: str, preset: Preset, vocab_size: int, dtype: str, ti
         cfg.update(attention_bias=False, clip_qkv=None)
     elif model_type in DEEPSEEK_TYPES:
         cfg.update(ds.deepseek_config(arch, ds.deepseek_keys(arch, preset.deepseek), preset.num_attention_heads))
+    elif model_type == "llama4_text":
+        cfg.update(l4.llama4_config(l4.llama4_keys(preset.llama4), preset.num_experts, preset.moe_intermediate_size,
+                                    preset.intermediate_size, preset.head_dim))
     if model_type in MOE_TYPES:
         cfg.update(num_experts_per_tok=preset.num_experts_per_tok, output_router_logits=False,
                    router_aux_loss_coef=0.001)
@@ -317,7 +340,11 @@ def tensor_specs(arch: str, preset: Preset, vocab_size: int, tied: bool) -> list
         if bias:
             specs.append(TensorSpec(p + "self_attn.v_proj.bias", (kv,), "bias"))
         specs.append(TensorSpec(p + "self_attn.o_proj.weight", (h, q), "weight"))
-        if model_type in ("qwen3", "qwen3_moe"):
+        if model_type == "llama4_text":
+            specs += l4.llama4_feed_forward_specs(TensorSpec, _mlp_specs, l4.llama4_keys(preset.llama4), i, p, h,
+                                                  preset.num_experts, preset.moe_intermediate_size, inter,
+                                                  preset.num_hidden_layers)
+        elif model_type in ("qwen3", "qwen3_moe"):
             specs.append(TensorSpec(p + "self_attn.q_norm.weight", (hd,), "norm"))
             specs.append(TensorSpec(p + "self_attn.k_norm.weight", (hd,), "norm"))
         elif model_type == "olmoe":  # over all of q and all of k
@@ -325,7 +352,7 @@ def tensor_specs(arch: str, preset: Preset, vocab_size: int, tied: bool) -> list
             specs.append(TensorSpec(p + "self_attn.k_norm.weight", (kv,), "norm"))
         if model_type in MOE_TYPES:
             specs += _expert_specs(model_type, preset, p)
-        else:
+        elif model_type != "llama4_text":
             specs += _mlp_specs(p + "mlp.", h, inter)
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "norm"))
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"))
