@@ -65,4 +65,9 @@ def _poisoned_empty(monkeypatch):
             t.fill_(torch.iinfo(t.dtype).max)
         return t
 
+    # torch.device(...) contexts find the factories to redirect in a set built once and cached: built
+    # while torch.empty is this wrapper, it would miss the real one for the rest of the process, and
+    # every later `with torch.device("meta")` would allocate for real (an 8B plan: 32 GB on the CPU).
+    from torch.utils._device import _device_constructors
+    _device_constructors()
     monkeypatch.setattr(torch, "empty", poisoned)
