@@ -132,7 +132,8 @@ class LLMEngine:
             self.model = load_rank_model(config, self.model_config, self.group, self.device, dtype, self.ops)
         else:
             self.model = load_model(config.model_dir, self.device, dtype, self.ops, config.load_threads,
-                                    config.load_format, config.seed, staging=staging)
+                                    config.load_format, config.seed, staging=staging,
+                                    max_positions=config.max_model_len)
         triton_setup.wait()  # Triton's one-time setup, begun beside the load (warm_device), before any kernel
         if config.quantization == "fp8":
             self.model.quantize_fp8()

@@ -228,13 +228,16 @@ LOAD_FORMATS = ("auto", "dummy")
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                ops: TorchOps | None = None, num_threads: int = 4, load_format: str = "auto",
                seed: int = 0, build_cfg: ModelConfig | None = None,
-               shards: dict[str, ShardedTensor] | None = None, staging: StagingPool | None = None) -> DecoderLM:
+               shards: dict[str, ShardedTensor] | None = None, staging: StagingPool | None = None,
+               max_positions: int | None = None) -> DecoderLM:
     """A Hugging Face directory (safetensors) or a .gguf file: one build path, two weight readers.
     load_format "dummy" reads no weights: random ones are drawn on the device (benchmarks of shapes
     too large to write, e.g. 70B; the directory needs only config.json and the tokenizer).
     A rank of a parallel group passes the shape it builds (`build_cfg`) and what it loads of each
     checkpoint tensor (`shards`). `staging`: the pinned buffers a GPU load copies through (a worker's
-    pool, kept between loads); None, buffers made for this load."""
+    pool, kept between loads); None, buffers made for this load. `max_positions`: the longest sequence
+    served (--max-model-len), which sizes the rotary table (Llama 4 Scout's 10.5 M positions would
+    take 5.4 GB); None: the model's own."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_path = Path(model_path)
@@ -288,7 +291,8 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     if not dummy:
         _turn_transposed(expected.values() if shards is None else [s.place for s in shards.values()], flat_target)
     model.finish_load()
-    model.init_rope(cfg.max_model_len, device)
+    # (64 positions past the longest sequence: a speculative check's drafted rows may pass its end)
+    model.init_rope(min(cfg.max_model_len, (max_positions or cfg.max_model_len) + 64), device)
     return model.eval().requires_grad_(False)
 
 

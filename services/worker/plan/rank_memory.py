@@ -107,7 +107,8 @@ def rank_memory(model_config: ModelConfig, layout: ParallelLayout, config: Engin
     rank_config = layout.local_config(model_config)
     shape = EngineShape(config, rank_config, dtype)
     held = rank_weights(rank_config, dtype, config.quantization == "fp8")
-    rope = rope_bytes(model_config, model_config.max_model_len)
+    longest = model_config.max_model_len
+    rope = rope_bytes(model_config, min(longest, (config.max_model_len or longest) + 64))  # as loader.load_model
     context = CONTEXT_BYTES + (GROUP_BYTES if layout.world_size > 1 else 0)
     loads = held.load_peak + rope + context <= total
     context += held.fp8_slack

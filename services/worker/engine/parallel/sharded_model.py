@@ -26,6 +26,6 @@ def load_rank_model(config, cfg: ModelConfig, group: RankGroup, device, dtype, o
     layout = group.layout
     model = load_model(config.model_dir, device, dtype, ops, config.load_threads, config.load_format,
                        config.seed * 1009 + layout.rank, build_cfg=layout.local_config(cfg),
-                       shards=sharded_tensors(cfg, layout))
+                       shards=sharded_tensors(cfg, layout), max_positions=config.max_model_len)
     apply_tensor_parallel(model, cfg, layout, group.tp)
     return PipelineStage(model, layout) if layout.pp > 1 else model
