@@ -1,6 +1,7 @@
-"""A mixture-of-experts model with latent attention (DeepSeek-V3's architecture) through the whole stack,
-prefill and decode on two workers: the latent pages are handed over, the openai client's greedy answers
-equal the engine's own, and the router's load reaches /metrics."""
+"""Mixtures of experts through the whole stack, prefill and decode on two workers: DeepSeek-V3's
+architecture (latent attention: its latent pages are handed over) and Llama 4's (chunked and NoPE
+layers, experts that scale their input). The openai client's greedy answers equal the engine's own,
+and the router's load reaches /metrics."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ PROMPTS = [[1000, 17, 230, 44, 9, 512], list(range(40, 120, 3))]
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("moe") / "deepseek", arch="DeepseekV3ForCausalLM", preset="tiny",
+# Each model's experts: DeepSeek-V3's tiny preset has 8, Llama 4's 4.
+EXPERTS = {"DeepseekV3ForCausalLM": 8, "Llama4ForCausalLM": 4}
+
+
+@pytest.fixture(scope="module", params=list(EXPERTS))
+def moe_model(request, tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("moe") / request.param, arch=request.param, preset="tiny",
                        seed=3, dtype="float32")
 
 
@@ -35,7 +40,8 @@ def test_handed_off_answers_equal_the_engines(moe_model, pd_stack):
     assert_greedy_as_one_engine(pd_stack, moe_model, PROMPTS, MAX_TOKENS)
     hbs = heartbeats(pd_stack)
     assert {hb.role for hb in hbs.values()} == {"prefill", "decode"}
-    assert all(len(hb.expert_tokens) == 8 and sum(hb.expert_tokens) > 0 for hb in hbs.values())
+    experts = EXPERTS[moe_model.name]
+    assert all(len(hb.expert_tokens) == experts and sum(hb.expert_tokens) > 0 for hb in hbs.values())
     samples = metrics(pd_stack)
     routed = {k: v for k, v in samples.items() if k.startswith("inferno:moe_expert_tokens_total{")}
-    assert len(routed) == 16 and sum(routed.values()) > 0  # 8 experts on each of 2 workers
+    assert len(routed) == 2 * experts and sum(routed.values()) > 0  # every expert on each of 2 workers
