@@ -16,6 +16,7 @@ import triton.language as tl
 from services.worker.kernels._common import (
     FLOAT_DTYPES, cast_rtne, check, check_shape, check_tensor, dot_precision, kv_dtypes, mma, next_power_of_2,
     pdl_args, pdl_enter)
+from services.worker.kernels.decode_attention import _decode_reduce_kernel
 
 
 def absorb_query(q_nope: torch.Tensor, q_rot: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -169,32 +170,6 @@ def _mla_split_kernel(
         tl.store(part_lse_ptr + seq * pl_stride_b + h * pl_stride_h + split, lse, mask=h_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "pl_stride_b", "pl_stride_h"])
-def _mla_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_splits,
-    po_stride_b, po_stride_h, po_stride_s, pl_stride_b, pl_stride_h, out_stride_b, out_stride_h,
-    LORA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-):
-    pdl_enter(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_L)
-    s_mask = s < num_splits
-    d_mask = d < LORA
-    lse = tl.load(part_lse_ptr + seq * pl_stride_b + head * pl_stride_h + s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # no context at all: every weight is exp(-inf) = 0
-    w = tl.exp(lse - m)
-    total = tl.sum(w, axis=0)
-    # An empty split's partial is never read (its weight is 0, and what it stored is 0 / 1 anyway).
-    part = tl.load(part_o_ptr + seq * po_stride_b + head * po_stride_h + s[:, None] * po_stride_s + d[None, :],
-                   mask=(s_mask & (w > 0.0))[:, None] & d_mask[None, :], other=0.0)
-    o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + d, cast_rtne(o, out_ptr.dtype.element_ty),
-             mask=d_mask)
-
-
 def launch_config(block_l: int) -> tuple[int, int, int]:
     """(BLOCK_N rows per KV tile, num_warps, num_stages) of the split kernel for a padded lora width.
 
@@ -271,10 +246,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(device),
     )
     if not direct:
-        _mla_reduce_kernel[(n_seqs, n_heads)](
+        # The splits' merge is decode attention's: partial outputs and log-sum-exps per (row, head).
+        _decode_reduce_kernel[(n_seqs, n_heads)](
             part_o, part_lse, out, num_splits,
             *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            LORA=lora_rank, BLOCK_L=block_l, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM=lora_rank, BLOCK_D=block_l, BLOCK_S=next_power_of_2(num_splits),
             num_warps=4 if block_l >= 256 else 1, **pdl_args(device),
         )
     return out
