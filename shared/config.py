@@ -71,6 +71,10 @@ class NatsConfig:
     reconnect_jitter: float = 0.5  # up to this many seconds added at random to each pause
     ping_interval: float = 10.0  # detects a silently dead server in about 2 intervals
     drain_timeout: float = 5.0
+    # The service's NATS user (shared/nats_auth.py), from its environment: a password in argv is
+    # what `ps` shows every user of the host. Empty: a server without authorization.
+    user: str = field(default_factory=lambda: os.environ.get("INFERNO_NATS_USER", ""))
+    password: str = field(default_factory=lambda: os.environ.get("INFERNO_NATS_PASSWORD", ""), repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.strip():
@@ -98,6 +102,9 @@ class GatewayConfig:
     port: int = 8000
     reuse_port: bool = False  # share the port with other gateway processes (SO_REUSEPORT)
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # /metrics's own bearer token (a Prometheus scrape then needs no tenant key); empty: /metrics
+    # is behind the API keys as the API is.
+    metrics_token: str = field(default="", repr=False)
     max_body_bytes: int = 4 << 20
     max_n: int = MAX_N
     max_tokens_default: int | None = None  # None: the rest of the context window

@@ -122,9 +122,11 @@ class NatsConnection:
                 else:
                     self._log.debug("nats_reconnect_failed", error=repr(e), attempts=self._errors_while_down)
 
+        credentials = dict(user=self.cfg.user, password=self.cfg.password) if self.cfg.user else {}
         return dict(
             servers=self.cfg.servers,
             name=self.name,
+            **credentials,
             connect_timeout=self.cfg.connect_timeout,
             allow_reconnect=True,
             max_reconnect_attempts=-1,  # forever

@@ -11,6 +11,7 @@ import asyncio
 import json
 import uuid
 from typing import Any, Generic, Mapping, TypeVar
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -32,7 +33,14 @@ GRACE = 5.0  # seconds past the request's deadline to wait for the gateway's own
 
 async def connect(servers: str | list[str] = "nats://127.0.0.1:4222", *, api_key: str | None = None,
                   prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_TIMEOUT, **nats_options: Any) -> AsyncInferno:
-    """Connect to NATS and return a client that owns the connection (close() closes it)."""
+    """Connect to NATS and return a client that owns the connection (close() closes it). On a bus
+    with users (`inferno up` makes them), give the API user's credentials in the URL
+    (nats://user:password@host:port) or as user= and password=: its replies come to inboxes under
+    _INBOX.<user>, the only ones it may read."""
+    user = nats_options.get("user") or urlsplit((servers if isinstance(servers, str) else servers[0])
+                                                .split(",")[0].strip()).username
+    if user and "inbox_prefix" not in nats_options:
+        nats_options["inbox_prefix"] = f"_INBOX.{user}"
     try:
         nc = await nats.connect(servers, **nats_options)
     except Exception as e:

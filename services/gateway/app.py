@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from services.gateway.auth import check_bearer
 from services.gateway.errors import ApiError, too_large, unavailable
 from services.gateway.gateway import Gateway
 from services.gateway.openapi import RouteDoc, document
@@ -131,7 +132,10 @@ class HttpApi:
 
     @web.middleware
     async def authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in self.open_paths:  # liveness probes and the schema carry no credentials
+        token = self.gw.cfg.metrics_token
+        if token and request.path == "/metrics":  # its own token, not a tenant's key
+            check_bearer(request.headers.get("Authorization"), token)
+        elif request.path not in self.open_paths:  # liveness probes and the schema carry no credentials
             request[TENANT] = self.gw.keys.check(request.headers.get("Authorization"))
         return await handler(request)
 

@@ -51,3 +51,12 @@ class ApiKeys:
         if found is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return found
+
+
+def check_bearer(authorization: str | None, token: str) -> None:
+    """A 401 unless the header is "Bearer <token>" (compared in constant time)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(errors="surrogateescape"),
+                                                             token.encode()):
+        raise ApiError(401, "This endpoint needs its token: send it as 'Authorization: Bearer <token>'.",
+                       code="invalid_api_key")

@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(services/gateway/tenants.py; env INFERNO_API_KEYS_FILE)")
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="with --api-keys-file: let all tenants share prefix-cache blocks (default: each its own)")
+    p.add_argument("--metrics-token", default=env_default("INFERNO_METRICS_TOKEN", ""),
+                   help="/metrics answers to 'Authorization: Bearer <this token>' only, not to the API keys "
+                        "(a Prometheus scrape needs no tenant key; env INFERNO_METRICS_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds for a whole request (a request's x-timeout header may ask for less)")
@@ -89,7 +92,8 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
     extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
     cfg = GatewayConfig(model_name=args.model_name or Path(args.model_dir).resolve().name,
                         model_dir=args.model_dir, host=args.host, port=args.port,
-                        api_keys=tuple(dict.fromkeys(keys)), max_body_bytes=args.max_body_bytes,
+                        api_keys=tuple(dict.fromkeys(keys)), metrics_token=args.metrics_token,
+                        max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
                         share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
                         heartbeat_ttl=args.heartbeat_ttl, stream_interval=args.stream_interval,

@@ -25,6 +25,8 @@ def tiny_model(tmp_path_factory):
 
 def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), scheduler_args=(),
                 prefill_workers=0, decode_workers=0, gateway_args=(), **stack_config) -> Stack:
+    # Two API users on the bus: the NATS API's tests show each reads its own replies only.
+    stack_config.setdefault("nats_api_users", ("api", "other"))
     cfg = StackConfig(model_dir=model_dir, model_name=MODEL_NAME, port=free_port(), nats_port=free_port(),
                       workers=workers, prefill_workers=prefill_workers, decode_workers=decode_workers,
                       api_keys=tuple(api_keys), run_dir=tmp_path, log_format="json", device=TEST_DEVICE,
@@ -56,7 +58,7 @@ def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:
     from shared.wire import encode
 
     async def answers() -> bool:
-        nc = await nats.connect(stack.nats_url)
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
             await nc.request(Subjects().kvstore("stats"), encode(KvStatsRequest()), timeout=1)
             return True
@@ -88,7 +90,7 @@ def heartbeats(stack: Stack, seconds: float = 1.2) -> dict:
     from shared.wire import decode
 
     async def collect():
-        nc = await nats.connect(stack.nats_url)
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         latest = {}
 
         async def on(msg):

@@ -34,7 +34,7 @@ def store_stats(stack) -> KvStatsReply:
     import nats
 
     async def go():
-        nc = await nats.connect(stack.nats_url)
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
             msg = await nc.request(Subjects().kvstore("stats"), encode(KvStatsRequest()), timeout=5)
             return decode(KvStatsReply, msg.data)

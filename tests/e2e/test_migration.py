@@ -42,7 +42,7 @@ def holder(stack, timeout: float = 20.0) -> str:
     import nats
 
     async def watch() -> str:
-        nc = await nats.connect(stack.nats_url)
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         found: asyncio.Future = asyncio.get_running_loop().create_future()
 
         async def on(msg):

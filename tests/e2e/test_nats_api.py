@@ -20,7 +20,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about NATS"}]
 
 @pytest.fixture
 async def client(stack):
-    c = await inferno.client.connect(stack.nats_url)
+    c = await inferno.client.connect(stack.nats_url_of("api"))  # (its inbox prefix follows from the user)
     yield c
     await c.close()
 
@@ -81,8 +81,9 @@ async def test_greedy_completion_tokens_identical_with_logprobs(client, http):
 
 
 async def test_plain_nats_request_without_the_client(stack, http):
-    """What any language does: one request with a reply subject, the JSON body, the headers."""
-    nc = await nats.connect(stack.nats_url)
+    """What any language does: one request with a reply subject, the JSON body, the headers (as the
+    API user, whose replies come under its own inbox prefix)."""
+    nc = await nats.connect(stack.nats_url_of("api"), inbox_prefix="_INBOX.api")
     try:
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
@@ -99,7 +100,7 @@ async def test_plain_nats_request_without_the_client(stack, http):
 
 
 async def test_cancel_subject_frees_the_request(stack):
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(stack.nats_url_of("api"), inbox_prefix="_INBOX.api")
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
@@ -177,3 +178,41 @@ async def test_parse_over_nats_gives_the_typed_answer(client):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "read" and Reading.model_validate_json(call.function.arguments)
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+async def test_an_api_user_reaches_the_api_only(stack):
+    """The bus's users (shared/nats_auth.py): an API user may not publish to a worker's or an admin
+    subject, nor read another API user's replies; the admin may; without a password nobody connects."""
+    errors: list[str] = []
+
+    async def on_error(e):
+        errors.append(str(e))
+
+    api = await nats.connect(stack.nats_url_of("api"), inbox_prefix="_INBOX.api", error_cb=on_error)
+    other = await nats.connect(stack.nats_url_of("other"), inbox_prefix="_INBOX.other")
+    admin = await nats.connect(stack.admin_nats_url)
+    try:
+        await api.publish("inferno.worker.worker-0.generate", b"not from a scheduler")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await api.request("inferno.worker.worker-0.admin.status", b"", timeout=1)
+        await api.subscribe("_INBOX.other.>")  # another user's replies
+        await api.flush()
+        await asyncio.sleep(0.3)
+        errors = [e.lower() for e in errors]
+        assert 'violation for publish to "inferno.worker.worker-0.generate"' in " ".join(errors), errors
+        assert 'violation for publish to "inferno.worker.worker-0.admin.status"' in " ".join(errors), errors
+        assert 'violation for subscription to "_inbox.other.>"' in " ".join(errors), errors
+        # The other user's request is answered, to it alone.
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        msg = await other.request("inferno.api.v1.completions", json.dumps(body).encode(), timeout=30)
+        assert msg.subject.startswith("_INBOX.other.") and msg.headers["x-status"] == "200"
+        # The admin reaches a worker's admin subject.
+        from shared.admin_messages import WorkerAdminReply, WorkerStatusRequest
+        from shared.wire import decode, encode
+        reply = await admin.request("inferno.worker.worker-0.admin.status", encode(WorkerStatusRequest()), timeout=10)
+        assert decode(WorkerAdminReply, reply.data).ok
+    finally:
+        for nc in (api, other, admin):
+            await nc.close()
+    with pytest.raises(Exception):
+        await nats.connect(stack.nats_url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)

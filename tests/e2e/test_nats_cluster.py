@@ -29,7 +29,7 @@ def bucket_replicas(stack) -> int:
     import nats
 
     async def ask() -> int:
-        nc = await nats.connect(stack.nats_url.split(","))
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
             js = nc.jetstream()
             deadline = time.monotonic() + 20
@@ -132,7 +132,7 @@ def snapshot_seq(stack, worker_id: str) -> int:
     from shared.wire import decode
 
     async def ask() -> int:
-        nc = await nats.connect(stack.nats_url.split(","))
+        nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
             kv = await nc.jetstream().key_value(kv_snapshot_bucket("inferno"))
             return decode(KvSnapshot, (await kv.get(f"{worker_id}.0")).value).seq

@@ -39,7 +39,7 @@ def busy_stack(tiny_model, tmp_path_factory):
 
 
 def top_argv(stack) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "top", "--url", stack.url, "--nats", stack.nats_url]
+    return [sys.executable, "-m", "services.cli", "top", "--url", stack.url, "--nats", stack.admin_nats_url]
 
 
 def worker_row(text: str) -> list[str]:
