@@ -11,6 +11,7 @@ replies; the workers' admin subjects take the admin user.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -69,19 +70,44 @@ class NatsCredentials:
         return cls({user: secrets.token_urlsafe(24) for user in users}, tuple(api_users))
 
     def server_config(self, prefix: str) -> str:
-        """nats-server's `authorization` block (its config syntax takes JSON values)."""
-        roles = role_permissions(prefix)
-        users = [{"user": role, "password": self.passwords[role], "permissions": roles[role]} for role in SERVICE_ROLES]
-        users.append({"user": ADMIN, "password": self.passwords[ADMIN]})  # everything: operators' tools
-        users += [{"user": user, "password": self.passwords[user], "permissions": api_permissions(prefix, user)}
-                  for user in self.api_users]
-        return f"authorization {{\n  users: {json.dumps(users, indent=2)}\n}}\n"
+        """nats-server's `authorization` block with these passwords."""
+        return server_config(prefix, self.passwords, self.api_users)
 
     def url(self, servers: str, user: str) -> str:
         """`servers` (comma-separated nats:// URLs) with this user's credentials in each."""
         password = self.passwords[user]
         return ",".join(part.replace("://", f"://{user}:{password}@", 1) for part in servers.split(","))
 
+    def env_file(self) -> str:
+        """Every password as a variable of password_variable's name, one a line (a compose .env file;
+        `kubectl create secret generic --from-env-file`)."""
+        return "".join(f"{password_variable(user)}={password}\n" for user, password in self.passwords.items())
+
     def env(self, user: str) -> dict[str, str]:
         """What a service's environment carries (not its argv, which `ps` shows): NatsConfig reads it."""
         return {"INFERNO_NATS_USER": user, "INFERNO_NATS_PASSWORD": self.passwords[user]}
+
+
+def password_variable(user: str) -> str:
+    """The environment variable that holds `user`'s password where nats-server's config reads it
+    ($VAR references: deploy/nats/users.conf) and where compose and Kubernetes hand it to a service."""
+    return f"INFERNO_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+def server_config(prefix: str, passwords: dict[str, str] | None = None, api_users: tuple[str, ...] = ("api",)) -> str:
+    """nats-server's `authorization` block (its config syntax takes JSON values): each user with its
+    password, or with None a reference to its password_variable, which nats-server reads from its
+    environment (the deployments' template: their passwords live in Secrets, not in files)."""
+    roles = role_permissions(prefix)
+
+    def password(user: str) -> str:
+        return passwords[user] if passwords else f"${password_variable(user)}"
+
+    users = [{"user": role, "password": password(role), "permissions": roles[role]} for role in SERVICE_ROLES]
+    users.append({"user": ADMIN, "password": password(ADMIN)})  # everything: operators' tools
+    users += [{"user": user, "password": password(user), "permissions": api_permissions(prefix, user)}
+              for user in api_users]
+    text = json.dumps(users, indent=2)
+    if not passwords:  # a variable reference is written bare: "$X" in quotes would be the literal text
+        text = re.sub(r'"(\$INFERNO_NATS_[A-Z0-9_]+_PASSWORD)"', r"\1", text)
+    return f"authorization {{\n  users: {text}\n}}\n"

@@ -69,7 +69,10 @@ def test_commands_parse_with_the_cli(compose, name):
 
 
 def test_environment_is_read_by_the_entry_points(compose):
-    sources = {name: Path(importlib.import_module(mod).__file__).read_text() for name, mod in ENTRY_POINTS.items()}
+    # Every service's NATS user and password are NatsConfig's (shared/config.py).
+    common = (ROOT / "shared" / "config.py").read_text()
+    sources = {name: Path(importlib.import_module(mod).__file__).read_text() + common
+               for name, mod in ENTRY_POINTS.items()}
     for name, service in compose["services"].items():
         if service.get("image") != "inferno:latest":
             continue  # nats, prometheus, grafana: their own images
@@ -95,3 +98,24 @@ def test_monitoring_is_a_profile_over_the_services_that_serve_metrics(compose):
     kvstore = services["kvstore"]["command"]
     assert targets == {f"gateway:{gateway_port}", f"kvstore:{kvstore[kvstore.index('--http-port') + 1]}"}
     assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+
+
+def test_the_bus_has_users(compose):
+    """Each service connects as its role with its password from .env; every nats-server reads the users
+    of deploy/nats/users.conf, which is what shared/nats_auth.py makes."""
+    from shared.nats_auth import password_variable, server_config
+
+    services = compose["services"]
+    users = (ROOT / "deploy" / "nats" / "users.conf").read_text()
+    assert users.endswith(server_config("inferno")), "regenerate deploy/nats/users.conf from shared/nats_auth.py"
+    for name, service in services.items():
+        if name.startswith("nats"):
+            assert service["command"][:2] == ["-c", "/etc/nats/users.conf"], name
+            assert "./deploy/nats/users.conf:/etc/nats/users.conf:ro" in service["volumes"], name
+            assert set(service["environment"]) == {password_variable(u) for u in
+                                                   ("gateway", "scheduler", "worker", "kvstore", "admin", "api")}
+        elif service.get("image") == "inferno:latest":
+            role = service["command"][0]
+            env = service["environment"]
+            assert env["INFERNO_NATS_USER"] == role, name
+            assert env["INFERNO_NATS_PASSWORD"].startswith("${" + password_variable(role) + ":?"), name
