@@ -287,6 +287,29 @@ def test_nats_cluster():
     assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}[template["metadata"]["name"]] == "/data"
 
 
+def test_the_bus_has_users():
+    """Every server includes the users that shared/nats_auth.py makes, their passwords from the Secret the
+    kustomization generates; every service connects as its role with its password from that Secret."""
+    from shared.nats_auth import password_variable, server_config
+
+    config = named("ConfigMap", "nats-config")["data"]
+    assert "include ./users.conf" in config["nats.conf"] and config["users.conf"] == server_config("inferno")
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    (secret,) = kustomization["secretGenerator"]
+    assert kustomization["generatorOptions"]["disableNameSuffixHash"]
+    (c,) = pod_spec(named("StatefulSet", "nats"))["containers"]
+    assert c["envFrom"] == [{"secretRef": {"name": secret["name"]}}]
+    for w in WORKLOADS:
+        for c in pod_spec(w)["containers"]:
+            if c["image"] != "inferno:latest":
+                continue
+            env = {v["name"]: v for v in c["env"]}
+            role = c["args"][0]
+            assert env["INFERNO_NATS_USER"]["value"] == role, w["metadata"]["name"]
+            assert env["INFERNO_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+                "name": secret["name"], "key": password_variable(role)}, w["metadata"]["name"]
+
+
 def test_service_monitors():
     """ServiceMonitor is a CRD: checked for its shape and against the Services it scrapes."""
     for monitor in of_kind("ServiceMonitor"):
@@ -311,7 +334,7 @@ def test_commands_parse_with_the_cli_and_are_documented(entry):
     module.parse_args(args[1:])  # raises SystemExit on an unknown flag
     for flag in (a for a in args if a.startswith("--")):
         assert f"`{flag}`" in CONFIGURATION, f"{flag} is not in docs/configuration.md"
-    source = Path(module.__file__).read_text()
+    source = Path(module.__file__).read_text() + (ROOT / "shared" / "config.py").read_text()  # + NatsConfig's
     for var in (v["name"] for v in c["env"] if v["name"].startswith("INFERNO_")):
         assert var in CONFIGURATION, f"{var} is not in docs/configuration.md"
         # Read by the service, or handed to it as a flag through $(VAR).
