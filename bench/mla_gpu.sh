@@ -19,14 +19,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RAW/gpu.t
 for preset in $W1_MODELS; do
   [ -f /tmp/$preset/config.json ] || python3 -m services.cli make-model /tmp/$preset --preset $preset --config-only --quiet
 done
-python3 - > "$RAW/hbm.txt" <<'PY'
-import torch
-a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-for _ in range(3): b.copy_(a)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-s.record(); [b.copy_(a) for _ in range(10)]; e.record(); torch.cuda.synchronize()
-print(2 * 10 * a.numel() / (s.elapsed_time(e) / 1e3) / 1e12)  # TB/s, read + write
-PY
+python3 bench/hbm_copy.py > "$RAW/hbm.txt"
 echo "HBM copy $(cat $RAW/hbm.txt) TB/s"
 timeout 150 python3 - > "$RAW/parity.txt" 2>"$RAW/parity.err" <<'PY'
 # Greedy tokens of tiny DeepSeek-V3 and -V2 (float32): the GPU's Triton kernels under CUDA graphs

@@ -17,14 +17,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RAW/gpu.t
 for preset in ${MODELS:-qwen3-30b-a3b mixtral-8x7b} llama-3.1-8b; do
   [ -f /tmp/$preset/config.json ] || python3 -m services.cli make-model /tmp/$preset --preset $preset --config-only --quiet
 done
-python3 - > "$RAW/hbm.txt" <<'PY'
-import torch
-a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-for _ in range(3): b.copy_(a)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-s.record(); [b.copy_(a) for _ in range(10)]; e.record(); torch.cuda.synchronize()
-print(2 * 10 * a.numel() / (s.elapsed_time(e) / 1e3) / 1e12)  # TB/s, read + write
-PY
+python3 bench/hbm_copy.py > "$RAW/hbm.txt"
 echo "HBM copy $(cat $RAW/hbm.txt) TB/s"
 for preset in ${MODELS:-qwen3-30b-a3b mixtral-8x7b}; do
   timeout 240 python3 -m services.cli bench-engine --model /tmp/$preset --device cuda --load-format dummy --batch-size 1 \
