@@ -35,7 +35,8 @@ def role_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         # back from the workers, aborts out; replies to API clients go to their inboxes.
         "gateway": {"publish": [f"{p}.generate", f"{worker}.abort", *_SERVICE_PUB],
                     "subscribe": [f"{p}.api.>", f"{p}.gateway.*.tokens", f"{p}.heartbeat", *_SERVICE_SUB]},
-        "scheduler": {"publish": [f"{worker}.generate", f"{worker}.prepare", *_SERVICE_PUB],
+        # (and aborts a request at a worker that did not acknowledge it in time)
+        "scheduler": {"publish": [f"{worker}.generate", f"{worker}.prepare", f"{worker}.abort", *_SERVICE_PUB],
                       "subscribe": [f"{p}.generate", f"{p}.heartbeat", f"{p}.kv_events", *_SERVICE_SUB]},
         # A worker serves its own subjects (generate, abort, hand-offs, admin), streams tokens to the
         # gateways, offers hand-offs to other workers (and aborts there what it handed over) and asks

@@ -19,7 +19,7 @@ from services.scheduler.router import Choice, Router
 from shared.config import RouterConfig
 from shared.errors import ServiceError, ServiceUnavailable
 from shared.logging import get_logger
-from shared.messages import GenerateRequest, KvEvents, RouteReply, WorkerHeartbeat
+from shared.messages import AbortRequest, GenerateRequest, KvEvents, RouteReply, WorkerHeartbeat
 from shared.nats_client import NatsConnection
 from shared.subjects import SCHEDULER_QUEUE, Subjects
 
@@ -175,6 +175,8 @@ class Scheduler:
                     ack = None
                 if ack is not None and ack.ok:
                     break
+                if ack is None:  # no answer in time: it may yet take it, beside the next worker
+                    await self._withdraw(target.worker_id, req.request_id)
                 self.registry.suspend(target.worker_id)
             else:
                 return RouteReply.rejected(503, "service_unavailable", "no worker took the request", self.cfg.retry_after)
@@ -192,6 +194,14 @@ class Scheduler:
         s.prompt_tokens += req.num_prompt_tokens
         s.disaggregated += prefill is not None
         return RouteReply.accepted(target.worker_id)
+
+    async def _withdraw(self, worker_id: str, request_id: str) -> None:
+        """Abort a request at a worker that did not acknowledge it in time: a slow worker that takes
+        it late would otherwise run it beside the worker that takes it next, both streaming its tokens.
+        (One connection delivers its messages in order: the abort comes after the request.)"""
+        with contextlib.suppress(ServiceError):
+            await self.conn.publish(self.subjects.worker_abort(worker_id),
+                                    AbortRequest(request_ids=[request_id], reason="not acknowledged"))
 
     async def route(self, req: GenerateRequest) -> Choice | Rejection:
         """Admission, then the session's worker if it can take the request, else the least-cost one."""

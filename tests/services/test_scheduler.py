@@ -455,3 +455,22 @@ async def test_a_scheduler_started_late_reads_the_workers_caches_from_jetstream(
     await wait_for(lambda: len(sched.registry.workers["w-most"].kv) == 125, what="the next report")
     reply = await cluster.send(gen_request(system + tokens(37, start=5), rid="late", cache_salt="acme"))
     assert reply == RouteReply.accepted("w-most")
+
+
+async def test_a_request_not_acknowledged_in_time_is_withdrawn_from_that_worker(cluster):
+    """A slow worker that takes a request after the scheduler gave up on it would run it beside the
+    next worker: the scheduler aborts it there before routing on."""
+    from shared.messages import AbortRequest
+
+    await cluster.scheduler(forward_timeout=0.2)
+    slow = await cluster.worker("w-slow")
+    other = await cluster.worker("w-other", active_decode_tokens=1_000_000)  # the slow one wins on load
+    aborts: list[AbortRequest] = []
+    await slow.conn.subscribe(slow.subjects.worker_abort("w-slow"), AbortRequest, aborts.append)
+    await slow._sub.unsubscribe()  # it answers nothing in time: replaced by a subscriber that never replies
+    await slow.conn.subscribe(slow.subjects.worker_generate("w-slow"), GenerateRequest, slow.received.append)
+    await cluster.known("w-slow", "w-other")
+    reply = await cluster.send(gen_request(tokens(40), rid="late"))
+    assert reply.worker_id == "w-other" and [r.request_id for r in other.received] == ["late"]
+    await wait_for(lambda: aborts, what="the withdrawal")
+    assert aborts[0].request_ids == ["late"] and [r.request_id for r in slow.received] == ["late"]

@@ -187,8 +187,6 @@ class TritonOps(TorchOps):
         return out
 
     def mla_decode(self, q_nope, q_rot, cache, kv_b, block_tables, seq_lens, scale: float, max_seq_len: int):
-        if not hasattr(mla_decode, "mla_decode"):  # (the kernel is being written)
-            return super().mla_decode(q_nope, q_rot, cache, kv_b, block_tables, seq_lens, scale, max_seq_len)
         q = mla_decode.absorb_query(q_nope, q_rot, kv_b)
         o_lat = mla_decode.mla_decode(q, cache, block_tables, seq_lens, scale, kv_b.shape[1], max_seq_len)
         return mla_decode.expand_output(o_lat, kv_b, q_nope.shape[-1])
