@@ -3,8 +3,8 @@ the mixtures of experts), read as transformers reads them into ModelConfig's par
 
 from __future__ import annotations
 
-from services.worker.engine.model_config import (DEEPSEEK_ARCHITECTURES, Llama4Config, MLAConfig, ModelConfigError,
-                                                  MoEConfig, YarnScaling)
+from services.worker.engine.model_parts import (DEEPSEEK_ARCHITECTURES, Llama4Config, MLAConfig, ModelConfigError,
+                                                 MoEConfig, YarnScaling)
 
 
 def yarn(rs: dict, raw: dict, source: str) -> YarnScaling:
