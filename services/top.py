@@ -228,3 +228,38 @@ async def _live(console, nats_url: str, prefix: str, url: str, title: str, inter
                 now = await w.next_sample(before, interval)
                 live.update(render(before, now, f"{title} — {time.strftime('%H:%M:%S')}"), refresh=True)
                 before = now
+
+
+def print_started(stack, workers: int) -> None:
+    """`inferno up`'s one table of what runs once the stack (services/launcher.Stack) is ready: each
+    service, the workers' device, model, dtype, KV tokens and graphs (from their heartbeats), and the URLs."""
+    from rich.table import Table
+
+    async def beats():
+        async with Watcher(stack.admin_nats_url, "inferno", stack.url) as w:
+            deadline = time.monotonic() + 3.0
+            while len(w.latest) < workers and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return dict(w.latest)
+
+    try:
+        heartbeats = asyncio.run(beats())
+    except Exception:  # the table is a courtesy: the stack serves without it
+        heartbeats = {}
+    table = Table(title="inferno: started", title_justify="left")
+    for name in ("service", "role", "pid", "device", "model", "dtype", "KV tokens", "graphs", "address"):
+        table.add_column(name)
+    pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None and c.proc.poll() is None}
+    for c in stack.children:
+        hb = heartbeats.get(c.name)
+        if hb is not None:
+            table.add_row(c.name, hb.role, str(pids.get(c.name, "-")), hb.device, hb.model, hb.dtype,
+                          f"{hb.num_total_blocks * hb.block_size:,}", str(hb.graphs), "")
+        else:
+            address = {"gateway": f"{stack.url}/v1  {stack.url}/metrics", "nats": stack.nats_url}.get(c.name, "")
+            if c.name.startswith("gateway-"):
+                address = f"{stack.url}/v1"
+            elif c.name.startswith("nats-"):  # a server of a cluster
+                address = stack.nats_url.split(",")[int(c.name.split("-")[1])]
+            table.add_row(c.name, "", str(pids.get(c.name, "-")), "", "", "", "", "", address)
+    wide_console().print(table)

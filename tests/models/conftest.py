@@ -80,3 +80,24 @@ def run_requests(engine, prompts, params, eos=(), matchers=None):
             if o.finished:
                 finish[o.request_id] = o.finish_reason
     return [(out[f"r{i}"], finish.get(f"r{i}")) for i in range(len(prompts))], engine.steps - steps
+
+
+def assert_group_equals_one_process(model_dir, seed: int, max_tokens: int, check=None, **group) -> None:
+    """Greedy tokens of a parallel group (`group`: its EngineConfig fields; gloo ranks) on three prompts
+    (9, 33 and 2 tokens), equal to one float64 process's; `check(engine, prompts)` runs on the group's
+    engine before it closes."""
+    from services.worker.engine.model_config import ModelConfig
+    from shared.sampling_params import SamplingParams
+
+    eos = eos_ids(model_dir)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    prompts = [random_prompt(n, vocab, seed=seed + n) for n in (9, 33, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    want = make_engine(model_dir, dtype="float64").generate(prompts, params, eos)
+    engine = make_engine(model_dir, dtype="float64", max_num_batched_tokens=16, **group)
+    try:
+        assert engine.generate(prompts, params, eos) == want
+        if check is not None:
+            check(engine, prompts)
+    finally:
+        engine.close()

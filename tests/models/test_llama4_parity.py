@@ -13,7 +13,7 @@ from inferno.tools.make_model import write_model
 from services.worker.engine.model_config import ModelConfig, ModelConfigError, RopeScaling
 from services.worker.engine.parallel.layout import ParallelConfigError, ParallelLayout
 from shared.sampling_params import SamplingParams
-from tests.models.conftest import eos_ids, hf_greedy, make_engine, random_prompt
+from tests.models.conftest import assert_group_equals_one_process, eos_ids, hf_greedy, make_engine, random_prompt
 from tests.models.test_transformers_parity import engine_prefill_logits, run_staggered
 
 ARCH = "Llama4ForCausalLM"
@@ -99,13 +99,4 @@ def test_a_group_equals_one_process(group, model_dir):
     """Two ranks (gloo): each with half the heads, half the dense and shared MLPs and two whole experts
     (rows of the stacked tensors, turned after the load); or a stage each, the second's one layer (NoPE,
     global, the experts) its layer 0."""
-    eos = eos_ids(model_dir)
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
-    prompts = [random_prompt(n, vocab, seed=80 + n) for n in (9, 33, 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    want = make_engine(model_dir, dtype="float64").generate(prompts, params, eos)
-    engine = make_engine(model_dir, dtype="float64", max_num_batched_tokens=16, **group)
-    try:
-        assert engine.generate(prompts, params, eos) == want
-    finally:
-        engine.close()
+    assert_group_equals_one_process(model_dir, 80, 16, **group)

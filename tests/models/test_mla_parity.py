@@ -11,7 +11,7 @@ from inferno.tools.make_model import write_model
 from services.worker.engine.kv_cache import CacheLayout, kv_bytes_per_block
 from services.worker.engine.model_config import ModelConfig, YarnScaling
 from shared.sampling_params import SamplingParams
-from tests.models.conftest import eos_ids, hf_greedy, make_engine, random_prompt
+from tests.models.conftest import assert_group_equals_one_process, eos_ids, hf_greedy, make_engine, random_prompt
 from tests.models.test_transformers_parity import engine_prefill_logits, run_staggered
 
 ARCHS = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
@@ -82,14 +82,5 @@ def test_cached_prefixes_and_mixed_batches_change_no_token(dirs, hf):
 def test_a_group_equals_one_process(arch, expert_parallel, dirs):
     """Two ranks (gloo), each with half the heads (of q, kv_b_proj and o_proj) over the whole latent
     cache, and whole experts (V3) or half of every expert (V2)."""
-    eos = eos_ids(dirs[arch])
-    vocab = ModelConfig.from_dir(dirs[arch]).vocab_size
-    prompts = [random_prompt(n, vocab, seed=80 + n) for n in (9, 33, 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    want = make_engine(dirs[arch], dtype="float64").generate(prompts, params, eos)
-    engine = make_engine(dirs[arch], dtype="float64", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
-                         max_num_batched_tokens=16)
-    try:
-        assert engine.generate(prompts, params, eos) == want
-    finally:
-        engine.close()
+    assert_group_equals_one_process(dirs[arch], 80, 16, tensor_parallel_size=2,
+                                    enable_expert_parallel=expert_parallel)

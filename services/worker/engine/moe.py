@@ -37,6 +37,7 @@ class MoE(nn.Module):
         self.n_fused = shared // inter if shared and not moe.shared_gate and shared % inter == 0 else 0
         self.w13 = nn.Parameter(torch.empty(moe.held_experts + self.n_fused, 2 * inter, h))
         self.w2 = nn.Parameter(torch.empty(moe.held_experts + self.n_fused, h, inter))
+        self.fused_ids = (0, 0)  # (first id, n) of the fused shared experts, once fused: the router adds them
         self.w13_scale = self.w2_scale = None  # fp32 [E, rows] once quantize_fp8() made the experts e4m3
         self.shared_expert = MLP(cfg, ops, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = Linear(h, 1, ops) if moe.shared_intermediate_size and moe.shared_gate else None
@@ -58,6 +59,7 @@ class MoE(nn.Module):
         self.w13.data[held:].copy_(gate_up.transpose(0, 1).reshape(n, 2 * inter, h))
         self.w2.data[held:].copy_(self.shared_expert.down_proj.weight.data.view(h, n, inter).transpose(0, 1))
         self.shared_expert = None
+        self.fused_ids = (self.first_expert + held, n)
 
     def quantize_fp8(self) -> None:
         """The experts' weights in e4m3 with a scale per output row of each expert; the router stays."""
@@ -74,10 +76,8 @@ class MoE(nn.Module):
 
     def forward(self, h, residual, norm, eps, ops: TorchOps):
         x, residual = ops.add_rmsnorm(h, residual, norm, eps)
-        if self.grouped:
-            fused = (self.first_expert + self.w13.shape[0] - self.n_fused, self.n_fused) if (
-                self.shared_expert is None) else (0, 0)
-            weights, ids = ops.group_route(self.gate(x), self.moe, self.score_bias, self.routed, fused)
+        if self.grouped or self.fused_ids[1]:  # (the grouped rule is the plain one without groups or scaling)
+            weights, ids = ops.group_route(self.gate(x), self.moe, self.score_bias, self.routed, self.fused_ids)
         else:
             weights, ids = ops.route(self.gate(x), self.top_k, self.renormalize, self.routed)
         if self.moe.scale_inputs:
