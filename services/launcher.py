@@ -86,6 +86,9 @@ def nats_server_binary() -> str:
 class StackConfig:
     model_dir: Path
     model_name: str = "inferno-demo"
+    # Further models served beside the first by every mixed worker, on its GPU (services/worker/model_host.py)
+    # and by the gateways: (directory, served name) each.
+    more_models: tuple[tuple[Path, str], ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4222
@@ -251,8 +254,7 @@ class Stack:
         name = f"worker-{index}" if role == "mixed" else f"{role}-{index}"
         device, env = self._next_placement()
         argv = [sys.executable, "-m", "services.worker", *self._common(), "--worker-id", name, "--role", role,
-                "--model-dir", str(self.cfg.model_dir), "--model-name", self.cfg.model_name,
-                "--device", device, *self.cfg.worker_args,
+                *self._model_flags(all_models=role == "mixed"), "--device", device, *self.cfg.worker_args,
                 *{"prefill": self.cfg.prefill_worker_args, "decode": self.cfg.decode_worker_args}.get(role, ())]
         if self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
@@ -263,12 +265,15 @@ class Stack:
             argv.append("--emit-only")
         return self._spawn(name, argv, critical=False, env=env)
 
+    def _model_flags(self, all_models: bool = True) -> list[str]:
+        models = [(self.cfg.model_dir, self.cfg.model_name), *(self.cfg.more_models if all_models else ())]
+        return [flag for d, name in models for flag in ("--model-dir", str(d), "--model-name", name)]
+
     def start_gateways(self) -> list[Child]:
         """One gateway, or api_server_count of them on the one port (SO_REUSEPORT), each with its own
         NATS inbox; with several, none is critical: the others serve while the supervisor restarts one."""
         argv = [sys.executable, "-m", "services.gateway", *self._common(), "--host", self.cfg.host,
-                "--port", str(self.cfg.port), "--model-dir", str(self.cfg.model_dir),
-                "--model-name", self.cfg.model_name, *self.cfg.gateway_args]
+                "--port", str(self.cfg.port), *self._model_flags(), *self.cfg.gateway_args]
         for key in self.cfg.api_keys:
             argv += ["--api-key", key]
         count = self.cfg.api_server_count
@@ -396,11 +401,21 @@ def is_model_path(path: Path) -> bool:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="inferno up", description="Run the whole Inferno stack.")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct demo)")
+    ap.add_argument("--model", type=Path, action="append", default=None,
+                    help="Hugging Face model directory or .gguf file (default: the SmolLM2-135M-Instruct demo); "
+                         "repeated, every worker serves them all on its GPU, each in a share of its memory "
+                         "(--memory-share), those that do not fit loaded at their first request")
     ap.add_argument("--random-demo", action="store_true",
                     help="serve the tiny random-weight demo model instead of SmolLM2 (no download)")
-    ap.add_argument("--model-name", default=None, help="the id clients use (default: the directory's name)")
+    ap.add_argument("--model-name", action="append", default=None,
+                    help="the id clients use (default: the directory's name); repeated, each --model's in order")
+    ap.add_argument("--memory-share", action="append", default=None,
+                    help="several models: each one's fraction of the GPU, in the --model order (default: "
+                         "an equal split)")
+    ap.add_argument("--host-memory-gb", type=float, default=None,
+                    help="pinned host memory that keeps evicted models' weights for a fast way back")
+    ap.add_argument("--model-idle-timeout", type=float, default=None,
+                    help="seconds idle after which a model leaves the GPU; its next request brings it back")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
@@ -507,10 +522,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from services.packaged_models import ensure_demo_model
 
-    model_dir = args.model or ensure_demo_model(args.random_demo)
-    if not is_model_path(model_dir):
-        print(f"inferno: {model_dir} is neither a model directory (no config.json) nor a GGUF file", file=sys.stderr)
+    model_dirs = args.model or [ensure_demo_model(args.random_demo)]
+    for model_dir in model_dirs:
+        if not is_model_path(model_dir):
+            print(f"inferno: {model_dir} is neither a model directory (no config.json) nor a GGUF file",
+                  file=sys.stderr)
+            return 2
+    names = args.model_name or []
+    if len(names) > len(model_dirs):
+        print("inferno: more --model-name than --model", file=sys.stderr)
         return 2
+    served = [(d.resolve(), names[i] if i < len(names) else
+               ("inferno-demo" if args.model is None else d.name.removesuffix(".gguf"))) for i, d in enumerate(model_dirs)]
+    if len({name for _, name in served}) < len(served):
+        print("inferno: two models would be served under one name: give --model-name for each", file=sys.stderr)
+        return 2
+    worker_args = list(_split(args.worker_arg))
+    for share in args.memory_share or []:
+        worker_args += ["--memory-share", share]
+    if args.host_memory_gb is not None:
+        worker_args += ["--host-memory-gb", str(args.host_memory_gb)]
+    if args.model_idle_timeout is not None:
+        worker_args += ["--model-idle-timeout", str(args.model_idle_timeout)]
     api_keys = tuple(args.api_key) or tuple(k for k in os.environ.get("INFERNO_API_KEYS", "").split(",") if k)
     scheduler_args: list[str] = []
     if args.disagg_min_prefill_tokens is not None:
@@ -523,8 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream_interval != 1:
         gateway_args += ["--stream-interval", str(args.stream_interval)]
     cfg = StackConfig(
-        model_dir=model_dir.resolve(),
-        model_name=args.model_name or ("inferno-demo" if args.model is None else model_dir.name.removesuffix(".gguf")),
+        model_dir=served[0][0], model_name=served[0][1], more_models=tuple(served[1:]),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), nats_cluster=args.nats_cluster,
         nats_auth=args.nats_auth, nats_api_users=tuple(args.nats_api_user or ("api",)),
         api_server_count=args.api_server_count, schedulers=args.schedulers,
@@ -533,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         kvstore_capacity_gb=kvstore_capacity(args), scheduler_args=tuple(scheduler_args),
         gateway_args=tuple(gateway_args),
         device=args.device, api_keys=api_keys, run_dir=args.run_dir, emit_only=args.emit_only,
-        worker_args=_split(args.worker_arg), prefill_worker_args=_split(args.prefill_worker_arg),
+        worker_args=tuple(worker_args), prefill_worker_args=_split(args.prefill_worker_arg),
         decode_worker_args=_split(args.decode_worker_arg), log_format=args.log_format,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel)
@@ -556,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         private(cfg.run_dir / STACK_FILE, json.dumps({"url": stack.url, "nats": stack.admin_nats_url,
                                                       "metrics": stack.url + "/metrics"}))
         print_started(stack, own_workers)  # (services/top.py)
-        print(f"\ninferno: serving {cfg.model_name!r} at {stack.url}/v1  (Ctrl-C stops)\n"
+        print(f"\ninferno: serving {', '.join(repr(name) for _, name in served)} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n  inferno top --run-dir {cfg.run_dir}   (a live view)\n", flush=True)
         # Any child that dies is started again (the gateway answers 503 meanwhile), but one that
         # exits with a configuration error; with --workers 0 the control plane waits for workers

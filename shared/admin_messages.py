@@ -14,11 +14,16 @@ from shared.errors import MessageError
 from shared.wire import Message, register
 
 # What a worker holds, as its heartbeats and admin replies say: no model; one being loaded (it
-# takes no request); one serving; one being unloaded (its in-flight requests drain, no new ones).
-MODEL_STATES = ("no_model", "loading", "ready", "unloading")
+# takes no request); one serving; one being unloaded (its in-flight requests drain, no new ones);
+# one registered but not on the GPU (a worker holding several models evicted it, or it went idle):
+# its requests wait in that worker's queue while it is loaded again (services/worker/model_host.py).
+MODEL_STATES = ("no_model", "loading", "ready", "unloading", "standby")
 # What a load or unload does to the requests of the model in place: let them finish (up to
 # drain_timeout, then abort the rest), or abort them at once. Aborted requests end with an error.
 FINISH_MODES = ("drain", "abort")
+# A load's modes: replace the model in place (finishing its requests as above), or "add" the model
+# beside those the worker holds (a model slot of its own: services/worker/model_host.py).
+LOAD_MODES = FINISH_MODES + ("add",)
 # Reply codes. "bad_request": the request or the model it names is unusable (the worker keeps what
 # it had); "busy": another load or unload is under way; "load_failed": loading failed after the old
 # model was freed (the worker has no model now); "internal": anything else.
@@ -50,8 +55,9 @@ class LoadModelRequest(Message):
     dtype: str = ""  # "" = the worker's --dtype
     max_model_len: int = 0  # 0 = the worker's --max-model-len, else the model's own
     load_format: str = ""  # "" = the worker's --load-format
-    mode: str = "drain"  # the requests of the model in place: "drain" or "abort"
+    mode: str = "drain"  # the requests of the model in place: "drain" or "abort"; or "add" it beside them
     drain_timeout: float = 30.0  # seconds, with mode "drain"
+    memory_share: float = 0.0  # mode "add": the GPU's fraction this model may hold (0: the worker's default)
 
     def _check(self) -> None:
         _require(0 < len(self.model_dir) <= MAX_PATH_CHARS, f"model_dir must be 1-{MAX_PATH_CHARS} characters")
@@ -60,7 +66,10 @@ class LoadModelRequest(Message):
                                                                                  "float16 or bfloat16")
         _require(self.load_format in ("", "auto", "dummy"), "load_format must be auto or dummy")
         _require(self.max_model_len >= 0, "max_model_len must not be negative")
-        _check_finish(self.mode, self.drain_timeout)
+        _require(math.isfinite(self.memory_share) and 0.0 <= self.memory_share < 1.0,
+                 "memory_share must be in [0, 1)")
+        _require(self.mode in LOAD_MODES, f"mode must be one of {LOAD_MODES}")
+        _check_finish("drain" if self.mode == "add" else self.mode, self.drain_timeout)
 
 
 @register

@@ -96,8 +96,10 @@ class NatsConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GatewayConfig:
-    model_name: str  # the id clients send as "model" and /v1/models lists
+    model_name: str  # the id clients send as "model" and /v1/models lists (the default model)
     model_dir: str  # tokenizer.json, tokenizer_config.json (chat template), config.json
+    # (name, dir) of the models served besides model_name's, in the order given (`models` has them all).
+    more_models: tuple[tuple[str, str], ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     reuse_port: bool = False  # share the port with other gateway processes (SO_REUSEPORT)
@@ -122,6 +124,7 @@ class GatewayConfig:
             _fail(self, "model_name", "must not be empty")
         if not self.model_dir:
             _fail(self, "model_dir", "must not be empty")
+        self._check_more_models()
         if not self.host:
             _fail(self, "host", "must not be empty")
         _ints(self, "port", "max_body_bytes", "max_n", "max_tokens_default", "stream_interval")
@@ -136,6 +139,23 @@ class GatewayConfig:
         if self.max_tokens_default is not None:
             _positive(self, "max_tokens_default")
         _id(self, "gateway_id")
+
+    @property
+    def models(self) -> tuple[tuple[str, str], ...]:
+        """(name, dir) of every served model, the default (model_name's) first."""
+        return ((self.model_name, self.model_dir), *self.more_models)
+
+    def _check_more_models(self) -> None:
+        if not isinstance(self.more_models, tuple):
+            _fail(self, "more_models", "must be a tuple of (name, dir) pairs")
+        seen = {self.model_name}
+        for pair in self.more_models:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) and x for x in pair)):
+                _fail(self, "more_models", f"each must be a (name, dir) pair of non-empty strings, got {pair!r}")
+            if pair[0] in seen:  # a request could not say which of the two it means
+                _fail(self, "more_models", f"the model name {pair[0]!r} is served twice: give each model "
+                                           "a --model-name of its own")
+            seen.add(pair[0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +231,12 @@ class WorkerServiceConfig:
     enable_expert_parallel: bool = False  # MoE models: whole experts spread over the tensor-parallel GPUs
     custom_all_reduce: bool = True  # small tensor-parallel all-reduces over peer memory (GPUs)
     fused_all_reduce_norm: bool = True  # ... with the residual add and RMSNorm in the same kernel
+    # Several models on one GPU (services/worker/model_host.py): this model's fraction of the device
+    # (0: all of gpu_memory_utilization); pinned host memory kept for evicted models' weights (GB; 0:
+    # an evicted model is read from disk again); seconds idle after which a model leaves the GPU (0: never).
+    memory_share: float = 0.0
+    host_memory_gb: float = 0.0
+    model_idle_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         _id(self, "worker_id")
@@ -234,6 +260,10 @@ class WorkerServiceConfig:
             _fail(self, "device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             _fail(self, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0.0 <= self.memory_share < 1.0:
+            _fail(self, "memory_share", f"must be in [0, 1), got {self.memory_share}")
+        if self.host_memory_gb < 0 or self.model_idle_timeout < 0:
+            _fail(self, "host_memory_gb", "host_memory_gb and model_idle_timeout must not be negative")
         _ints(self, "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "heartbeat_interval",
                   "drain_timeout")

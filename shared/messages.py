@@ -396,7 +396,13 @@ class WorkerHeartbeat(Message):
     kv_handoffs_ipc: int = 0  # of kv_handoffs: copied over CUDA IPC (one host), not sent over UCXX
     kv_handoffs_pushed: int = 0  # of kv_handoffs_ipc: written into the decode worker's slot by the prefill worker
     kv_handoff_p50_ms: float = 0.0  # a prefill worker's latest hand-offs (up to 256): their median time
-    state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading (a worker that loads models)
+    state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading | standby
+    # A worker process holding several models answers for each as a worker of its own (a model slot,
+    # services/worker/model_host.py): `host` is that process's worker id ("" = this one alone), and
+    # `model_dir` where its model came from (a gateway reads the tokenizer of a model added later there).
+    host: str = ""
+    model_dir: str = ""
+    memory_share: float = 0.0  # the GPU's fraction this model holds when on it (0: the whole budget)
     # Seconds to fetch a prefix from the cluster kvstore per second to prefill it on this worker (a
     # typical one, 256 tokens): the scheduler counts the store's pages as cached here in proportion
     # to what a fetch saves (none at 1 or more). -1: this worker does not use a store.

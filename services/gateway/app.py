@@ -41,12 +41,13 @@ class HttpApi:
         self.routes: list[tuple[RouteDoc, Handler]] = [
             (RouteDoc("GET", "/health", "health", "Liveness.", answer="Status", errors=(), open=True), self.health),
             # Open as /health: an orchestrator's readiness probe holds no key (Kubernetes' cannot read a Secret).
-            (RouteDoc("GET", "/ready", "ready", "Readiness: NATS connected and a worker ready.", answer="Status",
+            (RouteDoc("GET", "/ready", "ready", "Readiness: NATS connected and a worker ready (or holding a model "
+                      "in standby).", answer="Status",
                       errors=(503,), open=True), self.ready),
             (RouteDoc("GET", "/metrics", "metrics", "Prometheus metrics."), self.metrics),
             (RouteDoc("GET", "/openapi.json", "openapi", "This document.", answer="OpenApi", errors=(), open=True),
              self.openapi),
-            (RouteDoc("GET", "/v1/models", "listModels", "The served model.", answer="ModelList"), self.models),
+            (RouteDoc("GET", "/v1/models", "listModels", "The served models.", answer="ModelList"), self.models),
             (RouteDoc("POST", "/v1/completions", "createCompletion", "OpenAI completions.", body="CompletionRequest",
                       answer="Completion", streams=True, errors=GENERATION_ERRORS), self.completions),
             (RouteDoc("POST", "/v1/chat/completions", "createChatCompletion", "OpenAI chat completions.",
@@ -59,6 +60,7 @@ class HttpApi:
         ]
         self.open_paths = frozenset(doc.path for doc, _ in self.routes if doc.open)
         self._openapi: bytes | None = None
+        self._openapi_models = 0  # the catalogue's size when the document was written
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -70,18 +72,20 @@ class HttpApi:
             return error_response(unavailable("the gateway is shutting down"))
         if gw.conn is None or not gw.conn.connected:
             return error_response(unavailable("the gateway is not connected to NATS"))
-        ready = gw.health.ready()
-        if not ready:
+        serving = gw.health.serving()
+        if not serving:
             return error_response(unavailable("no worker is ready"))
-        return web.json_response({"status": "ready", "workers": len(ready)})
+        return web.json_response({"status": "ready", "workers": len(serving)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.gw.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        if self._openapi is None:
-            self._openapi = json.dumps(document([doc for doc, _ in self.routes], self.gw.limits)).encode()
+        models = self.gw.catalogue
+        if self._openapi is None or self._openapi_models != len(models):  # written again when a model was added
+            self._openapi = json.dumps(document([doc for doc, _ in self.routes], models.doc_limits())).encode()
+            self._openapi_models = len(models)
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:

@@ -23,6 +23,9 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_n: int = 16
+    # Every id the gateway serves, for the OpenAPI document's enum (empty: model_name alone). A request
+    # is read against its own model's Limits, which need no other names.
+    model_names: tuple[str, ...] = ()
 
 
 Bound = int | Callable[[Limits], int] | None  # a number, or one that depends on the served model

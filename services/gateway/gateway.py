@@ -1,4 +1,4 @@
-"""The gateway's state, whatever the transport: tokenizer, inbox router, worker table, metrics, keys,
+"""The gateway's state, whatever the transport: served models, inbox router, worker table, metrics, keys,
 NATS connection. HTTP (app.py) and the NATS API (nats_api.py) both serve requests through it."""
 
 from __future__ import annotations
@@ -7,17 +7,18 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Sequence
 
 from services.gateway.auth import ApiKeys
+from services.gateway.catalogue import Catalogue, ServedModel
 from services.gateway.tenancy import Tenancy
 from services.gateway.tenants import TenantsFile
 from services.gateway.errors import invalid
 from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_discovery import ModelDiscovery
 from services.gateway.schemas import GenerationSpec, Limits, TokenizeSpec
 from services.gateway.token_router import RequestStream, StreamFailed, TokenRouter
-from services.gateway.tool_calls import parser_for
 from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
 from shared.chat_template import ChatTemplateError
 from shared.config import GatewayConfig
@@ -33,15 +34,23 @@ log = get_logger("gateway")
 
 
 class Gateway:
-    """Everything one gateway process owns: the tokenizer, the inbox router, the worker table,
-    the metrics, the API keys and (once connected) the NATS connection."""
+    """Everything one gateway process owns: the served models, the inbox router, the worker table,
+    the metrics, the API keys and (once connected) the NATS connection.
 
-    def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer, *, max_model_len: int, vocab_size: int,
-                 subject_prefix: str = DEFAULT_PREFIX, heartbeat_ttl: float = HEARTBEAT_TTL,
-                 tenants: TenantsFile | None = None, clock: Callable[[], float] = time.monotonic):
+    `models`: every model served from the start, the default first. Without them, the one model
+    cfg.model_name names, from `tokenizer` and its sizes (the one-model form)."""
+
+    def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer | None = None, *, max_model_len: int = 0,
+                 vocab_size: int = 0, models: Sequence[ServedModel] = (), subject_prefix: str = DEFAULT_PREFIX,
+                 heartbeat_ttl: float = HEARTBEAT_TTL, tenants: TenantsFile | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.limits = Limits(cfg.model_name, max_model_len, vocab_size, cfg.max_n)
+        if not models:
+            if tokenizer is None:
+                raise ValueError("a Gateway needs its models, or the one model's tokenizer")
+            models = [ServedModel.of(cfg.model_name, cfg.model_dir, tokenizer, max_model_len=max_model_len,
+                                     vocab_size=vocab_size, max_n=cfg.max_n, tool_call_parser=cfg.tool_call_parser)]
+        self.catalogue = Catalogue(models)
         self.keys = ApiKeys(cfg.api_keys, tenants)
         self.subjects = Subjects(subject_prefix)
         self.inbox = self.subjects.gateway_inbox(cfg.gateway_id)
@@ -49,8 +58,6 @@ class Gateway:
         self.health = WorkerHealth(ttl=heartbeat_ttl)
         self.metrics = GatewayMetrics(self.health)
         self.tenancy = Tenancy(self.keys, cfg.share_prefix_cache, self.metrics.registry, clock)
-        self.texts = TokenTexts(tokenizer)
-        self.tool_parser = parser_for(cfg.tool_call_parser, _template_text(tokenizer))
         self.created = int(time.time())
         self.conn: NatsConnection | None = None  # set once the inbox and heartbeats are subscribed
         self.draining = False
@@ -58,6 +65,26 @@ class Gateway:
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-tokenize")
         self._tasks: set[asyncio.Task] = set()
         self._subscriptions: list[Any] = []
+        self.discovery = ModelDiscovery(self.catalogue, self.executor, self.spawn, max_n=cfg.max_n,
+                                        tool_call_parser=cfg.tool_call_parser)
+
+    # The default model's parts, for code that serves one model (and the tests written for it).
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.catalogue.default.tokenizer
+
+    @property
+    def limits(self) -> Limits:
+        return self.catalogue.default.limits
+
+    @property
+    def texts(self) -> TokenTexts:
+        return self.catalogue.default.texts
+
+    @property
+    def tool_parser(self) -> str:
+        return self.catalogue.default.tool_parser
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -70,7 +97,7 @@ class Gateway:
         self._subscriptions.append(await conn.subscribe(self.inbox, TokenBatch, self.router.on_batch,
                                                         pending_msgs_limit=1 << 20))
         self._subscriptions.append(await conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat,
-                                                        self.health.on_heartbeat))
+                                                        self._on_heartbeat))
         self.conn = conn
         log.info("gateway_attached", inbox=self.inbox)
 
@@ -117,6 +144,10 @@ class Gateway:
                     log.warning("worker_silent", worker_ids=sorted({w for _, w in silent}))
                     self._lost(stream, silent, "stopped responding")
 
+    def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        self.health.on_heartbeat(hb)
+        self.discovery.on_heartbeat(hb)
+
     def _worker_restarted(self, worker: str) -> None:
         """A worker came back as a new process: what the old one was running is gone."""
         log.warning("worker_restarted", worker_id=worker)
@@ -138,18 +169,21 @@ class Gateway:
     # -- answers every transport gives ------------------------------------------------------------
 
     def models(self) -> dict:
-        """The body of GET /v1/models."""
-        card = {"id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "inferno",
-                "root": self.limits.model_name, "max_model_len": self.limits.max_model_len}
-        return {"object": "list", "data": [card]}
+        """The body of GET /v1/models: every served model; `resident` when a live worker holds it on
+        its GPU now (a model in standby is served too, after its worker has loaded it)."""
+        resident = self.health.resident_models()
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": self.created, "owned_by": "inferno", "root": m.name,
+             "max_model_len": m.limits.max_model_len, "resident": m.name in resident} for m in self.catalogue]}
 
     # -- tokenization ---------------------------------------------------------------------------
 
-    async def tokenize(self, spec: GenerationSpec | TokenizeSpec) -> list[int]:
+    async def tokenize(self, spec: GenerationSpec | TokenizeSpec, model: ServedModel | None = None) -> list[int]:
+        """The prompt's ids under `model`'s tokenizer and chat template (default: the default model)."""
         if isinstance(spec.prompt, list):
             return spec.prompt
         loop = asyncio.get_running_loop()
-        tok = self.tokenizer
+        tok = (model or self.catalogue.default).tokenizer
         tools = spec.tools if isinstance(spec, TokenizeSpec) else (list(spec.tool_spec.tools) or None)
 
         # encode_batch, not encode: only the batch call releases the GIL while the Rust code runs,
@@ -168,8 +202,3 @@ class Gateway:
         if not ids:
             raise invalid("the prompt is empty after tokenization", param="messages" if spec.is_chat else "prompt")
         return ids
-
-
-def _template_text(tokenizer: Tokenizer) -> str:
-    """The chat templates' text, where a tool-call syntax can be recognised ("" without one)."""
-    return "\n".join(getattr(tokenizer, "chat_templates", {}).values())

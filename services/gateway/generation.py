@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from services.gateway.catalogue import ServedModel
 from services.gateway.choice import ChoiceState
 from services.gateway.errors import ApiError, from_service_error, unavailable
 from services.gateway.schemas import GenerationSpec
@@ -43,8 +44,10 @@ class Generation:
     """Owns the RequestStream of one API request from routing to the end, including its aborts."""
 
     def __init__(self, gw: Gateway, response_id: str, spec: GenerationSpec, prompt_ids: list[int],
-                 session_id: str | None, arrival: float, timeout: float | None = None):
+                 session_id: str | None, arrival: float, timeout: float | None = None,
+                 model: ServedModel | None = None):
         self.gw = gw
+        self.model = gw.catalogue.get(spec.model) if model is None else model  # whose tokenizer decodes
         self.timeout = gw.cfg.request_timeout if timeout is None else timeout  # seconds from arrival
         self.response_id = response_id
         self.spec = spec
@@ -56,7 +59,7 @@ class Generation:
         self.request_ids = [f"{response_id}-{i}" for i in range(spec.n)]
         tail = prompt_ids[-5:]
         want = spec.logprobs is not None
-        self.choices = [ChoiceState(i, rid, gw.tokenizer, tail, spec.stop, want, spec.skip_special_tokens)
+        self.choices = [ChoiceState(i, rid, self.model.tokenizer, tail, spec.stop, want, spec.skip_special_tokens)
                         for i, rid in enumerate(self.request_ids)]
         self.by_id = {c.request_id: c for c in self.choices}
         self.stream: RequestStream | None = None
@@ -73,7 +76,7 @@ class Generation:
         if params.seed is not None and i:
             params = dataclasses.replace(params, seed=(params.seed + i) % _SEED_SPACE)
         gw = self.gw
-        return GenerateRequest(request_id=self.request_ids[i], model=gw.limits.model_name,
+        return GenerateRequest(request_id=self.request_ids[i], model=self.model.name,
                                prompt_ids=self._packed, sampling=WireSamplingParams.from_params(params),
                                reply_to=gw.inbox, session_id=self.session_id, cache_salt=self.spec.cache_salt,
                                arrival_time=self._arrival_wall, gateway_id=gw.cfg.gateway_id)

@@ -1,4 +1,4 @@
-"""The gateway's entry point: flags and environment → config → logging → tokenizer → serve → drain."""
+"""The gateway's entry point: flags and environment → config → logging → models → serve → drain."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ import asyncio
 import contextlib
 import signal
 import time
-from pathlib import Path
 
 from services.gateway.app import build_app, start_server
+from services.gateway.catalogue import ServedModel, default_name
 from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
 from services.gateway.tenants import TenantsFile
-from services.worker.engine.model_config import ModelConfig
 from shared.config import CONFIG_ERROR_EXIT, GatewayConfig, NatsConfig, env_default, parse_bool, parse_csv
 from shared.gc_tuning import tune_gc
 from shared.logging import get_logger, setup_logging
 from shared.nats_client import connect_nats
 from shared.subjects import DEFAULT_PREFIX
-from shared.tokenizer import Tokenizer
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # Allocations between young collections (CPython's default: 700). The per-token path makes
@@ -36,8 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-dir", required=True, help="the model directory: tokenizer files and config.json")
-    p.add_argument("--model-name", default=None, help="the served model id (default: the directory's name)")
+    p.add_argument("--model-dir", action="append", required=True,
+                   help="a model directory (tokenizer files and config.json) or .gguf file; repeatable, one per "
+                        "served model, the first being the default (more are learnt from workers' heartbeats)")
+    p.add_argument("--model-name", action="append", default=[],
+                   help="the served id of the --model-dir in the same position (default: the directory's name, "
+                        "a .gguf file's without .gguf)")
     p.add_argument("--api-key", action="append", default=[],
                    help="an accepted API key (repeatable; also env INFERNO_API_KEYS, comma-separated)")
     p.add_argument("--api-keys-file", default=env_default("INFERNO_API_KEYS_FILE", None),
@@ -87,11 +89,19 @@ def load_tenants(args: argparse.Namespace) -> TenantsFile | None:
         raise ValueError(f"--api-keys-file: {e}") from None
 
 
+def served_models(dirs: list[str], names: list[str]) -> list[tuple[str, str]]:
+    """(name, dir) per --model-dir: the i-th --model-name names the i-th directory."""
+    if len(names) > len(dirs):
+        raise ValueError(f"{len(names)} --model-name for {len(dirs)} --model-dir: each name names the "
+                         "directory in its position")
+    return [(names[i] if i < len(names) else default_name(d), d) for i, d in enumerate(dirs)]
+
+
 def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
     keys = tuple(args.api_key) + env_default("INFERNO_API_KEYS", (), parse_csv)
     extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
-    cfg = GatewayConfig(model_name=args.model_name or Path(args.model_dir).resolve().name,
-                        model_dir=args.model_dir, host=args.host, port=args.port,
+    (name, model_dir), *more = served_models(args.model_dir, args.model_name)
+    cfg = GatewayConfig(model_name=name, model_dir=model_dir, more_models=tuple(more), host=args.host, port=args.port,
                         api_keys=tuple(dict.fromkeys(keys)), metrics_token=args.metrics_token,
                         max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
@@ -107,17 +117,18 @@ async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig)
     await nats_api.start(conn)
 
 
-async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, tokenizer: Tokenizer, model_config: ModelConfig,
-                drain_timeout: float, tenants: TenantsFile | None = None) -> None:
-    gw = Gateway(cfg, tokenizer, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
-                 subject_prefix=nats_cfg.subject_prefix, heartbeat_ttl=cfg.heartbeat_ttl, tenants=tenants)
+async def serve(cfg: GatewayConfig, nats_cfg: NatsConfig, models: list[ServedModel], drain_timeout: float,
+                tenants: TenantsFile | None = None) -> None:
+    gw = Gateway(cfg, models=models, subject_prefix=nats_cfg.subject_prefix, heartbeat_ttl=cfg.heartbeat_ttl,
+                 tenants=tenants)
     app = build_app(gw)
     nats_api = NatsApi(gw)
     # HTTP first: /health answers at once, /ready says 503 until NATS and a worker are there.
     runner, site = await start_server(app, cfg.host, cfg.port, shutdown_timeout=drain_timeout,
                                       reuse_port=cfg.reuse_port)
     tune_gc()
-    log.info("gateway_listening", host=cfg.host, port=cfg.port, model=cfg.model_name, gateway_id=cfg.gateway_id,
+    log.info("gateway_listening", host=cfg.host, port=cfg.port, models=[m.name for m in models],
+             gateway_id=cfg.gateway_id,
              auth=bool(gw.keys), tenants=len(gw.keys.tenants))
     connecting = gw.spawn(_connect_forever(gw, nats_api, nats_cfg))
 
@@ -167,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inferno gateway: {e}")
         return CONFIG_ERROR_EXIT
     setup_logging("gateway", json=json_logs, level=args.log_level)
-    try:
-        tokenizer = Tokenizer.from_path(cfg.model_dir)
-        tokenizer.warm_token_tables()  # every token's bytes and text before serving: no misses mid-stream
-        model_config = ModelConfig.from_path(cfg.model_dir)
-    except (OSError, ValueError) as e:
-        log.error("model_dir_unusable", model_dir=cfg.model_dir, error=str(e))
-        return CONFIG_ERROR_EXIT
-    _run(serve(cfg, nats_cfg, tokenizer, model_config, args.drain_timeout, tenants))
+    models = []
+    for name, model_dir in cfg.models:
+        try:
+            models.append(ServedModel.load(name, model_dir, max_n=cfg.max_n, tool_call_parser=cfg.tool_call_parser))
+        except (OSError, ValueError) as e:
+            log.error("model_dir_unusable", model=name, model_dir=model_dir, error=str(e))
+            return CONFIG_ERROR_EXIT
+    _run(serve(cfg, nats_cfg, models, args.drain_timeout, tenants))
     return 0

@@ -75,7 +75,9 @@ ANSWERS = {
         "object": {"const": "list"}, "data": {"type": "array", "items": {
             "type": "object", "required": ["id", "object"], "properties": {
                 "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}},
+                "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                "resident": {"type": "boolean", "description": "On some worker's GPU now (else served after "
+                                                               "a worker loads it)."}}}}}},
     "Tokenized": {"type": "object", "required": ["count", "tokens"], "properties": {
         "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
         "tokens": {"type": "array", "items": {"type": "integer"}}}},
@@ -109,16 +111,17 @@ def _operation(route: RouteDoc) -> dict:
 
 
 def document(routes: Sequence[RouteDoc], limits: Limits) -> dict:
-    """The OpenAPI document of these routes, for the served model's limits."""
+    """The OpenAPI document of these routes, for the served models' limits (Catalogue.doc_limits)."""
     paths: dict[str, dict] = {}
+    names = ", ".join(f"`{name}`" for name in limits.model_names or (limits.model_name,))
     for route in routes:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route)
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "Inferno", "version": API_VERSION,
-                 "description": f"OpenAI-compatible API of Inferno, serving `{limits.model_name}` "
-                                f"(context {limits.max_model_len} tokens). The same bodies are served "
-                                "over NATS (see the README)."},
+                 "description": f"OpenAI-compatible API of Inferno, serving {names} (context up to "
+                                f"{limits.max_model_len} tokens). The same bodies are served over NATS "
+                                "(see the README)."},
         "paths": paths,
         "components": {"schemas": {**request_schemas(limits), **ANSWERS},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

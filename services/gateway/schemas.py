@@ -174,7 +174,7 @@ class Model(Field):
         return v
 
     def value_schema(self, limits: Limits) -> dict:
-        return {"type": "string", "enum": [limits.model_name]}
+        return {"type": "string", "enum": list(limits.model_names or (limits.model_name,))}
 
 
 class Stop(Field):
@@ -350,7 +350,7 @@ def _sampling(name: str, default: float, doc: str) -> Number:
     return Number(name, default, RANGES[name], doc)
 
 
-MODEL = Model("model", doc="The served model's id (default: the served model).")
+MODEL = Model("model", doc="The id of a served model (GET /v1/models; default: the first).")
 INCLUDE_USAGE = Boolean("include_usage", False, "Send a last chunk with the usage of the whole request.")
 N = Integer("n", 1, 1, lambda limits: limits.max_n, "Choices to generate.")
 STREAM = Boolean("stream", False, "Answer with server-sent events.")

@@ -1,4 +1,4 @@
-"""The one request path behind every transport: body → spec → prompt tokens → routing → choices →
+"""The one request path behind every transport: body → model → spec → prompt tokens → routing → choices →
 an answer (one JSON body, or chunks into the transport's sink). HTTP (app.py) and the NATS API
 (nats_api.py) only read their requests into a Call and write what comes back."""
 
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 
+from services.gateway.catalogue import ServedModel
 from services.gateway.chat import ChatFormat
 from services.gateway.completions import CompletionFormat
 from services.gateway.errors import ApiError, invalid
@@ -76,37 +77,39 @@ async def generate(gw: Gateway, endpoint: Endpoint, call: Call,
 
 async def _generate(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Callable[[], ChunkSink],
                     tenant: Tenant) -> bytes | ChunkSink:
-    spec = endpoint.parse(decode_body(call.body), gw.limits)
+    body = decode_body(call.body)
+    model = gw.catalogue.of_body(body)  # the body is read against the limits of the model it names
+    spec = endpoint.parse(body, model.limits)
     session = session_id(call.session)
     timeout = request_timeout(call.timeout, gw.cfg.request_timeout)
-    prompt_ids = await gw.tokenize(spec)
-    params = resolve_max_tokens(spec, len(prompt_ids), gw.limits.max_model_len, gw.cfg.max_tokens_default)
+    prompt_ids = await gw.tokenize(spec, model)
+    params = resolve_max_tokens(spec, len(prompt_ids), model.limits.max_model_len, gw.cfg.max_tokens_default)
     spec.cache_salt = gw.tenancy.cache_salt(tenant, spec.cache_salt)
     # Counted as OpenAI counts: the prompt plus the most every choice may generate.
     limiter = gw.tenancy.admit(tenant, len(prompt_ids) + spec.n * params.max_tokens)
     if limiter is not None:
         call.rate_headers = limiter.headers()
     try:
-        return await _serve(gw, endpoint, call, open_stream, tenant, spec, session, timeout, prompt_ids)
+        return await _serve(gw, endpoint, call, open_stream, tenant, model, spec, session, timeout, prompt_ids)
     finally:
         if limiter is not None:
             limiter.release()
 
 
 async def _serve(gw: Gateway, endpoint: Endpoint, call: Call, open_stream: Callable[[], ChunkSink],
-                 tenant: Tenant, spec: GenerationSpec, session: str | None, timeout: float,
+                 tenant: Tenant, model: ServedModel, spec: GenerationSpec, session: str | None, timeout: float,
                  prompt_ids: list[int]) -> bytes | ChunkSink:
-    fmt = endpoint.format(gw.texts, spec.logprobs is not None)
+    fmt = endpoint.format(model.texts, spec.logprobs is not None)
     if spec.tool_spec.mode:
-        fmt.tools = (spec.tool_spec, gw.tool_parser)
+        fmt.tools = (spec.tool_spec, model.tool_parser)
         if not spec.params.grammar_kind:  # auto: the family's calls under a structural tag
-            spec.params.grammar_kind, spec.params.grammar = spec.tool_spec.auto_grammar(gw.tool_parser)
+            spec.params.grammar_kind, spec.params.grammar = spec.tool_spec.auto_grammar(model.tool_parser)
     response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     context = {"request_id": response_id, "tenant": tenant.name}
     if call.request_id:
         context["client_request_id"] = call.request_id
     with structlog.contextvars.bound_contextvars(**context):
-        gen = Generation(gw, response_id, spec, prompt_ids, session, call.arrival, timeout)
+        gen = Generation(gw, response_id, spec, prompt_ids, session, call.arrival, timeout, model)
         gw.metrics.requests_in_flight.inc()
         try:
             await _start_by_deadline(gen, timeout)

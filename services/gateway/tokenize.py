@@ -12,13 +12,17 @@ if TYPE_CHECKING:
 
 
 async def tokenize(gw: Gateway, raw: bytes) -> dict:
-    """{"prompt": text or ids} or {"messages": [...]} → the ids the model would see."""
-    ids = await gw.tokenize(parse_tokenize(decode_body(raw), gw.limits))
-    return {"count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids, "token_strs": None}
+    """{"prompt": text or ids} or {"messages": [...]} → the ids the model (the body's "model") would see."""
+    body = decode_body(raw)
+    model = gw.catalogue.of_body(body)
+    ids = await gw.tokenize(parse_tokenize(body, model.limits), model)
+    return {"count": len(ids), "max_model_len": model.limits.max_model_len, "tokens": ids, "token_strs": None}
 
 
 async def detokenize(gw: Gateway, raw: bytes) -> dict:
     """{"tokens": [ids]} → {"prompt": text}; decoded off the event loop."""
-    ids = parse_detokenize(decode_body(raw), gw.limits)
-    text = await asyncio.get_running_loop().run_in_executor(gw.executor, gw.tokenizer.decode, ids)
+    body = decode_body(raw)
+    model = gw.catalogue.of_body(body)
+    ids = parse_detokenize(body, model.limits)
+    text = await asyncio.get_running_loop().run_in_executor(gw.executor, model.tokenizer.decode, ids)
     return {"prompt": text}

@@ -49,6 +49,15 @@ class WorkerHealth:
         """Live workers that take new requests."""
         return [hb for hb in self.live() if hb.ready and not hb.draining]
 
+    def serving(self) -> list[WorkerHeartbeat]:
+        """Live workers that serve requests now or after a load: ready, or holding a model in
+        standby (its requests wait in that worker's queue while the worker loads it)."""
+        return [hb for hb in self.live() if (hb.ready or hb.state == "standby") and not hb.draining]
+
+    def resident_models(self) -> set[str]:
+        """The models some live worker holds on its GPU now."""
+        return {hb.model for hb in self.live() if hb.state == "ready" and hb.model}
+
     def heard_within_ttl(self) -> set[str]:
         """Ids of the workers heard from within the TTL: none of them is silent, whatever `since`."""
         now = self.clock()

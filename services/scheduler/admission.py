@@ -34,7 +34,8 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
     """The workers that may take this request now, or why none may.
 
     503 when no worker is live or none of the model is serving (loading it, unloading it, draining,
-    or only prefill workers); 404 when no live worker serves the model at all; 400 when the prompt
+    or only prefill workers) or in standby (services/worker/model_host.py: the request waits there
+    while the model is brought back to the GPU); 404 when no live worker serves the model at all; 400 when the prompt
     does not fit any serving worker's context; 429 when every one that fits has max_waiting requests
     queued. A worker with no model (waiting to be told which to load) counts as none at all.
     """
@@ -45,6 +46,9 @@ def admit(live: Iterable[WorkerState], model: str, num_prompt_tokens: int, max_w
     if not of_model:
         return Rejection(404, "model_not_found", f"The model `{model}` does not exist.")
     serving = [w for w in of_model if w.role in SERVING_ROLES and w.accepts_work]
+    if not serving:  # a model in standby takes the request, which waits there while the model loads
+        serving = [w for w in of_model if w.role in SERVING_ROLES and w.heartbeat.state == "standby"
+                   and not w.heartbeat.draining]
     if not serving:
         return Rejection(503, "service_unavailable", "no worker is available", retry_after)
     # Both sides count a prompt that leaves no room for one new token as too long.

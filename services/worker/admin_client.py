@@ -1,6 +1,6 @@
 """A worker's admin subjects from code (AdminClient) and from the command line:
 
-  inferno load-model   --worker ID --model-dir DIR [--model-name NAME] [--mode drain|abort]
+  inferno load-model   --worker ID --model-dir DIR [--model-name NAME] [--mode drain|abort|add] [--memory-share F]
   inferno unload-model --worker ID [--mode drain|abort]
   inferno worker-status --worker ID
 
@@ -17,7 +17,7 @@ import json
 import sys
 
 from shared import subjects
-from shared.admin_messages import (FINISH_MODES, LoadModelRequest, UnloadModelRequest, WorkerAdminReply,
+from shared.admin_messages import (FINISH_MODES, LOAD_MODES, LoadModelRequest, UnloadModelRequest, WorkerAdminReply,
                                    WorkerStatusRequest)
 from shared.config import NatsConfig, env_default
 from shared.errors import ServiceError
@@ -35,10 +35,12 @@ class AdminClient:
 
     async def load(self, worker_id: str, model_dir: str, model_name: str = "", *, mode: str = "drain",
                    drain_timeout: float = 30.0, dtype: str = "", max_model_len: int = 0, load_format: str = "",
-                   timeout: float = LOAD_TIMEOUT) -> WorkerAdminReply:
-        """Answered once the model serves (or with the error that stopped it)."""
+                   memory_share: float = 0.0, timeout: float = LOAD_TIMEOUT) -> WorkerAdminReply:
+        """Answered once the model serves (or with the error that stopped it). Mode "add": beside the
+        worker's models, in a slot of its own (the reply's worker_id)."""
         req = LoadModelRequest(model_dir=model_dir, model_name=model_name, dtype=dtype, max_model_len=max_model_len,
-                               load_format=load_format, mode=mode, drain_timeout=drain_timeout)
+                               load_format=load_format, mode=mode, drain_timeout=drain_timeout,
+                               memory_share=memory_share)
         return await self._call(worker_id, "load", req, timeout + drain_timeout)
 
     async def unload(self, worker_id: str, *, mode: str = "drain", drain_timeout: float = 30.0,
@@ -66,9 +68,10 @@ def parse_args(verb: str, argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", subjects.DEFAULT_PREFIX))
     if verb in ("load-model", "unload-model"):
-        ap.add_argument("--mode", choices=FINISH_MODES, default="drain",
+        ap.add_argument("--mode", choices=LOAD_MODES if verb == "load-model" else FINISH_MODES, default="drain",
                         help="the requests of the model in place: let them finish (up to --drain-timeout, then "
-                             "abort the rest) or abort them at once; aborted requests end with an error")
+                             "abort the rest) or abort them at once; aborted requests end with an error; load-model "
+                             "--mode add: keep them, and serve the new model beside them on the same GPU")
         ap.add_argument("--drain-timeout", type=float, default=30.0)
     if verb == "load-model":
         ap.add_argument("--model-dir", required=True, help="a Hugging Face directory or .gguf file, as the worker "
@@ -77,6 +80,9 @@ def parse_args(verb: str, argv: list[str]) -> argparse.Namespace:
         ap.add_argument("--dtype", default="", choices=["", "auto", "float32", "float16", "bfloat16"])
         ap.add_argument("--max-model-len", type=int, default=0)
         ap.add_argument("--load-format", default="", choices=["", "auto", "dummy"])
+        ap.add_argument("--memory-share", type=float, default=0.0,
+                        help="--mode add: the GPU's fraction the model may hold (default: an equal split); idle "
+                             "models are evicted to make room")
         ap.add_argument("--timeout", type=float, default=LOAD_TIMEOUT, help="seconds to wait for the model to serve")
     return ap.parse_args(argv)
 
@@ -90,7 +96,7 @@ async def run(verb: str, args: argparse.Namespace) -> int:
             reply = await client.load(args.worker, args.model_dir, args.model_name, mode=args.mode,
                                       drain_timeout=args.drain_timeout, dtype=args.dtype,
                                       max_model_len=args.max_model_len, load_format=args.load_format,
-                                      timeout=args.timeout)
+                                      memory_share=args.memory_share, timeout=args.timeout)
         elif verb == "unload-model":
             reply = await client.unload(args.worker, mode=args.mode, drain_timeout=args.drain_timeout)
         else:

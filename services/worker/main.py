@@ -27,11 +27,24 @@ def parse_args(argv):
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
     ap.add_argument("--worker-id", default=env_default("INFERNO_WORKER_ID", None))
     ap.add_argument("--role", choices=["mixed", "prefill", "decode"], default=env_default("INFERNO_ROLE", "mixed"))
-    ap.add_argument("--model-dir", default=env_default("INFERNO_MODEL_DIR", ""),
-                    help="the model to serve from the start; without it the worker waits for one over its admin "
-                         "subject (inferno load-model)")
-    ap.add_argument("--model-name", default=env_default("INFERNO_MODEL_NAME", ""),
-                    help="the id the model is served as (default: the directory's name)")
+    ap.add_argument("--model-dir", action="append", default=None,
+                    help="the model to serve from the start (env INFERNO_MODEL_DIR); repeated, several models on "
+                         "this GPU, each in a share of it (--memory-share); without it the worker waits for one "
+                         "over its admin subject (inferno load-model)")
+    ap.add_argument("--model-name", action="append", default=None,
+                    help="the id the model is served as (default: the directory's name); repeated, the names of "
+                         "the --model-dir models in their order")
+    ap.add_argument("--memory-share", action="append", type=float, default=None,
+                    help="several models: the GPU's fraction each may hold on it, weights and KV pool together, "
+                         "in the --model-dir order (default: --gpu-memory-utilization split equally); models "
+                         "that do not fit wait in standby and are loaded at their first request, evicting "
+                         "the least recently used idle ones")
+    ap.add_argument("--host-memory-gb", type=float, default=env_default("INFERNO_HOST_MEMORY_GB", 0.0, float),
+                    help="pinned host memory for the weights of evicted models, which then come back without "
+                         "reading the disk (default 0: read again)")
+    ap.add_argument("--model-idle-timeout", type=float, default=env_default("INFERNO_MODEL_IDLE_TIMEOUT", 0.0, float),
+                    help="seconds without a request after which a model leaves the GPU (scale to zero; its next "
+                         "request brings it back); default 0: never")
     ap.add_argument("--device", default=env_default("INFERNO_DEVICE", "cpu"))
     ap.add_argument("--dtype", default=env_default("INFERNO_DTYPE", "auto"))
     ap.add_argument("--quantization", "-q", choices=["fp8"], default=env_default("INFERNO_QUANTIZATION", None),
@@ -119,22 +132,21 @@ def parse_args(argv):
 
 
 async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: bool, overlap: bool = False,
-                started: float | None = None, prefetch=None, early=None) -> int:
+                started: float | None = None, prefetch=None, early=None, more_models=()) -> int:
     """Connect, answer heartbeats and the admin subjects, load --model-dir if given, serve until
     SIGTERM, drain. `started`: the process's start (wall clock), where a start-up load's breakdown
-    counts from. `early`: the device context and staging made while torch imported (cuda_early.py)."""
+    counts from. `early`: the device context and staging made while torch imported (cuda_early.py).
+    `more_models`: (dir, name, share) of the models beside the first (services/worker/model_host.py)."""
     from services.worker.model_build import ModelSpec, warm_device
-    from services.worker.model_manager import ModelManager
-    from services.worker.service import WorkerService
+    from services.worker.model_host import ModelHost
 
     log = structlog.get_logger("worker")
     # torch, the device and the kernels warm up in a thread while NATS connects.
     warm = asyncio.ensure_future(asyncio.to_thread(warm_device, cfg, early))
     conn = await connect_nats(nats_cfg, name=cfg.worker_id)
-    service = WorkerService(cfg, conn, nats_cfg.subject_prefix)
-    manager = ModelManager(service, cfg, cuda_graphs, overlap, warm)
-    await service.start()
-    await manager.start()
+    host = ModelHost(cfg, conn, nats_cfg.subject_prefix, cuda_graphs, overlap, warm)
+    manager = (await host.start()).manager
+    later = [await host.register(ModelSpec.of(cfg, d, n), share) for d, n, share in more_models]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -150,10 +162,12 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
             stop.set()
             # A model its flags cannot serve (ModelCheckError): starting again would fail again.
             code = CONFIG_ERROR_EXIT if reply.code == "bad_request" else 1
+    for slot in later if not stop.is_set() else ():
+        await host.load_at_start(slot)
     await stop.wait()
     log.info("draining", timeout=cfg.drain_timeout)
-    await service.drain(cfg.drain_timeout)
-    await manager.close()
+    await host.drain(cfg.drain_timeout)
+    await host.close()
     await conn.drain()
     return code
 
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
     try:
-        cfg = service_config(args)
+        cfg, more_models = service_config(args)
         nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
         if args.gil_switch_interval_ms is not None and not args.gil_switch_interval_ms > 0:
             raise ValueError("--gil-switch-interval-ms must be above 0")
@@ -175,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         structlog.get_logger("worker").error("bad_config", error=str(e))
         return CONFIG_ERROR_EXIT
     prefetch = None
-    if args.model_dir and args.load_format == "auto" and not args.emit_only:
+    if cfg.model_dir and args.load_format == "auto" and not args.emit_only:
         from services.worker.prefetch import start_prefetch
-        prefetch = start_prefetch(args.model_dir)  # the drive reads while torch is imported
+        prefetch = start_prefetch(cfg.model_dir)  # the drive reads while torch is imported
     early = None
     if (args.tensor_parallel_size * args.pipeline_parallel_size == 1 and not args.emit_only
             and os.environ.get("INFERNO_EARLY_DEVICE", "1") != "0"):
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     code = asyncio.run(serve(cfg, nats_cfg, cuda_graphs=not args.no_cuda_graphs,
                              overlap=overlap_default(args.overlap, cfg.device), started=process_started_at(),
-                             prefetch=prefetch, early=early))
+                             prefetch=prefetch, early=early, more_models=more_models))
     if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1 and cfg.device.startswith("cuda"):
         # The group has stopped; NCCL communicators that graphs captured can hang the interpreter's
         # teardown, so the process ends here, as its other ranks do.
@@ -204,9 +218,32 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def service_config(args) -> WorkerServiceConfig:
-    """The flags as the worker's config (ValueError when they cannot work together)."""
-    kwargs = dict(role=args.role, model_dir=args.model_dir, model_name=args.model_name, device=args.device,
+def model_list(args) -> list[tuple[str, str, float]]:
+    """(dir, name, share) of each --model-dir, in order (ValueError when the flags do not line up)."""
+    dirs = args.model_dir or [d for d in [env_default("INFERNO_MODEL_DIR", "")] if d]
+    names = args.model_name or [n for n in [env_default("INFERNO_MODEL_NAME", "")] if n]
+    shares = args.memory_share or []
+    if len(names) > max(len(dirs), 1) or len(shares) > max(len(dirs), 1):
+        raise ValueError("--model-name and --memory-share name the --model-dir models in order: "
+                         "no more of them than models")
+    if len(dirs) > 1 and (args.role != "mixed" or args.tensor_parallel_size * args.pipeline_parallel_size > 1):
+        raise ValueError("several models on one worker need role mixed on one GPU (no tensor or pipeline "
+                         "parallelism, no prefill/decode roles) for now")
+    if any(not 0.0 < s < 1.0 for s in shares):
+        raise ValueError("--memory-share must be in (0, 1)")
+    default = args.gpu_memory_utilization / len(dirs) if len(dirs) > 1 else 0.0
+    out = []
+    for i, d in enumerate(dirs or [""]):
+        out.append((d, names[i] if i < len(names) else "", shares[i] if i < len(shares) else default))
+    return out
+
+
+def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, float]]]:
+    """The flags as the worker's config and the models beside its first (ValueError when they cannot
+    work together)."""
+    (first_dir, first_name, first_share), *more = model_list(args)
+    kwargs = dict(role=args.role, model_dir=first_dir, model_name=first_name, memory_share=first_share,
+                  host_memory_gb=args.host_memory_gb, model_idle_timeout=args.model_idle_timeout, device=args.device,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                   num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
@@ -224,7 +261,7 @@ def service_config(args) -> WorkerServiceConfig:
     if args.speculative_config:
         from services.worker.engine.speculative import SpeculativeConfig
         SpeculativeConfig.from_json(args.speculative_config)  # ValueError naming what is wrong, before any load
-    return WorkerServiceConfig(**kwargs)
+    return WorkerServiceConfig(**kwargs), more
 
 
 def process_started_at() -> float | None:

@@ -130,6 +130,16 @@ class Leftovers:
 
 
 @dataclass(slots=True)
+class HostCopy:
+    """An evicted model kept in (pinned) host memory: its built DecoderLM, ready to move back, and
+    the KV blocks its pool had, so the way back sizes nothing (services/worker/model_host.py)."""
+
+    model: object
+    num_blocks: int
+    nbytes: int
+
+
+@dataclass(slots=True)
 class BuiltModel:
     checked: CheckedModel
     engine: object
@@ -188,10 +198,11 @@ def staging_count() -> int:
 
 
 def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,
-                leftovers: Leftovers | None = None, staging=None) -> BuiltModel:
+                leftovers: Leftovers | None = None, staging=None, host: HostCopy | None = None) -> BuiltModel:
     """The engine of a checked model. A single-GPU engine captures only the graphs needed before
     ready (staged_graphs.py); the rest are the step thread's to capture. `staging`: the worker's
-    pinned buffers for the weights' copies (WarmDevice.staging)."""
+    pinned buffers for the weights' copies (WarmDevice.staging). `host`: the model's own copy in host
+    memory (an eviction kept it), moved back instead of read from disk."""
     spec, mc = checked.spec, checked.model_config
     leftovers = leftovers or Leftovers()
     if cfg.emit_only:
@@ -213,7 +224,8 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
         model_dir=spec.model_dir, device=cfg.device, dtype=None if spec.dtype == "auto" else spec.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-        gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), max_num_seqs=cfg.max_num_seqs,
+        gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), memory_share=cfg.memory_share,
+        max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,
         cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -227,7 +239,16 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     kv = leftovers.kv_cache
     if kv is not None:
         kv.pool.zero_()  # as a new pool: padded graph rows read block 0
-    engine = LLMEngine(config, kv_cache=kv, staging=staging)
+    model, moved_s = None, 0.0
+    if host is not None:
+        from services.worker.engine.residency import move_model
+        import dataclasses
+        t_move = time.perf_counter()
+        move_model(host.model, torch.device(cfg.device))
+        model, moved_s = host.model, time.perf_counter() - t_move
+        config = dataclasses.replace(config, num_blocks=config.num_blocks or host.num_blocks)
+    engine = LLMEngine(config, model=model, kv_cache=kv, staging=staging)
+    engine.load_seconds += moved_s
     engine_s = time.perf_counter() - t0
     # graphs_s: what is compiled and captured before ready, the sampler's kernel variants included.
     graphs, graphs_s = None, engine.graph_capture_seconds + engine.sampler_warm_seconds
@@ -264,6 +285,30 @@ def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
         return 0
     tokens = 2 * cfg.max_num_batched_tokens
     return max(tokens, DECODE_HANDOFF_TOKENS) if cfg.role == "decode" else tokens
+
+
+def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
+    """Free a model's GPU memory, keeping its weights in host memory for the way back (None for the
+    model-free emitter, which has none). The model's step thread has stopped."""
+    engine = built.engine
+    model = getattr(engine, "model", None)
+    num_blocks = getattr(getattr(engine, "kv_cache", None), "num_blocks", 0)
+    if model is None or engine.group is not None:  # a parallel group's ranks hold their parts elsewhere
+        release_model(built, cfg)
+        return None
+    import torch
+
+    from services.worker.engine.residency import move_model
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)  # its last steps may still read the weights
+    nbytes = move_model(model, torch.device("cpu")) if engine.device.type == "cuda" else _host_bytes(model)
+    release_model(built, cfg)
+    return HostCopy(model, num_blocks, nbytes)
+
+
+def _host_bytes(model) -> int:
+    from services.worker.engine.residency import model_bytes
+    return model_bytes(model)
 
 
 def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:

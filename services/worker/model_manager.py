@@ -17,8 +17,8 @@ import time
 
 import structlog
 
-from services.worker.model_build import (BuiltModel, CheckedModel, Leftovers, ModelCheckError, ModelSpec,
-                                         build_model, check_model, free_memory, release_model)
+from services.worker.model_build import (BuiltModel, CheckedModel, HostCopy, Leftovers, ModelCheckError, ModelSpec,
+                                         build_model, check_model, evict_model, free_memory, release_model)
 from services.worker.service import WorkerService
 from shared import subjects
 from shared.admin_messages import (LoadBreakdown, LoadModelRequest, UnloadModelRequest, WorkerAdminReply,
@@ -40,6 +40,9 @@ class ModelManager:
         self.built: BuiltModel | None = None
         self.leftovers: Leftovers | None = None
         self.busy = ""  # the admin call under way, in words
+        self.checked: dict[ModelSpec, CheckedModel] = {}  # the last model checked: a wake checks it once
+        self.host = None  # the ModelHost of this process's models: a load in mode "add" goes there
+        self.spec: ModelSpec | None = None  # the model served (or in standby)
 
     async def start(self) -> None:
         """Answer the admin subjects (status at once, also during a load)."""
@@ -59,6 +62,10 @@ class ModelManager:
     async def on_load(self, req: LoadModelRequest) -> WorkerAdminReply:
         spec = ModelSpec.of(self.cfg, req.model_dir, req.model_name, req.dtype, req.max_model_len, req.load_format)
         try:
+            if req.mode == "add":
+                if self.host is None:
+                    return self._reply("bad_request", "this worker holds one model only")
+                return await self.host.add(spec, req.memory_share)
             return await self.load(spec, time.time(), req.mode, req.drain_timeout)
         except Exception as e:  # a bug: the caller hears of it, the worker stays up
             log.exception("admin load failed", model_dir=req.model_dir)
@@ -83,17 +90,62 @@ class ModelManager:
     def on_status(self, _req: WorkerStatusRequest) -> WorkerAdminReply:
         return self._reply()
 
+    # -- several models on one GPU (model_host.py decides; these move one model) --------------------
+    async def evict(self, keep: bool) -> HostCopy | None:
+        """Take the model off the GPU (the host found it idle): it stays registered, in standby, so its
+        next request waits here while it comes back; its weights kept in host memory when `keep`."""
+        if self.built is None or self.busy:
+            return None
+        self.busy = "evicting its model"
+        try:
+            await self.service.set_state("standby", self.service.model_name)
+            await self.service.detach()
+            built, self.built = self.built, None
+            if keep:
+                copy = await asyncio.to_thread(evict_model, built, self.cfg)
+            else:
+                copy = None
+                await asyncio.to_thread(release_model, built, self.cfg)
+            log.info("model evicted", model=built.checked.spec.model_name, kept_gb=round(copy.nbytes / 1e9, 2)
+                     if copy is not None else 0.0)
+            return copy
+        finally:
+            self.busy = ""
+
+    async def check(self, spec: ModelSpec, cached: bool = True) -> CheckedModel:
+        """check_model's verdict (ModelCheckError), off the event loop; a standby model's is kept, so
+        its comings and goings read its directory's headers once."""
+        checked = self.checked.get(spec) if cached else None
+        if checked is None:
+            checked = await asyncio.to_thread(check_model, spec, self.cfg)
+            self.checked = {spec: checked}
+        return checked
+
+    async def wake(self, spec: ModelSpec, copy: HostCopy | None) -> WorkerAdminReply:
+        """Bring a standby model back (from `copy`, else from disk); its waiting requests then join the
+        queue, or end with the error if it cannot be loaded."""
+        reply = await self.load(spec, time.time(), host=copy, waking=True)
+        if reply.ok:
+            self.service.release_parked()
+        else:
+            await self.service.set_state("standby", spec.model_name)
+            self.service.fail_parked(f"the model {spec.model_name!r} could not be loaded: {reply.error}")
+        return reply
+
     # -- load, replace, unload ----------------------------------------------------------------------
     async def load(self, spec: ModelSpec, started: float, mode: str = "drain", drain_timeout: float = 30.0,
-                   at_start: bool = False, prefetch=None) -> WorkerAdminReply:
+                   at_start: bool = False, prefetch=None, host: HostCopy | None = None,
+                   waking: bool = False) -> WorkerAdminReply:
         """Serve `spec`, replacing the model in place if any; `started` (wall clock) is where the
-        breakdown counts from: the request's arrival, or (`at_start`) the process's start."""
+        breakdown counts from: the request's arrival, or (`at_start`) the process's start. `host`: the
+        model's weights kept in host memory; `waking`: a standby model comes back (its state stays
+        standby until it serves, so requests keep waiting here rather than being refused)."""
         if self.busy:
             return self._reply("busy", f"the worker is {self.busy}; retry once it is done")
         self.busy = f"loading {spec.model_name}"
         try:
             try:
-                checked = await asyncio.to_thread(check_model, spec, self.cfg)
+                checked = await self.check(spec, cached=waking)
             except ModelCheckError as e:
                 log.warning("model refused", model_dir=spec.model_dir, error=str(e))
                 return self._reply("bad_request", str(e))
@@ -106,12 +158,13 @@ class ModelManager:
                 t = time.perf_counter()
                 await self._unload(mode, drain_timeout, checked, "the worker is replacing its model")
                 unload_s = time.perf_counter() - t
-            await self.service.set_state("loading", spec.model_name)
+            await self.service.set_state("standby" if waking else "loading", spec.model_name)
+            self.service.model_dir = spec.model_dir
             leftovers, self.leftovers = self.leftovers, None
             built, error = None, ""
             try:
                 built = await asyncio.to_thread(build_model, checked, self.cfg, self.cuda_graphs, self.overlap,
-                                                leftovers, warm.staging)
+                                                leftovers, warm.staging, host)
             except Exception as e:
                 log.exception("model load failed", model_dir=spec.model_dir)
                 error = f"loading {spec.model_dir} failed ({type(e).__name__}: {e}); the worker has no model now"
@@ -120,6 +173,7 @@ class ModelManager:
                 await asyncio.to_thread(free_memory, _device(self.cfg))
                 await self.service.set_state("no_model", "")
                 return self._reply("load_failed", error)
+            self.spec = spec
             breakdown = self._breakdown(built, started, warm.marks, unload_s)
             self._attach(built, breakdown, started, at_start, prefetch, warm.marks)
             await self.service.set_state("ready", spec.model_name)

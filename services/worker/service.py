@@ -37,6 +37,10 @@ log = structlog.get_logger("worker")
 # steps go out within the window too, rather than at the next periodic heartbeat.
 PROMPT_UPDATE_WINDOW = 0.01  # seconds
 
+# A request taken this recently may still be on its way into the queue (a grammar compiling, a
+# prefix fetch): the model counts as busy, so an eviction never takes it from under that request.
+ADMIT_WINDOW = 1.0  # seconds
+
 _NOT_SERVING = {"no_model": "the worker has no model loaded", "loading": "the worker is loading its model",
                 "unloading": "the worker is unloading its model"}
 
@@ -53,7 +57,14 @@ class WorkerService:
         # What the worker serves: set by the model manager through set_state/attach/detach.
         self.state = "no_model"
         self.model_name = ""
+        self.model_dir = ""  # where the model came from (heartbeats: a gateway may read its tokenizer there)
+        self.host = ""  # the worker process's id when this is one of its model slots (model_host.py)
         self.max_model_len = 0
+        # A standby model's requests, taken and held while the host brings the model back (on_wake);
+        # released into the queue once it serves, failed if it cannot be loaded.
+        self.parked: dict[str, GenerateRequest] = {}
+        self.on_wake: Callable[[], None] | None = None
+        self.last_used = time.monotonic()  # the last request taken: the host evicts the least recent
         self.loop_thread: StepLoop | None = None  # the attached model's step thread
         # Triton compiles while serving (a step waits for each) are warnings: the warm-up missed them.
         self.compile_watch = CompileWatch(serving=self._settled)
@@ -134,6 +145,13 @@ class WorkerService:
         self._start_cluster_cache()
         self.loop_thread.start()
         asyncio.ensure_future(self._clear_kv_index())  # the scheduler's view of this worker's cache
+
+    def busy(self) -> bool:
+        """Requests taken and not ended (running, queued, waiting for the model): an eviction waits."""
+        lt = self.loop_thread
+        if self.parked or time.monotonic() - self.last_used < ADMIT_WINDOW:
+            return True
+        return lt is not None and (bool(lt.reply_to) or not lt.commands.empty())
 
     def _settled(self) -> bool:
         """Serving with nothing left to warm: a model attached and its deferred graphs captured."""
@@ -248,7 +266,12 @@ class WorkerService:
         """Acknowledge at once (the scheduler waits for it); the step thread does the rest."""
         if self.draining:
             return RouteReply.rejected(503, "service_unavailable", "the worker is draining", 1.0)
+        self.last_used = time.monotonic()
         loop_thread = self.loop_thread
+        if self.state == "standby" and self.on_wake is not None and msg.model in ("", self.model_name):
+            self.parked[msg.request_id] = msg  # it waits here, not in a step, while the model loads
+            self.on_wake()
+            return RouteReply.accepted(self.cfg.worker_id)
         if self.state != "ready" or loop_thread is None:
             return RouteReply.rejected(503, "service_unavailable", _NOT_SERVING.get(self.state, "not ready"), 1.0)
         if msg.model and msg.model != self.model_name:  # routed just before a replace: the scheduler retries
@@ -264,6 +287,25 @@ class WorkerService:
         else:
             self._admit(loop_thread, add, msg)
         return RouteReply.accepted(self.cfg.worker_id)
+
+    def release_parked(self) -> None:
+        """The model serves again: the requests that waited for it join its queue, in arrival order."""
+        parked, self.parked = self.parked, {}
+        for msg in parked.values():
+            reply = self._on_generate(msg)
+            if not reply.ok:
+                self._fail(msg, reply.error_message or "the model could not take the request")
+
+    def fail_parked(self, reason: str) -> None:
+        """The model could not be brought back: its waiting requests end with `reason`."""
+        parked, self.parked = self.parked, {}
+        for msg in parked.values():
+            self._fail(msg, reason)
+
+    def _fail(self, msg: GenerateRequest, reason: str) -> None:
+        if msg.reply_to:
+            delta = TokenDelta(request_id=msg.request_id, finish_reason="abort", error=reason)
+            asyncio.ensure_future(self.conn.publish(msg.reply_to, TokenBatch.of(self.cfg.worker_id, [delta])))
 
     def _admit(self, loop_thread: StepLoop, add: AddCommand, msg: GenerateRequest) -> None:
         cache = self.cluster_cache
@@ -304,6 +346,8 @@ class WorkerService:
 
     async def _on_abort(self, msg: AbortRequest) -> None:
         rids = list(msg.request_ids)
+        for rid in rids:
+            self.parked.pop(rid, None)
         if self.loop_thread is not None:
             self.loop_thread.submit(AbortCommand(rids))
         if self.receiver is not None:
@@ -437,10 +481,11 @@ class WorkerService:
         hb = dict(worker_id=self.cfg.worker_id, role=self.cfg.role, model=self.model_name, state=self.state,
                   ready=ready, draining=self.draining, generate_subject=self.generate_subject,
                   abort_subject=self.abort_subject, timestamp=time.time(), seq=self.seq,
-                  block_size=self.block_size, max_model_len=self.max_model_len)
+                  block_size=self.block_size, max_model_len=self.max_model_len, host=self.host,
+                  model_dir=self.model_dir, memory_share=self.cfg.memory_share, num_waiting=len(self.parked))
         if loop_thread is not None:
             s = loop_thread.stats
-            hb.update(num_running=s.num_running, num_waiting=s.num_waiting + loop_thread.commands.qsize(),
+            hb.update(num_running=s.num_running, num_waiting=s.num_waiting + loop_thread.commands.qsize() + len(self.parked),
                       queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
                       kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
                       num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print("inferno warm-kernels: --model-dir is required (the model whose shapes to compile for)", file=sys.stderr)
         return 2
     args.load_format = "dummy"  # the kernels depend on the shapes, not the values
-    cfg = service_config(args)
+    cfg, _ = service_config(args)
     cache = triton_cache_dir()
     before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     t0 = time.perf_counter()

@@ -65,7 +65,7 @@ def test_commands_parse_with_the_cli(compose, name):
     module = importlib.import_module(ENTRY_POINTS[command[0]])
     args = module.parse_args(command[1:])  # raises SystemExit on an unknown flag
     if command[0] == "worker":
-        assert args.model_dir == "/models/demo"
+        assert args.model_dir == ["/models/demo"]
 
 
 def test_environment_is_read_by_the_entry_points(compose):

@@ -48,6 +48,8 @@ def test_configs_are_frozen():
     (lambda: GatewayConfig(model_name="m", model_dir="d", max_n=17), "max_n"),
     (lambda: GatewayConfig(model_name="m", model_dir="d", max_tokens_default=0), "max_tokens_default"),
     (lambda: GatewayConfig(model_name="m", model_dir="d", gateway_id="gw.1"), "gateway_id"),
+    (lambda: GatewayConfig(model_name="m", model_dir="d", more_models=(("m", "e"),)), "more_models"),
+    (lambda: GatewayConfig(model_name="m", model_dir="d", more_models=(("n", ""),)), "more_models"),
     (lambda: RouterConfig(heartbeat_ttl=0), "heartbeat_ttl"),
     (lambda: RouterConfig(overload_kv_usage=1.5), "overload_kv_usage"),
     (lambda: RouterConfig(max_waiting=2.5), "max_waiting"),

@@ -23,6 +23,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # CPU: the pool size; GPU: None sizes the pool from memory
     gpu_memory_utilization: float = 0.98
+    # One of several models on the GPU (services/worker/model_host.py): the device's fraction this
+    # model may take, its weights, activations, graphs and KV pool together; 0: the whole device's.
+    memory_share: float = 0.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if not 0.0 <= self.memory_share < 1.0:
+            raise ValueError("memory_share must be in [0, 1)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.kernels not in (None, "torch", "triton"):

@@ -11,6 +11,7 @@ import torch
 from services.worker.engine.attention_metadata import AttentionMetadata
 from services.worker.engine.kv_cache import CacheLayout, KVCache, kv_bytes_per_block
 from services.worker.engine.kv_export import handoff_buffer_blocks
+from services.worker.engine.residency import model_bytes
 from services.worker.engine.sampler import log_probs
 from services.worker.kernels.extend_attention import query_tiles
 from shared.sampling_params import MAX_TOP_LOGPROBS
@@ -103,8 +104,11 @@ def profile_kv_blocks(engine) -> int:
     # What torch's allocator holds (the weights, the rope table); the rest of in_use is outside it:
     # the CUDA context, cuBLAS workspaces, loaded kernels, and any other process on the GPU.
     reserved = torch.cuda.memory_reserved(device)
-    budget = (int(total * engine.config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
-              - mixed_graph_bytes(engine))
+    overheads = activation_peak + GRAPH_RESERVE_BYTES + mixed_graph_bytes(engine)
+    budget = int(total * engine.config.gpu_memory_utilization) - in_use - overheads
+    share = engine.config.memory_share
+    if share:  # one of several models on the GPU: its own weights and overheads within its share too
+        budget = min(budget, int(total * share) - model_bytes(engine.model) - overheads)
     per_block = kv_bytes_per_block(engine.rank_config, engine.config.block_size, engine.kv_dtype)
     handoff = handoff_buffer_blocks(engine.config) * per_block
     per_block += engine.draft_block_bytes  # a drafting model's KV of each page (model_drafter.py)

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config = model_config_of(args.model, args.arch)
         pp = args.pipeline_parallel_size
         tp = args.tensor_parallel_size or max(1, gpus.count // pp)
-        cfg = service_config(parse_args(["--device", "cuda", "-tp", str(tp), "-pp", str(pp), *worker_flags]))
+        cfg, _ = service_config(parse_args(["--device", "cuda", "-tp", str(tp), "-pp", str(pp), *worker_flags]))
         config = engine_config(cfg)
     except ValueError as e:  # ModelConfigError and the configs' own checks too
         print(f"inferno plan: {e}", file=sys.stderr)
