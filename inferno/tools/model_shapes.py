@@ -107,6 +107,21 @@ PRESETS: dict[str, Preset] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     ),
+    # Llama-3.2-3B and Qwen2.5-1.5B shapes: the small models several of which share one GPU (issue 38).
+    "llama-3.2-3b": Preset(
+        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+        head_dim=128, intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={**LLAMA_3_1_ROPE_SCALING, "factor": 32.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": Preset(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        head_dim=128, intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="Qwen2ForCausalLM",
+    ),
     # Exact Llama-3.1-70B shapes (141 GB in bf16: serve it with --load-format dummy and a
     # directory written with --config-only, rather than writing its weights).
     "llama-3.1-70b": Preset(

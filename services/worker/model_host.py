@@ -66,6 +66,7 @@ class ModelHost:
         self.budget = cfg.gpu_memory_utilization
         self.host_budget = int(cfg.host_memory_gb * 1e9)
         self.slots: list[Slot] = []
+        self._moving = 0  # bytes of the host copy being brought back (out of its slot, not yet freed)
         self.lock = asyncio.Lock()  # one residency change at a time: each sees what the last left
         self._sweeper: asyncio.Task | None = None
 
@@ -144,14 +145,19 @@ class ModelHost:
             except ModelCheckError as e:
                 slot.service.fail_parked(f"the model {slot.spec.model_name!r} could not be loaded: {e}")
                 return slot.manager._reply("bad_request", str(e))
-            if not await self._make_room(slot, wait_for_room):
+            # Its host copy is taken first: the room made for it may drop host copies, never its own.
+            copy, slot.copy = slot.copy, None
+            self._moving = copy.nbytes if copy is not None else 0  # still in host memory meanwhile
+            room = await self._make_room(slot, wait_for_room)
+            self._moving = 0
+            if not room:
+                slot.copy = copy
                 reason = (f"the model {slot.spec.model_name!r} does not fit: its share {slot.share or self.budget:g} "
                           f"of the GPU is more than the budget {self.budget:g}"
                           if (slot.share or self.budget) > self.budget + EPS else
                           "no room on the GPU: every model there is busy")
                 slot.service.fail_parked(reason)
                 return slot.manager._reply("busy", reason)
-            copy, slot.copy = slot.copy, None
             t = time.perf_counter()
             reply = await slot.manager.wake(slot.spec, copy)
             log.info("model on the GPU", model=slot.spec.model_name, source="host memory" if copy else "disk",
@@ -178,7 +184,7 @@ class ModelHost:
         """`slot` off the GPU (held lock): its weights to host memory when the budget there allows."""
         built = slot.manager.built
         nbytes = built.checked.weight_bytes if built is not None else 0
-        keep = 0 < nbytes <= self.host_budget
+        keep = 0 < nbytes <= self.host_budget - self._moving
         if keep:
             self._free_host(nbytes)
         slot.copy = await slot.manager.evict(keep)
@@ -187,7 +193,7 @@ class ModelHost:
     def _free_host(self, nbytes: int) -> None:
         """Drop host copies, the longest evicted first, until `nbytes` more fit the host budget."""
         held = sorted((s for s in self.slots if s.copy is not None), key=lambda s: s.evicted_at)
-        while held and sum(s.copy.nbytes for s in held) + nbytes > self.host_budget:
+        while held and sum(s.copy.nbytes for s in held) + self._moving + nbytes > self.host_budget:
             dropped = held.pop(0)
             log.info("host copy dropped", model=dropped.spec.model_name, gb=round(dropped.copy.nbytes / 1e9, 2))
             dropped.copy = None

@@ -36,11 +36,11 @@ CHATML = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
           "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_other_model(out: Path) -> Path:
-    """A second tiny model (config and tokenizer, no weights: the gateway reads no weights) whose
-    tokenizer gives the same text other ids (its BPE ids rotated), with a ChatML template and a
-    shorter context."""
-    write_model(out, preset="tiny", weights=False)
+def write_other_model(out: Path, **model: object) -> Path:
+    """A second tiny model (config and tokenizer; no weights unless `model` asks for them: the gateway
+    reads none) whose tokenizer gives the same text other ids (its BPE ids rotated), with a ChatML
+    template and a shorter context. `model`: write_model's arguments (arch, seed, weights, ...)."""
+    write_model(out, **{"preset": "tiny", "weights": False, **model})
     tok = json.loads((out / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]  # ids 0..n-1; the special tokens come after them, unchanged
     tok["model"]["vocab"] = {token: (i + 7) % len(vocab) for token, i in vocab.items()}
