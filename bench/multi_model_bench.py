@@ -32,7 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODELS = [("llama-3.1-8b", 0.45), ("llama-3.2-1b", 0.15), ("qwen2.5-1.5b", 0.15), ("llama-3.2-3b", 0.2)]
 SPARE = ("spare", "llama-3.2-1b", 0.45)  # a served name, its shapes' directory, its share
 PORT = 8011
+VOCAB = os.environ.get("MM_VOCAB", "120000")  # prompt ids are drawn below it
 PY = sys.executable
+DEVICE = os.environ.get("MM_DEVICE", "cuda")  # MM_DEVICE=cpu MM_PRESET=tiny: the script's own check, on a CPU
+if os.environ.get("MM_PRESET"):
+    MODELS = [(os.environ["MM_PRESET"], s) for _, s in MODELS[:1]] + [("small", s) for _, s in MODELS[1:2]]
+    SPARE = ("spare", "small", 0.45)
 
 
 def model_dir(preset: str) -> Path:
@@ -47,7 +52,7 @@ def prepare() -> None:
 
 
 def up(run_dir: Path, models: list[tuple[str, str]], shares: list[float], extra: list[str] = ()) -> subprocess.Popen:
-    argv = [PY, "-m", "services.cli", "up", "--device", "cuda", "--port", str(PORT), "--run-dir", str(run_dir),
+    argv = [PY, "-m", "services.cli", "up", "--device", DEVICE, "--port", str(PORT), "--run-dir", str(run_dir),
             "--kvstore-capacity-gb", "0", "--log-format", "json", "--worker-arg=--load-format=dummy", *extra]
     for d, name in models:
         argv += ["--model", d, "--model-name", name]
@@ -86,7 +91,7 @@ def wait_resident(names: list[str], timeout: float = 400.0) -> float:
 
 def bench(model: str, out: Path, *args: str) -> dict:
     subprocess.run([PY, "-m", "services.cli", "bench", "--base-url", f"http://127.0.0.1:{PORT}", "--model", model,
-                    "--vocab-size", "120000", "--no-progress", "--out", str(out), *args],
+                    "--vocab-size", VOCAB, "--no-progress", "--out", str(out), *args],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     return json.loads(out.read_text())["summary"]
 
@@ -127,6 +132,8 @@ def host_events(run_dir: Path) -> list[dict]:
 
 
 def gpu_memory() -> str:
+    if DEVICE == "cpu":
+        return "cpu"
     return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout.strip()
 
@@ -168,7 +175,7 @@ def phase_together(work: Path, run: Path, result: dict) -> None:
     print(f"together W1: {r['w1_tok_s']}", flush=True)
     t0 = time.monotonic()
     procs = [subprocess.Popen([PY, "-m", "services.cli", "bench", "--base-url", f"http://127.0.0.1:{PORT}",
-                               "--model", name, "--vocab-size", "120000", "--num-requests", "250", "--seed",
+                               "--model", name, "--vocab-size", VOCAB, "--num-requests", "250", "--seed",
                                str(200 + i), "--no-progress", "--out", str(work / f"w2-mixed-{name}.json")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, name in enumerate(names)]
     for p in procs:
