@@ -118,6 +118,16 @@ async def first_token(model: str, max_tokens: int = 4) -> float:
             return first
 
 
+def wait_graphs(run_dir: Path, models: int, timeout: float = 120.0) -> None:
+    """Until every model's deferred CUDA graphs are captured (its steps replay graphs from then on)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if (run_dir / "worker-0.log").read_text().count('"graphs captured"') >= models:
+            return
+        time.sleep(0.5)
+    print(f"graphs not all captured within {timeout} s", flush=True)
+
+
 def host_events(run_dir: Path) -> list[dict]:
     out = []
     for line in (run_dir / "worker-0.log").read_text().splitlines():
@@ -140,13 +150,14 @@ def gpu_memory() -> str:
 
 def phase_alone(work: Path, result: dict) -> None:
     result["alone"] = {}
-    for preset, _ in MODELS:
+    for preset, _ in MODELS[:int(os.environ.get("MM_ALONE", len(MODELS)))]:
         run = work / f"alone-{preset}"
         run.mkdir(parents=True, exist_ok=True)
         proc = up(run, [(str(model_dir(preset)), preset)], [])
         try:
             start = wait_resident([preset])
-            bench(preset, work / "warm.json", "--num-requests", "8", "--output-len", "16")
+            wait_graphs(run, 1)
+            bench(preset, work / "warm.json", "--num-requests", "100", "--output-len", "16")
             r = {"start_s": round(start, 1), "w1_tok_s": round(w1(preset, work / f"w1-alone-{preset}.json"), 1)}
             if preset == MODELS[0][0]:
                 s = bench(preset, work / "w2-alone.json", "--seed", "101")
@@ -168,8 +179,9 @@ def together_up(work: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, Pa
 def phase_together(work: Path, run: Path, result: dict) -> None:
     names = [p for p, _ in MODELS]
     r = result["together"] = {"start_s": round(wait_resident(names), 1), "resident": models_list()}
+    wait_graphs(run, len(names))
     for name in names:
-        bench(name, work / "warm.json", "--num-requests", "8", "--output-len", "16")
+        bench(name, work / "warm.json", "--num-requests", "100", "--output-len", "16")
     r["gpu_memory"] = gpu_memory()
     r["w1_tok_s"] = {name: round(w1(name, work / f"w1-{name}.json"), 1) for name in names}
     print(f"together W1: {r['w1_tok_s']}", flush=True)
@@ -245,8 +257,6 @@ def main() -> int:
     result: dict = {"gpu": gpu_memory()}
     prepare()
     try:
-        if "alone" in phases:
-            phase_alone(work, result)
         if {"together", "reload", "itl"} & set(phases):
             proc, run = together_up(work)
             try:
@@ -261,6 +271,8 @@ def main() -> int:
                 result["events"] = host_events(run)
             finally:
                 down(proc)
+        if "alone" in phases:
+            phase_alone(work, result)
     finally:
         (work / "multi_model.json").write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in result.items() if k != "events"}, indent=1))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from services.worker.engine.cuda_device import bind_thread
+from services.worker.engine.cuda_device import bind_thread, holding_device
 from shared.config import WorkerServiceConfig
 
 log = structlog.get_logger("worker.build")
@@ -197,6 +197,7 @@ def staging_count() -> int:
     return 2 * EngineConfig(model_dir="").load_threads
 
 
+@holding_device
 def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,
                 leftovers: Leftovers | None = None, staging=None, host: HostCopy | None = None) -> BuiltModel:
     """The engine of a checked model. A single-GPU engine captures only the graphs needed before
@@ -287,6 +288,7 @@ def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
     return max(tokens, DECODE_HANDOFF_TOKENS) if cfg.role == "decode" else tokens
 
 
+@holding_device
 def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
     """Free a model's GPU memory, keeping its weights in host memory for the way back (None for the
     model-free emitter, which has none). The model's step thread has stopped."""
@@ -311,6 +313,7 @@ def _host_bytes(model) -> int:
     return model_bytes(model)
 
 
+@holding_device
 def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:
     """Free a model's memory, keeping what `next_model` can reuse. The model's step thread has
     stopped; `built` is emptied so no reference keeps its tensors alive."""
@@ -345,6 +348,7 @@ def _kv_fits(engine, checked: CheckedModel, next_model: CheckedModel, cfg: Worke
                                              or next_model.weight_bytes <= checked.weight_bytes)
 
 
+@holding_device
 def free_memory(device=None, keep_cache: bool = False) -> None:
     """Collect what nothing references any more (start-up froze it out of the collector's sight:
     shared/gc_tuning.py) and, unless the next model reuses the allocator's cached blocks, hand

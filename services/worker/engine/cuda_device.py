@@ -3,6 +3,8 @@ Triton launches, `torch.cuda.Event.record()` and UCX's device copies go."""
 
 from __future__ import annotations
 
+import threading
+
 
 def bind_thread(device) -> None:
     """Make `device` current in the calling thread (nothing on the CPU or for a bare "cuda").
@@ -18,3 +20,22 @@ def bind_thread(device) -> None:
     device = torch.device(device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+
+
+# One process may hold several models on one GPU (services/worker/model_host.py): while one thread
+# captures a CUDA graph, no other thread may synchronise the device or free its memory (a device-wide
+# sync or cudaFree waits on the capturing stream: the capture and the call both fail). Captures, and
+# the loads and evictions that synchronise and free, take this lock; serving steps (stream events
+# only) do not, so the other models serve on meanwhile.
+DEVICE_LOCK = threading.RLock()
+
+
+def holding_device(fn):
+    """`fn` (a load, an eviction: they synchronise the device and free its memory) under DEVICE_LOCK."""
+    import functools
+
+    @functools.wraps(fn)
+    def held(*args, **kwargs):
+        with DEVICE_LOCK:
+            return fn(*args, **kwargs)
+    return held

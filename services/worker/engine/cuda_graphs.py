@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.attention_metadata import AttentionMetadata
+from services.worker.engine.cuda_device import DEVICE_LOCK
 from shared.progress import progress
 
 _REQUEST = attrgetter("request")
@@ -44,7 +45,7 @@ def capture_buckets(buckets, forward, graphs: dict, outputs: dict, pool, cuda: b
             continue
         forward(b)  # compile and warm the kernels outside capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with DEVICE_LOCK, torch.cuda.graph(graph, pool=pool):
             outputs[b] = forward(b)
         if pool is None:
             pool = graph.pool()

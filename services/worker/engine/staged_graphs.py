@@ -18,6 +18,7 @@ import time
 import structlog
 import torch
 
+from services.worker.engine.cuda_device import DEVICE_LOCK
 from services.worker.engine.cuda_graphs import CudaGraphRunner
 from services.worker.engine.mixed_graphs import MixedGraphRunner
 
@@ -137,7 +138,7 @@ class StagedGraphs:
         stream = self._stream
         stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
+        with DEVICE_LOCK, torch.cuda.stream(stream):
             graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
                 runner.outputs[size] = runner._forward(size)
