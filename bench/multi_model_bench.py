@@ -113,6 +113,8 @@ async def first_token(model: str, max_tokens: int = 4) -> float:
             async for line in r.content:
                 if line.startswith(b"data:") and first is None:
                     first = time.perf_counter() - t0
+                    if b'"error"' in line:
+                        raise RuntimeError(f"{model}: {line[:300]!r}")
             if r.status != 200 or first is None:
                 raise RuntimeError(f"{model}: HTTP {r.status}")
             return first

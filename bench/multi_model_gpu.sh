@@ -24,6 +24,6 @@ if [ "${WARM:-1}" = 1 ]; then
   for f in "$OUT"/warm-*.log; do tail -1 "$f" | cut -c1-200; done
 fi
 timeout ${LIMIT:-480} python3 bench/multi_model_bench.py --phases "${PHASES:-alone,together,reload,itl}" --out /tmp/mm-out && true
-cp /tmp/mm-out/multi_model.json "$OUT/" 2>/dev/null
+cp /tmp/mm-out/*.json "$OUT/" 2>/dev/null
 for f in /tmp/mm-out/*/worker-0.log; do cp "$f" "$OUT/$(basename $(dirname $f))-worker.log"; done 2>/dev/null
 echo "commit ${COMMIT:-?}, done at ${SECONDS} s"

@@ -301,9 +301,11 @@ def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
     import torch
 
     from services.worker.engine.residency import move_model
-    if engine.device.type == "cuda":
+    on_gpu = engine.device.type == "cuda"
+    if on_gpu:
         torch.cuda.synchronize(engine.device)  # its last steps may still read the weights
-    nbytes = move_model(model, torch.device("cpu")) if engine.device.type == "cuda" else _host_bytes(model)
+    del engine  # release_model frees the pool and empties the allocator's cache: no reference may hold it
+    nbytes = move_model(model, torch.device("cpu")) if on_gpu else _host_bytes(model)
     release_model(built, cfg)
     return HostCopy(model, num_blocks, nbytes)
 

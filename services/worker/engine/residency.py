@@ -9,6 +9,8 @@ are dropped, not moved.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -23,29 +25,33 @@ def model_bytes(model: nn.Module) -> int:
 
 def move_model(model: nn.Module, device: torch.device) -> int:
     """Move every tensor of `model` to `device` (pinned memory when that is the CPU and a GPU is
-    there), in place; returns the bytes moved. To the GPU the copies are asynchronous on the current
-    stream and synchronised at the end, so the caller sees a model ready to run."""
+    there), in place; returns the bytes moved. Returns once the copies are done."""
     to_host = device.type == "cpu"
-    pin = to_host and torch.cuda.is_available()
-    moved = 0
+    cuda = torch.cuda.is_available() and (to_host or device.type == "cuda")
     with torch.no_grad():
         for module in model.modules():
             for name in TRANSIENT:
                 if isinstance(module.__dict__.get(name), torch.Tensor):
                     setattr(module, name, None)
-        for module, name, t in list(_tensors(model)):
-            if t.device == device or (to_host and t.device.type == "cpu"):
-                continue
-            if to_host:
-                out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-                out.copy_(t)
-            else:
-                out = t.to(device, non_blocking=True)
-            moved += t.numel() * t.element_size()
+        moves = [(m, name, t) for m, name, t in _tensors(model)
+                 if not (t.device == device or (to_host and t.device.type == "cpu"))]
+        # Every destination first, on the current stream; then the copies on a stream of their own,
+        # after what the current stream has queued (a destination may be memory it freed): on the
+        # default stream they would queue behind, and hold up, the steps of the process's other
+        # models (services/worker/model_host.py).
+        outs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) if to_host
+                else torch.empty(t.shape, dtype=t.dtype, device=device) for _, _, t in moves]
+        stream = torch.cuda.Stream() if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for (_, _, t), out in zip(moves, outs):
+                out.copy_(t, non_blocking=cuda)
+        if stream is not None:
+            stream.synchronize()
+        for (module, name, _), out in zip(moves, outs):
             _assign(module, name, out)
-        if not to_host and device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return moved
+    return sum(t.numel() * t.element_size() for _, _, t in moves)
 
 
 def _tensors(model: nn.Module):
