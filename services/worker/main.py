@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the config's own checks, the model's config and ModelCheckError alike
         structlog.get_logger("worker").error("bad_config", error=str(e))
         return CONFIG_ERROR_EXIT
+    if more_models or cfg.memory_share:
+        # Several models on one GPU: an evicted model's freed memory is cut up at once by the others'
+        # activations, and a whole segment stays reserved for a few live blocks: the 8B's way back could
+        # not allocate its pool with 31 GiB reserved and free (H200). Expandable segments unmap the free
+        # pages instead. Set before torch is imported (its allocator reads it once).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     prefetch = None
     if cfg.model_dir and args.load_format == "auto" and not args.emit_only:
         from services.worker.prefetch import start_prefetch
