@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,7 +307,10 @@ def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
         torch.cuda.synchronize(engine.device)  # its last steps may still read the weights
     del engine  # release_model frees the pool and empties the allocator's cache: no reference may hold it
     nbytes = move_model(model, torch.device("cpu")) if on_gpu else _host_bytes(model)
-    release_model(built, cfg)
+    # Beside other models, emptying the cache (cudaFree: a device-wide sync) would stall their steps;
+    # with expandable segments (worker/main.py) the next model's allocations reuse the freed pages, and
+    # the allocator empties its cache by itself if an allocation would not fit otherwise.
+    release_model(built, cfg, keep_cache="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     return HostCopy(model, num_blocks, nbytes)
 
 
@@ -316,9 +320,11 @@ def _host_bytes(model) -> int:
 
 
 @holding_device
-def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None) -> Leftovers:
+def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: CheckedModel | None = None,
+                  keep_cache: bool = False) -> Leftovers:
     """Free a model's memory, keeping what `next_model` can reuse. The model's step thread has
-    stopped; `built` is emptied so no reference keeps its tensors alive."""
+    stopped; `built` is emptied so no reference keeps its tensors alive. `keep_cache`: leave the freed
+    memory in the allocator's cache (the process's next allocations take it)."""
     engine, graphs = built.engine, built.graphs
     built.engine = built.graphs = None
     leftovers = Leftovers()
@@ -335,7 +341,7 @@ def release_model(built: BuiltModel, cfg: WorkerServiceConfig, next_model: Check
         # Its last steps may still run: the next model's weights are copied on other streams.
         torch.cuda.synchronize(device)
     del engine, graphs
-    free_memory(device, keep_cache=leftovers.kv_cache is not None)
+    free_memory(device, keep_cache=keep_cache or leftovers.kv_cache is not None)
     return leftovers
 
 
