@@ -100,7 +100,9 @@ def profile_kv_blocks(engine) -> int:
     seconds: dict = {}
     activation_peak = dry_run_peak_bytes(engine, seconds)
     free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free  # CUDA context, weights, allocator cache
+    # CUDA context, weights, other models' memory; not what the allocator holds free (an evicted
+    # model's, left cached beside others: model_build.evict_model), which this pool may take.
+    in_use = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     # What torch's allocator holds (the weights, the rope table); the rest of in_use is outside it:
     # the CUDA context, cuBLAS workspaces, loaded kernels, and any other process on the GPU.
     reserved = torch.cuda.memory_reserved(device)
