@@ -204,7 +204,20 @@ def build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bo
     """The engine of a checked model. A single-GPU engine captures only the graphs needed before
     ready (staged_graphs.py); the rest are the step thread's to capture. `staging`: the worker's
     pinned buffers for the weights' copies (WarmDevice.staging). `host`: the model's own copy in host
-    memory (an eviction kept it), moved back instead of read from disk."""
+    memory (an eviction kept it), moved back instead of read from disk.
+
+    One of several models on the GPU (a memory share) is built on a stream of its own: on the
+    default stream, which every thread of the process shares, each of its launches (a 46 GB pool's
+    memset, the graphs' warm-up forwards) would queue the other models' steps behind it."""
+    if cfg.memory_share and cfg.device.startswith("cuda") and not cfg.emit_only:
+        import torch
+        with torch.cuda.stream(torch.cuda.Stream(torch.device(cfg.device))):
+            return _build_model(checked, cfg, cuda_graphs, overlap, leftovers, staging, host)
+    return _build_model(checked, cfg, cuda_graphs, overlap, leftovers, staging, host)
+
+
+def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: bool, overlap: bool,
+                 leftovers: Leftovers | None, staging, host: HostCopy | None) -> BuiltModel:
     spec, mc = checked.spec, checked.model_config
     leftovers = leftovers or Leftovers()
     if cfg.emit_only:
