@@ -162,7 +162,8 @@ def phase_alone(work: Path, result: dict) -> None:
             bench(preset, work / "warm.json", "--num-requests", "100", "--output-len", "16")
             r = {"start_s": round(start, 1), "w1_tok_s": round(w1(preset, work / f"w1-alone-{preset}.json"), 1)}
             if preset == MODELS[0][0]:
-                s = bench(preset, work / "w2-alone.json", "--seed", "101")
+                # four client processes, as the mixed W2's four (one client tops out near a core)
+                s = bench(preset, work / "w2-alone.json", "--seed", "101", "--processes", "4")
                 r["w2_tok_s"] = round(s["output_throughput"])
             result["alone"][preset] = r
             print(f"alone {preset}: {r}", flush=True)
@@ -266,6 +267,7 @@ def main() -> int:
                     phase_together(work, run, result)
                 else:
                     wait_resident([p for p, _ in MODELS])
+                    wait_graphs(run, len(MODELS))  # the quiet ITL is no base while graphs are still captured
                 if "reload" in phases:
                     phase_reload(run, result)
                 if "itl" in phases:
