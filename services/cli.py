@@ -23,6 +23,7 @@ commands:
   bench-engine  offline engine throughput: prefill and decode tokens/s
   warm-kernels  compile every kernel a worker compiles at start into Triton's cache (takes the worker's flags)
   nats-credentials  random passwords for the bus's users (a compose .env, a Kubernetes Secret)
+  nats-certs    a private CA and the NATS servers' certificate: TLS on the bus (compose, Kubernetes)
   plan          will a model fit on these GPUs, with how much KV cache: per GPU, per layout (no GPU, no weights)
 """
 
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.warm_kernels import main as run
     elif command == "nats-credentials":
         from inferno.tools.nats_credentials import main as run
+    elif command == "nats-certs":
+        from inferno.tools.nats_certs import main as run
     elif command == "plan":
         from services.worker.plan.main import main as run
     else:

@@ -12,6 +12,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -26,6 +27,8 @@ from services.supervisor import Supervisor
 from services.top import STACK_FILE, print_started
 from shared.config import CONFIG_ERROR_EXIT
 from shared.nats_auth import ADMIN, SERVICE_ROLES, NatsCredentials
+from shared.nats_certs import CertificateAuthority, write_server_files
+from shared.nats_tls import ServerTlsFiles, server_tls_config, tls_options
 from shared.subjects import DEFAULT_PREFIX
 
 
@@ -100,6 +103,9 @@ class StackConfig:
     # (shared/nats_auth.py): a client that reaches the bus may use the public API only.
     nats_auth: bool = True
     nats_api_users: tuple[str, ...] = ("api",)
+    # TLS on the bus (shared/nats_tls.py): a CA and the servers' certificate made at each start into the
+    # run directory; the services trust that CA only and dial tls:// URLs; the routes of a cluster too.
+    nats_tls: bool = False
     api_server_count: int = 1  # gateway processes sharing the port (vLLM's --api-server-count)
     schedulers: int = 1  # replicas sharing the routing through a NATS queue group
     workers: int = 1  # mixed workers
@@ -133,7 +139,11 @@ class Stack:
         self.nats_ports = [cfg.nats_port] + [free_port() for _ in range(cfg.nats_cluster - 1)]
         self.route_ports = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
         # Every service gets every server: it reconnects to another when its own dies.
-        self.nats_url = ",".join(f"nats://{cfg.nats_host}:{port}" for port in self.nats_ports)
+        scheme = "tls" if cfg.nats_tls else "nats"
+        self.nats_url = ",".join(f"{scheme}://{cfg.nats_host}:{port}" for port in self.nats_ports)
+        # Where the servers' TLS files go (the CA is what a client of the bus needs): absolute, as
+        # stack.json's readers may run elsewhere.
+        self.nats_tls = ServerTlsFiles.in_dir(cfg.run_dir.resolve() / "nats-tls") if cfg.nats_tls else None
         self.credentials = NatsCredentials.generate(cfg.nats_api_users) if cfg.nats_auth else None
         # What operators' tools (inferno top, tests) connect with: every subject.
         self.admin_nats_url = self.nats_url_of(ADMIN)
@@ -151,13 +161,21 @@ class Stack:
         """The servers with `user`'s credentials in each URL (as given when the bus has no users)."""
         return self.credentials.url(self.nats_url, user) if self.credentials else self.nats_url
 
+    def nats_tls_options(self) -> dict:
+        """nats-py's TLS arguments for a client of this stack's bus ({} without TLS): tools, tests."""
+        return tls_options(self.nats_tls.ca_file) if self.nats_tls else {}
+
     def _nats_env(self, name: str) -> dict[str, str]:
-        """A service child's NATS user, by its name's role (a worker of any role is a worker)."""
-        if self.credentials is None:
+        """A service child's NATS user, by its name's role (a worker of any role is a worker), and the
+        CA it trusts on a bus with TLS."""
+        if is_nats(name):
             return {}
+        env = {"INFERNO_NATS_TLS_CA": self.nats_tls.ca_file} if self.nats_tls else {}
+        if self.credentials is None:
+            return env
         role = name.split("-")[0]
         role = "worker" if role in ("prefill", "decode") else role
-        return self.credentials.env(role) if role in SERVICE_ROLES else {}
+        return {**env, **(self.credentials.env(role) if role in SERVICE_ROLES else {})}
 
     # -- process management ---------------------------------------------------------------------
     def _log(self, name: str) -> tuple[Path, int]:
@@ -213,15 +231,30 @@ class Stack:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
 
     def _nats_config(self) -> list[str]:
-        """-c FILE: the users and their permissions, readable by this user only; none without auth."""
-        if self.credentials is None:
-            return []
-        path = self.cfg.run_dir / "nats-users.conf"
+        """-c FILE: nats.conf, which includes the users and their permissions (nats-users.conf, readable
+        by this user only) and holds the TLS blocks; none for a bus with neither."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        private(path, self.credentials.server_config(DEFAULT_PREFIX))
-        for user in self.cfg.nats_api_users:  # what an API client connects with (inferno.client.connect)
-            private(self.cfg.run_dir / f"nats-api-{user}.url", self.nats_url_of(user) + "\n")
+        parts = []
+        if self.credentials is not None:
+            users = self.cfg.run_dir / "nats-users.conf"
+            private(users, self.credentials.server_config(DEFAULT_PREFIX))
+            for user in self.cfg.nats_api_users:  # what an API client connects with (inferno.client.connect)
+                private(self.cfg.run_dir / f"nats-api-{user}.url", self.nats_url_of(user) + "\n")
+            parts.append(f"include ./{users.name}\n")
+        if self.nats_tls is not None:
+            parts.append(server_tls_config(self._write_certificates(), cluster=self.cfg.nats_cluster > 1))
+        if not parts:
+            return []
+        path = self.cfg.run_dir / "nats.conf"
+        path.write_text("".join(parts))
         return ["-c", str(path)]
+
+    def _write_certificates(self) -> ServerTlsFiles:
+        """A new CA and the servers' certificate for every address the services dial (the CA's key is
+        gone once they are made)."""
+        ca = CertificateAuthority.generate(f"Inferno NATS CA ({self.cfg.run_dir.resolve().name})")
+        directory = Path(self.nats_tls.ca_file).parent
+        return write_server_files(directory, ca, ca.issue_server([self.cfg.nats_host]))
 
     def start_nats(self) -> list[Child]:
         config = self._nats_config()
@@ -283,8 +316,9 @@ class Stack:
 
     def start(self) -> "Stack":
         self.start_nats()
+        tls = self.nats_tls_options().get("tls")
         for port in self.nats_ports:
-            wait_for_port(port, timeout=15, host=self.cfg.nats_host)
+            wait_for_port(port, timeout=15, host=self.cfg.nats_host, tls=tls)
         for i in range(self.cfg.schedulers):
             self.start_scheduler(i)
         if self.cfg.kvstore_capacity_gb > 0:
@@ -382,11 +416,15 @@ def is_nats(name: str) -> bool:
     return name == "nats" or name.startswith("nats-")
 
 
-def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
+def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
+    """Until something listens on the port; with `tls`, until it also completes a TLS handshake (a
+    nats-server that handshakes first logs a connection closed before one as an error)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5) as sock:
+                if tls is not None:
+                    tls.wrap_socket(sock, server_hostname=host).close()
                 return
         except OSError:
             time.sleep(0.05)
@@ -427,6 +465,10 @@ def parse_args(argv):
                     help="a NATS user per service role, an admin and API users, random passwords in the run "
                          "directory (default): a client of the bus may use the public API only; "
                          "--no-nats-auth: no users (a bus on loopback only)")
+    ap.add_argument("--nats-tls", action=argparse.BooleanOptionalAction, default=False,
+                    help="TLS on the bus: a CA and the servers' certificate made at each start into the run "
+                         "directory's nats-tls/ (the CA's key is not kept), tls:// URLs, the CA given to every "
+                         "service; a cluster's routes too (default off: the stack's bus listens on loopback)")
     ap.add_argument("--nats-api-user", action="append", default=None, metavar="NAME",
                     help="a NATS API user (repeatable; default one, 'api'): publishes to {prefix}.api.> only and "
                          "reads only its inboxes, _INBOX.NAME.>; its URL with the password: the run "
@@ -558,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = StackConfig(
         model_dir=served[0][0], model_name=served[0][1], more_models=tuple(served[1:]),
         host=args.host, port=args.port, nats_port=args.nats_port or free_port(), nats_cluster=args.nats_cluster,
-        nats_auth=args.nats_auth, nats_api_users=tuple(args.nats_api_user or ("api",)),
+        nats_auth=args.nats_auth, nats_api_users=tuple(args.nats_api_user or ("api",)), nats_tls=args.nats_tls,
         api_server_count=args.api_server_count, schedulers=args.schedulers,
         workers=mixed_workers(args),
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
@@ -585,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         own_workers = cfg.workers + cfg.prefill_workers + cfg.decode_workers
         stack.wait_ready(path="/ready" if own_workers else "/health")
         # The admin's URL (inferno top reads it): the file is this user's only.
+        tls = {"nats_tls_ca": stack.nats_tls.ca_file} if stack.nats_tls else {}
         private(cfg.run_dir / STACK_FILE, json.dumps({"url": stack.url, "nats": stack.admin_nats_url,
-                                                      "metrics": stack.url + "/metrics"}))
+                                                      "metrics": stack.url + "/metrics", **tls}))
         print_started(stack, own_workers)  # (services/top.py)
         print(f"\ninferno: serving {', '.join(repr(name) for _, name in served)} at {stack.url}/v1  (Ctrl-C stops)\n"
               f"  curl {stack.url}/v1/models\n  inferno top --run-dir {cfg.run_dir}   (a live view)\n", flush=True)

@@ -18,9 +18,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared import subjects
+from shared.config import NatsConfig, add_nats_tls_flags, nats_tls_settings
 from shared.messages import WorkerHeartbeat
+from shared.nats_tls import nats_options
 from shared.wire import decode
 
 STACK_FILE = "stack.json"  # in `inferno up`'s run directory: its URLs
@@ -66,14 +69,16 @@ def read_metrics(url: str, timeout: float = 2.0) -> dict[tuple[str, tuple], floa
 class Watcher:
     """A subscription to the workers' heartbeats (the latest of each) and the gateway's /metrics."""
 
-    def __init__(self, nats_url: str, prefix: str, url: str):
+    def __init__(self, nats_url: str, prefix: str, url: str, tls: dict[str, Any] | None = None):
         self.nats_url, self.prefix, self.url = nats_url, prefix, url
+        self.tls = tls or {}  # nats-py's TLS arguments (shared/nats_tls.py)
         self.latest: dict[str, WorkerHeartbeat] = {}
         self._nc = None
 
     async def __aenter__(self) -> Watcher:
         import nats
-        self._nc = await nats.connect(self.nats_url.split(","), connect_timeout=2, max_reconnect_attempts=0)
+        self._nc = await nats.connect(self.nats_url.split(","), connect_timeout=2, max_reconnect_attempts=0,
+                                      **self.tls)
         await self._nc.subscribe(subjects.heartbeat(self.prefix), cb=self._on_beat)
         return self
 
@@ -103,10 +108,11 @@ class Watcher:
         return await self.sample()
 
 
-async def sample_twice(nats_url: str, prefix: str, url: str, gap: float = 1.0) -> tuple[Sample, Sample]:
+async def sample_twice(nats_url: str, prefix: str, url: str, gap: float = 1.0,
+                       tls: dict[str, Any] | None = None) -> tuple[Sample, Sample]:
     """Two samples for rates: the first once every worker has beaten once (up to 3 s), the second
     once each has beaten again."""
-    async with Watcher(nats_url, prefix, url) as w:
+    async with Watcher(nats_url, prefix, url, tls) as w:
         started = time.monotonic()
         await asyncio.sleep(0.2)
         while not w.latest and time.monotonic() - started < 3.0:
@@ -199,19 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", help="the NATS subject prefix (default: stack.json's, else inferno)")
     ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    add_nats_tls_flags(ap)  # --nats-tls-ca defaults to stack.json's, on a stack with TLS on the bus
     args = ap.parse_args(argv)
     known = stack_urls(args.run_dir)
     url = args.url or known.get("url", "http://127.0.0.1:8000")
     nats_url = args.nats or known.get("nats", "nats://127.0.0.1:4222")
     prefix = args.prefix or known.get("prefix", subjects.DEFAULT_PREFIX)
+    try:
+        nats_cfg = NatsConfig(url=nats_url, **{**nats_tls_settings(args),
+                                               "tls_ca": args.nats_tls_ca or known.get("nats_tls_ca", "")})
+    except ValueError as e:
+        print(f"inferno top: {e}", file=sys.stderr)
+        return 2
+    tls = nats_options(nats_cfg)
     title = f"inferno top — {url}, {nats_url}"
     console = wide_console()
     try:
         if args.once:
-            a, b = asyncio.run(sample_twice(nats_url, prefix, url, gap=args.interval))
+            a, b = asyncio.run(sample_twice(nats_url, prefix, url, gap=args.interval, tls=tls))
             console.print(render(a, b, title))
             return 0
-        return asyncio.run(_live(console, nats_url, prefix, url, title, args.interval))
+        return asyncio.run(_live(console, nats_url, prefix, url, title, args.interval, tls))
     except KeyboardInterrupt:
         return 0
     except OSError as e:  # NATS not there
@@ -219,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-async def _live(console, nats_url: str, prefix: str, url: str, title: str, interval: float) -> int:
+async def _live(console, nats_url: str, prefix: str, url: str, title: str, interval: float,
+                tls: dict[str, Any]) -> int:
     from rich.live import Live
-    async with Watcher(nats_url, prefix, url) as w:
+    async with Watcher(nats_url, prefix, url, tls) as w:
         before = await w.sample()
         with Live(console=console, auto_refresh=False) as live:
             while True:
@@ -236,7 +251,7 @@ def print_started(stack, workers: int) -> None:
     from rich.table import Table
 
     async def beats():
-        async with Watcher(stack.admin_nats_url, "inferno", stack.url) as w:
+        async with Watcher(stack.admin_nats_url, "inferno", stack.url, stack.nats_tls_options()) as w:
             deadline = time.monotonic() + 3.0
             while len(w.latest) < workers and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -6,6 +6,7 @@ parse_* helpers are for those entry points, never for code deeper down.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import uuid
@@ -75,6 +76,15 @@ class NatsConfig:
     # what `ps` shows every user of the host. Empty: a server without authorization.
     user: str = field(default_factory=lambda: os.environ.get("INFERNO_NATS_USER", ""))
     password: str = field(default_factory=lambda: os.environ.get("INFERNO_NATS_PASSWORD", ""), repr=False)
+    # TLS on the bus (shared/nats_tls.py): the CA that signed the servers' certificate (with none, a
+    # tls:// URL trusts the system's CAs); this client's certificate and key, for servers that verify
+    # their clients (mutual TLS). A CA, a certificate or a tls:// URL turns TLS on.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The TLS handshake before the server's first line (its handshake_first), so that no one on the
+    # path can strip TLS off that plaintext line; off for a server without handshake_first.
+    tls_first: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.strip():
@@ -82,6 +92,12 @@ class NatsConfig:
         for part in self.url.split(","):
             if "://" not in part.strip():
                 _fail(self, "url", f"{part.strip()!r} needs a scheme, e.g. nats://host:4222")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            _fail(self, "tls_cert", "a client certificate needs its key (tls_key), and a key its certificate")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):  # a service started without it would retry forever
+                _fail(self, name, f"{path!r} is not a file")
         try:
             check_prefix(self.subject_prefix)
         except ValueError as e:
@@ -92,6 +108,10 @@ class NatsConfig:
     @property
     def servers(self) -> list[str]:
         return [part.strip() for part in self.url.split(",")]
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert) or any(s.startswith("tls://") for s in self.servers)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,3 +343,23 @@ def env_default(name: str, default: T, cast: Callable[[str], Any] | None = None)
 def config_fields(cls: type) -> list[str]:
     """Field names of a config class (for entry points that map flags onto it)."""
     return [f.name for f in fields(cls)]
+
+
+def add_nats_tls_flags(ap: argparse.ArgumentParser) -> None:
+    """The bus's TLS flags (NatsConfig's tls_*), each defaulting to its INFERNO_NATS_TLS_* variable."""
+    ap.add_argument("--nats-tls-ca", default=env_default("INFERNO_NATS_TLS_CA", ""), metavar="FILE",
+                    help="the CA that signed the NATS servers' certificate: TLS on the bus (env INFERNO_NATS_TLS_CA)")
+    ap.add_argument("--nats-tls-cert", default=env_default("INFERNO_NATS_TLS_CERT", ""), metavar="FILE",
+                    help="this client's certificate, for servers that verify clients (env INFERNO_NATS_TLS_CERT)")
+    ap.add_argument("--nats-tls-key", default=env_default("INFERNO_NATS_TLS_KEY", ""), metavar="FILE",
+                    help="its private key (env INFERNO_NATS_TLS_KEY)")
+    ap.add_argument("--nats-tls-first", action=argparse.BooleanOptionalAction,
+                    default=env_default("INFERNO_NATS_TLS_FIRST", True),
+                    help="start TLS before the server's first line (its handshake_first; default); "
+                         "--no-nats-tls-first for a server without it (env INFERNO_NATS_TLS_FIRST)")
+
+
+def nats_tls_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """NatsConfig's TLS fields from the flags add_nats_tls_flags made."""
+    return dict(tls_ca=args.nats_tls_ca, tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
+                tls_first=args.nats_tls_first)

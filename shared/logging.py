@@ -82,6 +82,7 @@ def setup_logging(service: str, json: bool | None = None, level: str | int = "IN
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
+    handler.addFilter(_not_tls_close_noise)
     setattr(handler, _HANDLER_FLAG, True)
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _HANDLER_FLAG, False)]:
@@ -90,6 +91,13 @@ def setup_logging(service: str, json: bool | None = None, level: str | int = "IN
     lib_level = logging.getLevelName(library_level.upper()) if isinstance(library_level, str) else library_level
     root.setLevel(lib_level)
     logging.captureWarnings(True)
+
+
+def _not_tls_close_noise(record: logging.LogRecord) -> bool:
+    """False for asyncio's warning at every close of nats-py's TLS connection (its protocol's
+    eof_received returns True, which asyncio's SSL transport cannot honour): nothing is wrong, and
+    each service would say it at every stop on a bus with TLS."""
+    return not (record.name == "asyncio" and record.getMessage().startswith("returning true from eof_received()"))
 
 
 def get_logger(name: str | None = None, **initial_values: Any) -> Any:

@@ -30,6 +30,7 @@ from nats.js.kv import KeyValue
 from shared.config import NatsConfig
 from shared.errors import MessageError, NoResponders, ServiceUnavailable
 from shared.logging import get_logger
+from shared.nats_tls import nats_options
 from shared.wire import DecodeCounter, Message, encode, safe_decode
 
 M = TypeVar("M", bound=Message)
@@ -58,6 +59,7 @@ class NatsConnection:
         self._errors_while_down = 0
         self._closing = False
         self._attempt_error: Exception | None = None
+        self._tls = nats_options(cfg)  # the files are read once: a reconnect needs no disk
         self._log = get_logger(__name__, nats_client=name)
 
     # -- state ----------------------------------------------------------------------------------
@@ -127,6 +129,7 @@ class NatsConnection:
             servers=self.cfg.servers,
             name=self.name,
             **credentials,
+            **self._tls,
             connect_timeout=self.cfg.connect_timeout,
             allow_reconnect=True,
             max_reconnect_attempts=-1,  # forever
@@ -147,14 +150,18 @@ class NatsConnection:
         return (random.choice(servers) if servers else None), delay
 
     async def _reachable(self, timeout: float) -> str | None:
-        """None when some server accepts TCP connections, else the last error (cheap pre-check)."""
+        """None when some server accepts TCP connections, else the last error (cheap pre-check).
+        A server that handshakes first is asked for the handshake too: it logs a connection closed
+        before one as an error, and a certificate it does not trust is said here."""
         error = "no server"
+        tls = self._tls.get("tls") if self._tls.get("tls_handshake_first") else None
         for url in self.cfg.servers:
             parts = urlsplit(url)
             host = parts.hostname or "127.0.0.1"
             port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 4222)
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+                opened = asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
+                _, writer = await asyncio.wait_for(opened, timeout)
             except (OSError, asyncio.TimeoutError) as e:
                 error = f"{host}:{port}: {e!r}"
                 continue

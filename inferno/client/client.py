@@ -23,6 +23,7 @@ from inferno.client.errors import APIConnectionError, APIError, APITimeoutError,
 from inferno.client.types import ApiObject, ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 from shared.nats_api import (AUTHORIZATION, KEEPALIVE, KEEPALIVE_INTERVAL, REQUEST_ID, RETRY_AFTER, STATUS, TIMEOUT,
                              encode_ids)
+from shared.nats_tls import tls_options
 from shared.subjects import DEFAULT_PREFIX, Subjects
 
 T = TypeVar("T", bound=ApiObject)
@@ -32,15 +33,20 @@ GRACE = 5.0  # seconds past the request's deadline to wait for the gateway's own
 
 
 async def connect(servers: str | list[str] = "nats://127.0.0.1:4222", *, api_key: str | None = None,
-                  prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_TIMEOUT, **nats_options: Any) -> AsyncInferno:
+                  prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_TIMEOUT, tls_ca: str | None = None,
+                  **nats_options: Any) -> AsyncInferno:
     """Connect to NATS and return a client that owns the connection (close() closes it). On a bus
     with users (`inferno up` makes them), give the API user's credentials in the URL
     (nats://user:password@host:port) or as user= and password=: its replies come to inboxes under
-    _INBOX.<user>, the only ones it may read."""
+    _INBOX.<user>, the only ones it may read. On a bus with TLS, `tls_ca` is the CA file that signed
+    its servers' certificate (`inferno up --nats-tls`: RUN_DIR/nats-tls/ca.crt); the client then
+    starts TLS before the server's first line, as Inferno's servers expect (shared/nats_tls.py)."""
     user = nats_options.get("user") or urlsplit((servers if isinstance(servers, str) else servers[0])
                                                 .split(",")[0].strip()).username
     if user and "inbox_prefix" not in nats_options:
         nats_options["inbox_prefix"] = f"_INBOX.{user}"
+    if tls_ca:
+        nats_options = {**tls_options(tls_ca), **nats_options}
     try:
         nc = await nats.connect(servers, **nats_options)
     except Exception as e:

@@ -13,7 +13,8 @@ from services.gateway.catalogue import ServedModel, default_name
 from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
 from services.gateway.tenants import TenantsFile
-from shared.config import CONFIG_ERROR_EXIT, GatewayConfig, NatsConfig, env_default, parse_bool, parse_csv
+from shared.config import (CONFIG_ERROR_EXIT, GatewayConfig, NatsConfig, add_nats_tls_flags, env_default,
+                           nats_tls_settings, parse_bool, parse_csv)
 from shared.gc_tuning import tune_gc
 from shared.logging import get_logger, setup_logging
 from shared.nats_client import connect_nats
@@ -31,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description="OpenAI-compatible gateway of Inferno: HTTP, and the same API over NATS.")
     p.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"),
                    help="NATS server(s), comma-separated (env INFERNO_NATS_URL)")
+    add_nats_tls_flags(p)
     p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -108,7 +110,7 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
                         heartbeat_ttl=args.heartbeat_ttl, stream_interval=args.stream_interval,
                         tool_call_parser=args.tool_call_parser, reuse_port=args.reuse_port, **extra)
-    return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+    return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
 
 
 async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig) -> None:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from services.kvstore.config import GIB, KvStoreConfig
-from shared.config import CONFIG_ERROR_EXIT, NatsConfig, env_default
+from shared.config import CONFIG_ERROR_EXIT, NatsConfig, add_nats_tls_flags, env_default, nats_tls_settings
 from shared.kv_transfer import init_ucx
 from shared.logging import get_logger, setup_logging
 from shared.service_run import run_service
@@ -21,6 +21,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="inferno kvstore",
                                  description="Run the KV page store (one per subject prefix).")
     ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
+    add_nats_tls_flags(ap)
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
     ap.add_argument("--capacity-gb", type=float, default=d["capacity_bytes"].default / GIB,
                     help="host memory for pages, in GiB")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_lease_ttl=args.max_lease_ttl, ucx_host=args.ucx_host, ucx_port=args.ucx_port,
                             http_host=args.http_host, http_port=args.http_port,
                             pin_memory=PIN_CHOICES[args.pin_memory])
-        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
     except ValueError as e:
         log.error("bad_config", error=str(e))
         return CONFIG_ERROR_EXIT

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from shared.config import CONFIG_ERROR_EXIT, NatsConfig, RouterConfig, env_default
+from shared.config import (CONFIG_ERROR_EXIT, NatsConfig, RouterConfig, add_nats_tls_flags, env_default,
+                           nats_tls_settings)
 from shared.logging import get_logger, setup_logging
 from shared.service_run import run_service
 
@@ -17,6 +18,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="inferno scheduler",
                                  description="Run one Inferno scheduler replica (several may share a NATS server).")
     ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
+    add_nats_tls_flags(ap)
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
     ap.add_argument("--heartbeat-ttl", type=float, default=d["heartbeat_ttl"].default,
                     help="seconds without a heartbeat before a worker is dropped")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["scheduler_id"] = args.scheduler_id
     try:
         cfg = RouterConfig(**kwargs)
-        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
     except ValueError as e:
         log.error("bad_config", error=str(e))
         return CONFIG_ERROR_EXIT

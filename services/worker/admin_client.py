@@ -19,7 +19,7 @@ import sys
 from shared import subjects
 from shared.admin_messages import (FINISH_MODES, LOAD_MODES, LoadModelRequest, UnloadModelRequest, WorkerAdminReply,
                                    WorkerStatusRequest)
-from shared.config import NatsConfig, env_default
+from shared.config import NatsConfig, add_nats_tls_flags, env_default, nats_tls_settings
 from shared.errors import ServiceError
 from shared.logging import setup_logging
 from shared.nats_client import NatsConnection, connect_nats
@@ -66,6 +66,7 @@ def parse_args(verb: str, argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--worker", required=True, help="the worker's id (--worker-id; `inferno up` names them "
                                                     "worker-0, worker-1, ...)")
     ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
+    add_nats_tls_flags(ap)
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", subjects.DEFAULT_PREFIX))
     if verb in ("load-model", "unload-model"):
         ap.add_argument("--mode", choices=LOAD_MODES if verb == "load-model" else FINISH_MODES, default="drain",
@@ -88,8 +89,8 @@ def parse_args(verb: str, argv: list[str]) -> argparse.Namespace:
 
 
 async def run(verb: str, args: argparse.Namespace) -> int:
-    conn = await connect_nats(NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix), "inferno-admin",
-                              wait=5.0)
+    nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
+    conn = await connect_nats(nats_cfg, "inferno-admin", wait=5.0)
     try:
         client = AdminClient(conn, args.subject_prefix)
         if verb == "load-model":

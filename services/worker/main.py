@@ -16,7 +16,8 @@ import time
 
 import structlog
 
-from shared.config import CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, env_default, parse_bool
+from shared.config import (CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, add_nats_tls_flags, env_default,
+                           nats_tls_settings, parse_bool)
 from shared.logging import setup_logging
 from shared.nats_client import connect_nats
 
@@ -24,6 +25,7 @@ from shared.nats_client import connect_nats
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="inferno worker", description="Run one Inferno worker (one GPU or the CPU).")
     ap.add_argument("--nats-url", default=env_default("INFERNO_NATS_URL", "nats://127.0.0.1:4222"))
+    add_nats_tls_flags(ap)
     ap.add_argument("--subject-prefix", default=env_default("INFERNO_SUBJECT_PREFIX", "inferno"))
     ap.add_argument("--worker-id", default=env_default("INFERNO_WORKER_ID", None))
     ap.add_argument("--role", choices=["mixed", "prefill", "decode"], default=env_default("INFERNO_ROLE", "mixed"))
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
     try:
         cfg, more_models = service_config(args)
-        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix)
+        nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
         if args.gil_switch_interval_ms is not None and not args.gil_switch_interval_ms > 0:
             raise ValueError("--gil-switch-interval-ms must be above 0")
         if cfg.model_dir and cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:

@@ -58,7 +58,7 @@ def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:
     from shared.wire import encode
 
     async def answers() -> bool:
-        nc = await nats.connect(stack.admin_nats_url.split(","))
+        nc = await nats.connect(stack.admin_nats_url.split(","), **stack.nats_tls_options())
         try:
             await nc.request(Subjects().kvstore("stats"), encode(KvStatsRequest()), timeout=1)
             return True
@@ -90,7 +90,7 @@ def heartbeats(stack: Stack, seconds: float = 1.2) -> dict:
     from shared.wire import decode
 
     async def collect():
-        nc = await nats.connect(stack.admin_nats_url.split(","))
+        nc = await nats.connect(stack.admin_nats_url.split(","), **stack.nats_tls_options())
         latest = {}
 
         async def on(msg):

@@ -23,9 +23,11 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["2 mixed", "2P+1D"])
 def slow_prefill(request, tiny_model, tmp_path_factory):
-    # 8 prompt tokens per step: a long prompt takes a few seconds before its first token, and the
-    # heartbeats come every 0.1 s, so the test sees which worker holds it well before then.
-    worker_args = ("--max-num-batched-tokens", "8", "--heartbeat-interval", "0.1")
+    # 4 prompt tokens per step: a long prompt takes a few seconds before its first token, and the
+    # heartbeats come every 0.1 s, so the test sees which worker holds it well before then. (With 8, on
+    # a loaded 2-core machine the first token could reach the gateway before the worker was stopped,
+    # and a request with a token shown may not migrate: a flake seen twice.)
+    worker_args = ("--max-num-batched-tokens", "4", "--heartbeat-interval", "0.1")
     if request.param == "2 mixed":
         s = start_stack(tmp_path_factory.mktemp("migration"), tiny_model, workers=2, worker_args=worker_args)
     else:  # the prefill worker dies while the decode worker holds blocks reserved for the request

@@ -6,6 +6,7 @@ import importlib
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -44,7 +45,7 @@ def test_services_and_roles(compose):
     assert any(v.endswith(":/models:ro") for v in services["worker"]["volumes"])
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
     for name in ("scheduler", "gateway", "worker", "worker-cpu", "kvstore", "prefill-worker", "decode-worker"):
-        assert services[name]["environment"]["INFERNO_NATS_URL"] == "${INFERNO_NATS_URL:-nats://nats:4222}"
+        assert services[name]["environment"]["INFERNO_NATS_URL"] == "${INFERNO_NATS_URL:-tls://nats:4222}"
     # The three-node cluster profile: each node routes to all three and keeps its own store.
     nodes = [services[f"nats-{n}"] for n in "abc"]
     assert all(node["profiles"] == ["nats-cluster"] and "-js" in node["command"] for node in nodes)
@@ -102,16 +103,18 @@ def test_monitoring_is_a_profile_over_the_services_that_serve_metrics(compose):
 
 def test_the_bus_has_users(compose):
     """Each service connects as its role with its password from .env; every nats-server reads the users
-    of deploy/nats/users.conf, which is what shared/nats_auth.py makes."""
+    of deploy/nats/users.conf (through nats.conf), which is what shared/nats_auth.py makes."""
     from shared.nats_auth import password_variable, server_config
 
     services = compose["services"]
     users = (ROOT / "deploy" / "nats" / "users.conf").read_text()
     assert users.endswith(server_config("inferno")), "regenerate deploy/nats/users.conf from shared/nats_auth.py"
+    assert "\ninclude ./users.conf\n" in (ROOT / "deploy" / "nats" / "nats.conf").read_text()
     for name, service in services.items():
         if name.startswith("nats"):
-            assert service["command"][:2] == ["-c", "/etc/nats/users.conf"], name
-            assert "./deploy/nats/users.conf:/etc/nats/users.conf:ro" in service["volumes"], name
+            assert service["command"][:2] == ["-c", "/etc/nats/nats.conf"], name
+            assert {"./deploy/nats/nats.conf:/etc/nats/nats.conf:ro",
+                    "./deploy/nats/users.conf:/etc/nats/users.conf:ro"} <= set(service["volumes"]), name
             assert set(service["environment"]) == {password_variable(u) for u in
                                                    ("gateway", "scheduler", "worker", "kvstore", "admin", "api")}
         elif service.get("image") == "inferno:latest":
@@ -119,3 +122,38 @@ def test_the_bus_has_users(compose):
             env = service["environment"]
             assert env["INFERNO_NATS_USER"] == role, name
             assert env["INFERNO_NATS_PASSWORD"].startswith("${" + password_variable(role) + ":?"), name
+
+
+def test_the_bus_has_tls(compose, tmp_path):
+    """Every nats-server reads the TLS blocks of shared/nats_tls.py (deploy/nats/nats.conf) with the files
+    of the directory `inferno nats-certs` made, which .env names; every service dials tls:// and is given
+    that directory's CA alone; the certificate the command makes names every host a service or a route
+    dials, and the docs tell that same command."""
+    from inferno.tools import nats_certs
+    from shared.nats_tls import ServerTlsFiles, server_tls_config
+
+    server_dir, ca_file = "/etc/nats/tls", "/etc/inferno/nats-tls/ca.crt"
+    conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    assert conf.endswith(server_tls_config(ServerTlsFiles.in_dir(server_dir), cluster=True))
+    certs_dir = compose["x-nats-tls"].removesuffix(f":{server_dir}:ro")
+    assert certs_dir.startswith("${" + nats_certs.DIR_VARIABLE + ":?")  # compose refuses to start without it
+    assert compose["x-nats-ca"] == f"{certs_dir}/ca.crt:{ca_file}:ro"
+    dialled = set()
+    for name, service in compose["services"].items():
+        if name.startswith("nats"):
+            assert compose["x-nats-tls"] in service["volumes"], name
+            command = service["command"]
+            if "--routes" in command:
+                dialled |= {urlsplit(url).hostname for url in command[command.index("--routes") + 1].split(",")}
+        elif service.get("image") == "inferno:latest":
+            env = service["environment"]
+            url = urlsplit(interpolate(env["INFERNO_NATS_URL"]))
+            assert url.scheme == "tls", name
+            dialled.add(url.hostname)
+            assert env["INFERNO_NATS_TLS_CA"] == ca_file and compose["x-nats-ca"] in service["volumes"], name
+            assert compose["x-nats-tls"] not in service["volumes"], name  # the servers' key stays with them
+    command = re.search(r"run `inferno nats-certs ([^`>]*) >> \.env` first", certs_dir).group(1).split()
+    hosts = {command[i + 1] for i, arg in enumerate(command) if arg == "--host"}
+    assert dialled == {"nats", "nats-a", "nats-b", "nats-c"} and dialled <= hosts
+    assert f"inferno nats-certs {' '.join(command)} >> .env" in (ROOT / "docs" / "operations.md").read_text()
+    assert nats_certs.main([str(tmp_path / "tls"), *command[1:]]) == 0  # the command's flags parse

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import re
+import shlex
+import textwrap
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -233,7 +236,7 @@ def test_gateway_probes():
 
 def test_the_scheduler_probe_watches_the_nats_port():
     url = named("ConfigMap", "inferno")["data"]["INFERNO_NATS_URL"]
-    host, port = re.fullmatch(r"nats://([\w-]+):(\d+)", url).groups()
+    host, port = re.fullmatch(r"tls://([\w-]+):(\d+)", url).groups()
     assert any(p["port"] == int(port) for p in named("Service", host)["spec"]["ports"])
     (c,) = pod_spec(named("Deployment", "scheduler"))["containers"]
     assert f":{int(port):04X} 01 " in c["readinessProbe"]["exec"]["command"][-1]
@@ -295,7 +298,7 @@ def test_the_bus_has_users():
     config = named("ConfigMap", "nats-config")["data"]
     assert "include ./users.conf" in config["nats.conf"] and config["users.conf"] == server_config("inferno")
     kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    (secret,) = kustomization["secretGenerator"]
+    secret = next(g for g in kustomization["secretGenerator"] if g["name"] == "inferno-nats-users")
     assert kustomization["generatorOptions"]["disableNameSuffixHash"]
     (c,) = pod_spec(named("StatefulSet", "nats"))["containers"]
     assert c["envFrom"] == [{"secretRef": {"name": secret["name"]}}]
@@ -308,6 +311,62 @@ def test_the_bus_has_users():
             assert env["INFERNO_NATS_USER"]["value"] == role, w["metadata"]["name"]
             assert env["INFERNO_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
                 "name": secret["name"], "key": password_variable(role)}, w["metadata"]["name"]
+
+
+def go_names(pattern: str, host: str) -> bool:
+    """Whether a certificate's name `pattern` names `host` by Go's crypto/x509 (nats-server checks its routes
+    with it): a leading '*' label stands for one label."""
+    want, have = pattern.lower().split("."), host.lower().split(".")
+    return len(want) == len(have) and all(a == b or (i == 0 and a == "*") for i, (a, b) in enumerate(zip(want, have)))
+
+
+def test_the_bus_has_tls(tmp_path):
+    """Every server's client port and routes take the TLS blocks of shared/nats_tls.py, with the files of the
+    Secret the kustomization makes from `inferno nats-certs`'s directory; every service dials tls:// and mounts
+    that Secret's CA alone; the certificate the guide's command makes names the Service and every route."""
+    from cryptography import x509
+
+    from inferno.tools import nats_certs
+    from shared.nats_tls import CA_FILE, CERT_FILE, KEY_FILE, ServerTlsFiles, tls_block
+
+    conf = named("ConfigMap", "nats-config")["data"]["nats.conf"]
+    sts = named("StatefulSet", "nats")
+    (c,) = pod_spec(sts)["containers"]
+    tls_mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    files = ServerTlsFiles.in_dir(tls_mount["mountPath"])
+    assert "\n" + tls_block(files) in conf
+    cluster = re.search(r"^cluster {\n(.*?)^}\n", conf, re.M | re.S).group(1)
+    assert cluster.endswith(textwrap.indent(tls_block(files, clients=False), " " * 2))
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    secret = next(g for g in kustomization["secretGenerator"] if g["name"] == "inferno-nats-tls")
+    certs_dir = "nats-tls"
+    assert secret["files"] == [f"{certs_dir}/{name}" for name in (CA_FILE, CERT_FILE, KEY_FILE)]
+    tls_volume = next(v for v in pod_spec(sts)["volumes"] if v["name"] == "tls")
+    assert tls_volume["secret"] == {"secretName": secret["name"], "defaultMode": 0o400}
+    config = named("ConfigMap", "inferno")["data"]
+    url, ca_file = urlsplit(config["INFERNO_NATS_URL"]), config["INFERNO_NATS_TLS_CA"]
+    assert url.scheme == "tls"
+    for w, c in inferno_containers():
+        env = {v["name"]: v for v in c["env"]}
+        assert env["INFERNO_NATS_TLS_CA"]["valueFrom"]["configMapKeyRef"] == {"name": "inferno",
+                                                                            "key": "INFERNO_NATS_TLS_CA"}
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(Path(ca_file).parent))
+        volume = next(v for v in pod_spec(w)["volumes"] if v["name"] == mount["name"])
+        assert mount["readOnly"] and volume["secret"] == {  # the CA, not the servers' key
+            "secretName": secret["name"], "items": [{"key": CA_FILE, "path": Path(ca_file).name}]}
+    # The guide's command, run: its certificate names what the services and the routes dial.
+    line = re.search(r"^inferno nats-certs .*$", GUIDE.read_text().replace("\\\n", " "), re.M).group(0)
+    out_dir, *args = shlex.split(line, comments=True)[2:]
+    assert out_dir == f"deploy/kubernetes/{certs_dir}"
+    assert nats_certs.main([str(tmp_path), *args]) == 0
+    cert = x509.load_pem_x509_certificate((tmp_path / CERT_FILE).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = names.get_values_for_type(x509.DNSName)
+    dialled = [url.hostname, *re.findall(r"nats://([\w.-]+):6222", conf)]
+    for host in dialled:
+        assert any(go_names(name, host) for name in names), host
+    said = (MANIFESTS / "kustomization.yaml").read_text().replace("\\\n#", " ")  # the kustomization says the same
+    assert shlex.split(re.search(r"^#\s+(inferno nats-certs .*)$", said, re.M).group(1))[2:] == [out_dir, *args]
 
 
 def test_service_monitors():

@@ -46,6 +46,16 @@ def test_library_records_go_through_the_same_renderer_at_warning():
     assert record["level"] == "warning" and record["logger"] == "nats.aio.client" and record["service"] == "worker"
 
 
+def test_asyncio_s_warning_at_each_close_of_a_tls_connection_is_dropped():
+    out = io.StringIO()
+    setup_logging("gateway", json=True, stream=out)
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.warning("returning true from eof_received() has no effect when using ssl")
+    asyncio_log.warning("Executing <Task> took 0.2 seconds")
+    (record,) = lines(out)
+    assert record["event"] == "Executing <Task> took 0.2 seconds"
+
+
 def test_exceptions_are_rendered_in_json():
     out = io.StringIO()
     setup_logging("scheduler", json=True, stream=out)
