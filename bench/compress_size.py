@@ -1,8 +1,9 @@
-"""Issue 39's size figure for a real model: SmolLM2-135M-Instruct's weights from its packaged GGUF
-(Q4_1, dequantised to BF16 by the engine's loader: labelled as such), written as a safetensors
-directory, compressed by `inferno compress --verify`, and zipnn on the same BF16 tensors beside it.
+"""Issue 39's size figures: a model's BF16 tensors compressed by `inferno compress --verify`, and zipnn
+on the same tensors beside it. By default SmolLM2-135M-Instruct's weights from its packaged GGUF
+(Q4_1, dequantised to BF16 by the engine's loader: labelled as such); --model-dir: a safetensors
+directory as it is (e.g. the random-init 8B of `inferno make-model --preset llama-3.1-8b`).
 
-  python bench/compress_size.py [--gguf FILE] [--out DIR] [--json]
+  python bench/compress_size.py [--gguf FILE | --model-dir DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -29,37 +30,50 @@ def bf16_tensors(gguf: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.dtype == torch.bfloat16}
 
 
-def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, float]:
-    """zipnn's compressed bytes over the same tensors (on copies: its compress rewrites its input)."""
+def zipnn_bytes(model_dir: Path) -> tuple[int, float]:
+    """zipnn's compressed bytes over the directory's BF16 tensors, one at a time (on copies: its
+    compress rewrites its input)."""
+    from safetensors import safe_open
     from zipnn import ZipNN
 
     z = ZipNN(input_format="torch", bytearray_dtype="bfloat16")
-    t0 = time.perf_counter()
-    total = sum(len(z.compress(t.clone())) for t in tensors.values())
-    return total, time.perf_counter() - t0
+    total, seconds = 0, 0.0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if t.dtype == torch.bfloat16:
+                    t0 = time.perf_counter()
+                    total += len(z.compress(t.clone()))
+                    seconds += time.perf_counter() - t0
+    return total, seconds
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model-dir", type=Path, default=None)
     args = ap.parse_args()
-    gguf = args.gguf or ensure_demo_model(False)
-    tensors = bf16_tensors(gguf)
     from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory() as tmp:
-        src, out = Path(tmp) / "bf16", args.out or Path(tmp) / "coded"
-        src.mkdir()
-        save_file(tensors, str(src / "model.safetensors"))
+        out = args.out or Path(tmp) / "coded"
+        if args.model_dir is not None:
+            src, label = args.model_dir, f"{args.model_dir.name} (safetensors as written)"
+        else:
+            gguf = args.gguf or ensure_demo_model(False)
+            src, label = Path(tmp) / "bf16", f"{gguf.name}, dequantised to BF16"
+            src.mkdir()
+            save_file(bf16_tensors(gguf), str(src / "model.safetensors"))
         t0 = time.perf_counter()
         summary = compress(src, out, verify=True)
         seconds = time.perf_counter() - t0
+        z_bytes, z_s = zipnn_bytes(src)
     weights = sum(r["weights"] for r in summary.values())
     before = sum(r["bytes"] for r in summary.values())
     after = sum(r["compressed_bytes"] for r in summary.values())
-    z_bytes, z_s = zipnn_bytes(tensors)
-    result = {"model": f"{gguf.name}, dequantised to BF16", "weights": weights, "bf16_bytes": before,
+    result = {"model": label, "weights": weights, "bf16_bytes": before,
               "compressed_bytes": after, "bits_per_weight": round(8 * after / weights, 3),
               "percent_of_bf16": round(100 * after / before, 1), "verified": True,
               "encode_s": round(seconds, 1), "zipnn_bytes": z_bytes,
