@@ -18,6 +18,7 @@ import numpy as np
 
 CHUNK = 4096  # weights per independently decodable chunk
 MAX_CODE_BITS = 12
+SLICE = 1 << 24  # weights encoded at a time (a multiple of CHUNK)
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,29 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     return codes
 
 
-def encode(values: np.ndarray, chunk: int = CHUNK) -> CodedTensor:
-    """BF16 bit patterns (uint16, any shape) → their coded form."""
+def encode(values: np.ndarray, chunk: int = CHUNK, slice_values: int = SLICE) -> CodedTensor:
+    """BF16 bit patterns (uint16, any shape) → their coded form. One code table for the tensor; the
+    bitstream is made `slice_values` weights (whole chunks) at a time, so the working arrays (~40 bytes
+    a weight) stay small for an 8B's 525 M-weight embedding."""
     flat = values.reshape(-1)
     exponent, sign_mantissa = split(flat)
     lengths = code_lengths(np.bincount(exponent, minlength=256))
     codes = canonical_codes(lengths)
-    n = flat.size
+    step = max(chunk, slice_values // chunk * chunk)
+    parts, starts, at = [], [np.zeros(1, np.int64)], 0
+    for lo in range(0, flat.size, step):
+        bits, chunk_starts = _encode_chunks(exponent[lo:lo + step], lengths, codes, chunk)
+        parts.append(bits)
+        starts.append(chunk_starts[1:] + at)
+        at += int(chunk_starts[-1])
+    bits = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    return CodedTensor(tuple(values.shape), lengths, bits, np.concatenate(starts), sign_mantissa)
+
+
+def _encode_chunks(exponent: np.ndarray, lengths: np.ndarray, codes: np.ndarray,
+                   chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The packed bitstream of whole chunks of exponents, and each chunk's first byte (then the end)."""
+    n = exponent.size
     size = lengths[exponent].astype(np.int64)
     code = codes[exponent]
     # Each chunk's bits start on a byte: its symbols' bit offsets from the chunk's start.
@@ -103,7 +120,7 @@ def encode(values: np.ndarray, chunk: int = CHUNK) -> CodedTensor:
     for b in range(MAX_CODE_BITS):
         sel = size > b
         bits[bit_at[sel] + b] = (code[sel] >> (size[sel] - 1 - b).astype(np.uint32)) & 1
-    return CodedTensor(tuple(values.shape), lengths, np.packbits(bits), starts, sign_mantissa)
+    return np.packbits(bits), starts
 
 
 def decode_table(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

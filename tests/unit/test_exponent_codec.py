@@ -27,6 +27,13 @@ def test_any_bit_patterns_round_trip(values, chunk):
     roundtrip(values, chunk)  # short, exact and ragged last chunks; any exponent, sign, NaN or Inf
 
 
+def test_a_tensor_encoded_in_slices_is_the_one_encoded_whole():
+    values = np.random.default_rng(3).integers(0, 1 << 16, 5 * 64 + 7, dtype=np.uint16)
+    whole, sliced = encode(values, 64, slice_values=1 << 20), encode(values, 64, slice_values=100)  # 100 → 64
+    for part in ("lengths", "bits", "starts", "sign_mantissa"):
+        assert np.array_equal(getattr(whole, part), getattr(sliced, part))
+
+
 def test_every_bf16_pattern_and_a_single_symbol_round_trip():
     roundtrip(np.arange(1 << 16, dtype=np.uint16))  # zero, subnormals, inf and nan patterns among them
     roundtrip(np.full((3, 5), 0x3F80, dtype=np.uint16))
