@@ -125,7 +125,14 @@ class ModelHost:
     def wake(self, slot: Slot) -> None:
         """A request came for a standby model (WorkerService.on_wake): bring it back, once."""
         if slot.waking is None or slot.waking.done():
-            slot.waking = asyncio.ensure_future(self._bring_back(slot, wait_for_room=False))
+            slot.waking = asyncio.ensure_future(self._wake(slot))
+
+    async def _wake(self, slot: Slot) -> None:
+        try:
+            await self._bring_back(slot, wait_for_room=False)
+        except Exception as e:  # a bug: its waiting requests hear of it, the worker stays up
+            log.exception("bringing a model back failed", model=slot.spec.model_name)
+            slot.service.fail_parked(f"the model {slot.spec.model_name!r} could not be loaded ({type(e).__name__}: {e})")
 
     async def load_at_start(self, slot: Slot) -> None:
         """A model named at start beside the first: loaded now if it fits, else left in standby."""
