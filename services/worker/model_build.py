@@ -314,22 +314,17 @@ def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
         return None
     import torch
 
-    from services.worker.engine.residency import move_model
+    from services.worker.engine.residency import model_bytes, move_model
     on_gpu = engine.device.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize(engine.device)  # its last steps may still read the weights
     del engine  # release_model frees the pool and empties the allocator's cache: no reference may hold it
-    nbytes = move_model(model, torch.device("cpu")) if on_gpu else _host_bytes(model)
+    nbytes = move_model(model, torch.device("cpu")) if on_gpu else model_bytes(model)
     # Beside other models, emptying the cache (cudaFree: a device-wide sync) would stall their steps;
     # with expandable segments (worker/main.py) the next model's allocations reuse the freed pages, and
     # the allocator empties its cache by itself if an allocation would not fit otherwise.
     release_model(built, cfg, keep_cache="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     return HostCopy(model, num_blocks, nbytes)
-
-
-def _host_bytes(model) -> int:
-    from services.worker.engine.residency import model_bytes
-    return model_bytes(model)
 
 
 @holding_device

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -43,6 +47,27 @@ def start_stack(tmp_path, model_dir, workers=1, api_keys=(), worker_args=(), sch
         stack.stop()
         raise
     return stack
+
+
+@contextlib.contextmanager
+def inferno_up(model_dir, run_dir, *flags: str, timeout: float = 90.0):
+    """`inferno up` as a user runs it, in a subprocess: yields what it printed until it served (or gave
+    up); stopped with Ctrl-C's SIGINT after."""
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--model-name",
+                           MODEL_NAME, "--port", str(free_port()), "--run-dir", str(run_dir), *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "inferno: serving" in line or not line:
+                break
+        yield "".join(lines)
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
 
 
 def wait_kvstore(stack: Stack, timeout: float = 60.0) -> None:

@@ -5,44 +5,27 @@ NATS API client and `inferno top` all reach it with the CA; a completion goes th
 from __future__ import annotations
 
 import json
-import signal
 import stat
 import subprocess
 import sys
-import time
 
 import nats
 import openai
 import pytest
 
 import inferno.client
-from services.launcher import free_port
 from shared.nats_tls import ServerTlsFiles, server_tls_config
-from tests.e2e.conftest import MODEL_NAME
+from tests.e2e.conftest import MODEL_NAME, inferno_up
 
 
 @pytest.fixture(scope="module")
 def tls_stack(tiny_model, tmp_path_factory):
     """`inferno up --nats-tls` in a subprocess: (its run directory, what it printed until it served)."""
     run_dir = tmp_path_factory.mktemp("tls") / "run"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--nats-tls", "--model", str(tiny_model),
-                           "--model-name", MODEL_NAME, "--port", str(free_port()), "--run-dir", str(run_dir)],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "inferno: serving" in line or not line:
-                break
-        text = "".join(lines)
+    with inferno_up(tiny_model, run_dir, "--nats-tls") as text:
         assert "inferno: serving" in text, text + "".join(f"\n{p.name}:\n{p.read_text()[-2000:]}"
                                                           for p in run_dir.glob("*.log"))
         yield run_dir, text
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=30)
 
 
 def test_the_run_directory_holds_the_bus_tls(tls_stack):

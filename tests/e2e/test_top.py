@@ -14,7 +14,7 @@ import uuid
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME, start_stack
+from tests.e2e.conftest import MODEL_NAME, inferno_up, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +88,9 @@ def test_up_prints_what_it_started_and_top_finds_the_stack(tiny_model, tmp_path)
     """`inferno up` says what it started once ready (a table: the workers' device, dtype, KV tokens) and
     leaves its URLs in the run directory, where `inferno top` finds them."""
     import json
-    import signal
-
-    from services.launcher import free_port
 
     run_dir = tmp_path / "run"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model), "--port",
-                           str(free_port()), "--run-dir", str(run_dir), "--model-name", MODEL_NAME],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "inferno: serving" in line or not line:
-                break
-        text = "".join(lines)
+    with inferno_up(tiny_model, run_dir) as text:
         assert "inferno: started" in text, text
         row = next(line for line in text.splitlines() if "worker-0" in line)
         assert "mixed" in row and "cpu" in row and "float32" in row and "16,384" in row  # 1,024 blocks of 16
@@ -113,6 +99,3 @@ def test_up_prints_what_it_started_and_top_finds_the_stack(tiny_model, tmp_path)
         out = subprocess.run([sys.executable, "-m", "services.cli", "top", "--run-dir", str(run_dir), "--once"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and worker_row(out.stdout)[0] == "worker-0", out.stdout + out.stderr
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=30)
