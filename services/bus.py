@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from shared.nats_auth import ADMIN, SERVICE_ROLES, NatsCredentials
-from shared.nats_certs import CertificateAuthority, write_server_files
 from shared.nats_tls import ServerTlsFiles, server_tls_config, tls_options
 from shared.subjects import DEFAULT_PREFIX
 
@@ -98,6 +97,9 @@ class Bus:
     def _write_certificates(self) -> ServerTlsFiles:
         """A new CA and the servers' certificate for every address the services dial (the CA's key is
         gone once they are made)."""
+        # cryptography is imported only when TLS is asked for: a stack without it needs none.
+        from shared.nats_certs import CertificateAuthority, write_server_files
+
         ca = CertificateAuthority.generate(f"Inferno NATS CA ({self.run_dir.resolve().name})")
         directory = Path(self.tls.ca_file).parent
         return write_server_files(directory, ca, ca.issue_server([self.host]))
