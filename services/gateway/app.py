@@ -172,6 +172,13 @@ def build_app(gw: Gateway, conn: NatsConnection | None = None) -> web.Applicatio
     return app
 
 
+# The listen queue: a burst of connections (W2 opens 2,000 at once) that finds it full is not refused
+# but has its handshakes resent after 1, 2, 4, 8, 16 s, and fails after ~60 s. aiohttp's default of 128
+# did that on a four-GPU host whose gateway was busy for a moment: 207 of 2,000 requests failed, the
+# p99 first token was 55 s. The kernel caps it at net.core.somaxconn (4,096 on current kernels).
+LISTEN_BACKLOG = 4096
+
+
 async def start_server(app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0,
                        reuse_port: bool = False) -> tuple[web.AppRunner, web.TCPSite]:
     """Serve `app`; handlers are cancelled when their client disconnects (that is how an abandoned
@@ -179,7 +186,7 @@ async def start_server(app: web.Application, host: str, port: int, shutdown_time
     listen on the one port (SO_REUSEPORT), the kernel spreading the connections over them."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG)
     await site.start()
     return runner, site
 
