@@ -7,6 +7,9 @@
 # SPY=1 also records 7 s of py-spy (raw, per thread) of worker-0 and the kvstore during the burst.
 # REPEAT=N runs the pair N times, alternating, and ends with the median of each figure per lane
 # (one W4 run on this 2-core VM varies by +-100 %: single runs decide nothing).
+# TURNS=20 lengthens W4 (the issue's 5 turns last 0.6 s; 20 give medians that hold), LANES="2" or
+# "0" runs one lane, SETTLE=s waits after ready. INFERNO_HOP_TRACE=DIR (shared/hop_trace.py) and
+# `python bench/hop_trace_summary.py DIR` say where the requests waited.
 # usage: bash bench/kvstore_burst_cpu.sh [OUT_DIR]   (default /tmp/kvstore-burst)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +17,7 @@ OUT=${1:-/tmp/kvstore-burst}
 mkdir -p "$OUT"
 PY=.venv/bin
 for R in $(seq "${REPEAT:-1}"); do
-for GB in 2 0; do
+for GB in ${LANES:-2 0}; do
   TAG=kvstore-$GB-$R
   PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
   NATS=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
@@ -23,7 +26,7 @@ for GB in 2 0; do
     --run-dir "$RUN" > "$OUT/up-$TAG.log" 2>&1 &
   UP=$!
   for _ in $(seq 120); do curl -sf localhost:$PORT/ready >/dev/null 2>&1 && break; sleep 1; done
-  sleep 2  # the heartbeats of both workers
+  sleep ${SETTLE:-2}  # the heartbeats of both workers
   if [ -n "${SPY:-}" ]; then
     for name in worker-0 kvstore; do
       PID=$(python3 -c "import json; print(json.load(open('$RUN/pids.json')).get('$name', ''))")
@@ -33,7 +36,7 @@ for GB in 2 0; do
     sleep 0.5
   fi
   if [ -n "${W4:-}" ]; then
-    LOAD=(--sessions 8 --turns 5 --system-len 250 --user-len 10:30 --output-len 16)
+    LOAD=(--sessions 8 --turns ${TURNS:-5} --system-len 250 --user-len 10:30 --output-len 16)
   else
     LOAD=(--num-requests 400 --input-len 100:340 --output-len 20:40 --vocab-size 1000)
   fi

@@ -16,9 +16,10 @@ import numpy as np
 
 from shared.errors import ServiceError
 from shared.kv_transfer import Buffer, TransferClient, TransferError, as_buffer, import_ucxx, nbytes_of
-from shared.kvstore_messages import (KvCommitReply, KvCommitRequest, KvGetReply, KvGetRequest, KvLookupReply,
-                                     KvLookupRequest, KvPutReply, KvPutRequest, KvReleaseReply, KvReleaseRequest,
-                                     KvReply, KvStatsReply, KvStatsRequest, pack_hashes, unpack_hashes)
+from shared.kvstore_messages import (PROBE_PREFIX, KvCommitReply, KvCommitRequest, KvGetReply, KvGetRequest,
+                                     KvLookupReply, KvLookupRequest, KvPutReply, KvPutRequest, KvReleaseReply,
+                                     KvReleaseRequest, KvReply, KvStatsReply, KvStatsRequest, pack_hashes,
+                                     unpack_hashes)
 from shared.logging import get_logger
 from shared.nats_client import NatsConnection
 from shared.subjects import Subjects
@@ -88,6 +89,26 @@ class KvStoreClient:
                 await self.transfer.connect(reply.address, self.transfer_timeout)
             except TransferError as e:
                 raise KvStoreError(f"kvstore data server {reply.address}: {e}", "transfer") from None
+
+    async def probe(self, namespace: str, key: bytes, page_bytes: int) -> tuple[float, float]:
+        """Time a round trip of one page: its put (only the first time: then the store holds it)
+        and its get, under PROBE_PREFIX + namespace. (put seconds or 0.0, get seconds). Also pays a
+        first data transfer's setup (~70 ms on a 2-core VM), which a request's fetch paid before."""
+        probe_ns = PROBE_PREFIX + namespace
+        put_s = 0.0
+        started = time.perf_counter()
+        count, _ = await self.get(probe_ns, [key])
+        get_s = time.perf_counter() - started
+        if not count:  # the first probe, or the page was evicted: store it, and time the get again
+            started = time.perf_counter()
+            await self.put(probe_ns, [key], np.zeros(page_bytes, np.uint8), page_bytes)
+            put_s = time.perf_counter() - started
+            started = time.perf_counter()
+            count, _ = await self.get(probe_ns, [key])
+            get_s = time.perf_counter() - started
+            if not count:
+                raise KvStoreError("kvstore probe: the page just stored could not be read back", "unavailable")
+        return put_s, get_s
 
     async def put(self, namespace: str, hashes: list[bytes], pages: Buffer, page_bytes: int,
                   ttl: float = 0.0) -> int:

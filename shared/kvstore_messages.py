@@ -21,6 +21,9 @@ MAX_HASHES = 16384  # per request: 256k tokens at 16 per block
 MAX_REQUEST_BYTES = MAX_HASHES * HASH_BYTES + 4096
 MAX_NAMESPACE_CHARS = 256
 MAX_LEASE_ID_CHARS = 64
+# Namespaces of cost probes (a worker's one page, put once and read back now and then to time a
+# round trip): the store keeps them out of its reuse figure and out of its KV events.
+PROBE_PREFIX = "_probe:"
 
 # Reply codes. "bad_request": malformed, oversized or invalid; "no_space": the put does not fit
 # even after eviction; "unknown_lease": expired, released or never issued; "not_filled": commit

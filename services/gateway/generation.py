@@ -12,6 +12,7 @@ from services.gateway.choice import ChoiceState
 from services.gateway.errors import ApiError, from_service_error, unavailable
 from services.gateway.schemas import GenerationSpec
 from services.gateway.token_router import RequestStream, StreamFailed
+from shared import hop_trace
 from shared.errors import NoResponders, ServiceError
 from shared.logging import get_logger
 from shared.messages import AbortRequest, GenerateRequest, RouteReply, WireSamplingParams
@@ -90,6 +91,9 @@ class Generation:
         self.stream = gw.router.open(self.request_ids)
         self.stream.migrate = self._migrate
         messages = [self._message(i) for i in range(self.spec.n)]
+        if hop_trace.TRACE is not None:
+            for rid in self.request_ids:
+                hop_trace.TRACE.mark(rid, "gw_route")
         routing = asyncio.ensure_future(asyncio.gather(
             *(route(conn, gw.subjects.generate, m) for m in messages), return_exceptions=True))
         try:
@@ -99,6 +103,9 @@ class Generation:
             gw.spawn(self._abort_when_routed(routing))
             raise
         failure = self._record_routes(results)
+        if hop_trace.TRACE is not None:
+            for rid in self.request_ids:
+                hop_trace.TRACE.mark(rid, "gw_routed")
         if failure is not None:
             self.abort("routing failed for a sibling choice")
             self.close()

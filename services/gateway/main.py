@@ -13,6 +13,7 @@ from services.gateway.catalogue import ServedModel, default_name
 from services.gateway.gateway import Gateway
 from services.gateway.nats_api import NatsApi
 from services.gateway.tenants import TenantsFile
+from shared import hop_trace
 from shared.config import (CONFIG_ERROR_EXIT, GatewayConfig, NatsConfig, add_nats_tls_flags, env_default,
                            nats_tls_settings, parse_bool, parse_csv)
 from shared.gc_tuning import tune_gc
@@ -172,6 +173,7 @@ def _run(coro) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    hop_trace.enable("gateway")
     json_logs = None if args.log_format is None else args.log_format == "json"
     try:
         cfg, nats_cfg = make_config(args)

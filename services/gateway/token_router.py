@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from shared import hop_trace
 from shared.messages import TokenBatch
 from shared.wire import unpack_ids
 
@@ -183,6 +184,8 @@ class TokenRouter:
                     continue
                 if item.token_ids:
                     stream.seen.add(rid)
+                    if hop_trace.TRACE is not None:
+                        hop_trace.TRACE.mark(rid, "gw_first")
             self._add(stream, rid, item, wid)
             if stream.held and rid in stream.seen and rid in stream.held:
                 self._release(stream, rid)

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from shared.kvstore_messages import PROBE_PREFIX
+
 
 class PageIndexError(Exception):
     """A request the index refuses; `code` is a short label for the reply and for metrics."""
@@ -211,9 +213,10 @@ class PageIndex:
             del self._pending[key]
             self._pages[key] = Page(lease.extent, slot)
         lease.extent.committed = True
-        self.stats.stored_pages += len(lease.hashes)
-        for h in lease.hashes:
-            self._events[h] = True
+        if not lease.namespace.startswith(PROBE_PREFIX):
+            self.stats.stored_pages += len(lease.hashes)
+            for h in lease.hashes:
+                self._events[h] = True
         return len(lease.hashes)
 
     def take_events(self) -> tuple[list[bytes], list[bytes]]:
@@ -250,7 +253,8 @@ class PageIndex:
             page.extent.pins += 1
         lease = ReadLease(self._new_lease_id(), self.clock() + ttl, namespace, self._layouts[namespace][0], pages)
         self._add_lease(lease)
-        self.stats.leased_pages += len(pages)
+        if not namespace.startswith(PROBE_PREFIX):
+            self.stats.leased_pages += len(pages)
         return lease
 
     def read_source(self, lease_id: str) -> ReadLease:
@@ -333,7 +337,8 @@ class PageIndex:
                                              f"{self.capacity} used, {freed} could be freed")
         for key, page in victims:
             del self._pages[key]
-            self._events[key[1]] = False
+            if not key[0].startswith(PROBE_PREFIX):
+                self._events[key[1]] = False
             self.stats.evictions += 1
             self._forget_pages(key[0], 1)
             page.extent.pages -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from shared import hop_trace
 from shared.config import (CONFIG_ERROR_EXIT, NatsConfig, RouterConfig, add_nats_tls_flags, env_default,
                            nats_tls_settings)
 from shared.logging import get_logger, setup_logging
@@ -56,6 +57,7 @@ async def serve(cfg: RouterConfig, nats_cfg: NatsConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("scheduler", json=args.log_format == "json", level=args.log_level)
+    hop_trace.enable("scheduler")
     kwargs = dict(heartbeat_ttl=args.heartbeat_ttl, max_waiting=args.max_waiting,
                   overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
                   affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens,

@@ -16,6 +16,7 @@ from services.scheduler.registry import Registry, WorkerState
 from services.scheduler.disagg import choose_prefill
 from services.scheduler.kv_snapshots import read_snapshots
 from services.scheduler.router import Choice, Router
+from shared import hop_trace
 from shared.config import RouterConfig
 from shared.errors import ServiceError, ServiceUnavailable
 from shared.logging import get_logger
@@ -147,6 +148,8 @@ class Scheduler:
         never raises. A worker that does not acknowledge (between reconnects, or just died) is
         suspended until its next heartbeat and the request is routed again; for a moment
         after a NATS restart every worker can be in that state, hence the short pauses."""
+        if hop_trace.TRACE is not None:
+            hop_trace.TRACE.mark(req.request_id, "sc_in")
         try:
             for attempt, pause in enumerate(FORWARD_RETRY_PAUSES):
                 if pause:
@@ -187,6 +190,8 @@ class Scheduler:
             self.stats.errors += 1
             log.exception("route_failed", request_id=req.request_id)
             return RouteReply.rejected(500, "internal_error", "the scheduler failed to route the request")
+        if hop_trace.TRACE is not None:
+            hop_trace.TRACE.mark(req.request_id, "sc_out")
         s = self.stats
         s.routed += 1
         s.sticky += result.sticky

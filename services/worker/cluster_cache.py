@@ -13,12 +13,16 @@ worker's own prefix hit are fetched when that is estimated faster than their pre
 get's fixed cost, the store's GB/s, this engine's prefill tokens/s). A lookup or get waits no
 longer than the prefill it could save. A store that fails, or answers late three times in a row,
 is left alone for a moment; the worker just recomputes, and comes back to it later. The first
-lookup, UCXX's import and the endpoint to the store are paid at start, not by a request.
+lookup, UCXX's import, the endpoint to the store and a first transfer are paid at start, not by a
+request, and a probe page read back every few seconds keeps the get's cost current (issue 42: a
+first get took 70 ms where the prefill it saved took 4, and the scheduler, told that fetches were
+cheap, sent dialogues' later turns away from the worker that held them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +32,7 @@ import structlog
 from services.worker.engine.engine import PromptSink
 from shared.block_hash import prefix_block_hashes, request_block_key
 from shared.kvstore_client import KvStoreClient, KvStoreError
+from shared.kvstore_messages import HASH_BYTES
 
 log = structlog.get_logger("worker.cluster_cache")
 
@@ -41,7 +46,9 @@ BACKOFF = 2.0  # seconds without the store after a failure, or while its lookups
 # busy 2-core CI machine takes tens of milliseconds for a round trip an idle one answers in ~0.5 ms.
 MIN_LOOKUP_S = 0.05
 MIN_GET_S = 2 * MIN_LOOKUP_S  # a get is a lease round trip and then a transfer
-STALE_S = 2.0
+# The get's cost is timed with a probe (one page, KvStoreClient.probe) at start and whenever no
+# get timed it for this long: no request pays a first transfer's setup, or a store gone slow.
+PROBE_S = 2.0
 TYPICAL_PREFIX_BLOCKS = 16  # 256 tokens: a system prompt, or a dialogue's earlier turns
 # Transfers at least this big measure bandwidth; smaller ones measure the fixed cost of a transfer
 # (a 20 KiB get took 20 ms on the busy 2-core VM: latency, not bytes).
@@ -51,9 +58,7 @@ LATE_IN_A_ROW = 3
 
 
 class Estimate:
-    """A learnt cost: the prior until the first sample, then a moving average. One older than
-    STALE_S is not held against the store (it may have recovered, and with no request asking it
-    no one would learn so): the next request tries it again."""
+    """A learnt cost: the prior until the first sample, then a moving average."""
 
     def __init__(self, prior: float, alpha: float = 0.2):
         self.value, self.alpha, self.samples, self.at = prior, alpha, 0, 0.0
@@ -63,8 +68,8 @@ class Estimate:
         self.samples += 1
         self.at = time.monotonic()
 
-    def recent(self, default: float = 0.0) -> float:
-        return self.value if time.monotonic() - self.at < STALE_S else default
+    def older_than(self, seconds: float) -> bool:
+        return time.monotonic() - self.at > seconds
 
 
 class ClusterCache(PromptSink):
@@ -94,10 +99,13 @@ class ClusterCache(PromptSink):
                       "slow_lookups": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
+        self.warming: asyncio.Task | None = None
+        self._probe_key = os.urandom(HASH_BYTES)  # this worker's probe page
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._write_back()), asyncio.create_task(self._warm_up())]
+        self.warming = asyncio.create_task(self._warm_up())
+        self._tasks = [asyncio.create_task(self._write_back()), self.warming, asyncio.create_task(self._probe_loop())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -106,12 +114,36 @@ class ClusterCache(PromptSink):
     async def _warm_up(self) -> None:
         """What a first lookup and a first transfer set up (NATS's reply inbox, UCXX's import,
         start and endpoint) is done now, before a request waits on it."""
+        started = time.perf_counter()
         try:
             await self.client.warm_up(self.namespace, self.block_size)
+            await self._probe()
+            log.info("kvstore_warm", seconds=round(time.perf_counter() - started, 3),
+                     get_ms=round(1e3 * self.get_s.value, 2))
         except KvStoreError as e:
             self._failed(e)
         except Exception as e:  # e.g. no UCXX here: the store's transfers will fail and say so then
             log.warning("kvstore_warm_up_failed", error=repr(e))
+
+    async def _probe(self) -> None:
+        """Time one page's get into the cost model: its fixed part, the round trips. (A put's cost
+        is learnt per block from the puts themselves: one page's would overstate it many times.)"""
+        _, get_s = await self.client.probe(self.namespace, self._probe_key, self.page_bytes)
+        self.get_s.add(get_s)
+        self.late = 0
+
+    async def _probe_loop(self) -> None:
+        await asyncio.wait([self.warming])
+        while True:
+            await asyncio.sleep(PROBE_S)
+            if self.available and self.get_s.older_than(PROBE_S):
+                try:
+                    await asyncio.wait_for(self._probe(), max(MIN_GET_S, 10 * self.get_s.value))
+                except (KvStoreError, asyncio.TimeoutError) as e:
+                    self._failed(e)
+                except Exception as e:  # a bug or a transport fault must not end the probes
+                    log.warning("kvstore_probe_failed", error=repr(e))
+                    self._failed(e)
 
     @property
     def available(self) -> bool:
@@ -193,7 +225,7 @@ class ClusterCache(PromptSink):
 
     def fetch_s(self, blocks: int, ask: bool = False) -> float:
         """What fetching `blocks` is expected to cost (`ask`: a lookup first)."""
-        return ((self.lookup_s.recent() if ask else 0.0) + self.get_s.recent()
+        return ((self.lookup_s.value if ask else 0.0) + self.get_s.value
                 + blocks * self.page_bytes / self.fetch_bps.value)
 
     def pays(self, blocks: int, ask: bool = False) -> bool:
@@ -219,7 +251,7 @@ class ClusterCache(PromptSink):
         fetch spares, times how often the store's pages are read at all (when the scheduler routes
         each dialogue back to its worker, hardly ever: W4 on the CPU)."""
         saved = self._prefill_s(1) - self.page_bytes / self.fetch_bps.value
-        return self.put_block_s.recent() < self.reuse * saved and self.pays(blocks)
+        return self.put_block_s.value < self.reuse * saved and self.pays(blocks)
 
     async def _in_time(self, coro, blocks: int, floor: float = MIN_LOOKUP_S):
         """`coro`'s result, or None when it takes longer than prefilling `blocks` would (`floor` at

@@ -16,6 +16,7 @@ import time
 
 import structlog
 
+from shared import hop_trace
 from shared.config import (CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, add_nats_tls_flags, env_default,
                            nats_tls_settings, parse_bool)
 from shared.logging import setup_logging
@@ -177,6 +178,7 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("worker", json=args.log_format == "json", level=args.log_level)
+    hop_trace.enable("worker")
     try:
         cfg, more_models = service_config(args)
         nats_cfg = NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))

@@ -176,6 +176,7 @@ class ModelManager:
             self.spec = spec
             breakdown = self._breakdown(built, started, warm.marks, unload_s)
             self._attach(built, breakdown, started, at_start, prefetch, warm.marks)
+            await self.service.store_warm()
             await self.service.set_state("ready", spec.model_name)
             log.info("model ready", model=spec.model_name, model_dir=spec.model_dir, ready_s=round(breakdown.ready_s, 3))
             return self._reply(load=breakdown)

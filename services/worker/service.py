@@ -20,7 +20,7 @@ from services.worker.handoff import HandoffReceiver, HandoffSender
 from services.worker.kv_snapshot import SNAPSHOT_TTL, KvMirror
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, Rejected, StepLoop
 from services.worker.token_batches import token_batches
-from shared import subjects
+from shared import hop_trace, subjects
 from shared.config import WorkerServiceConfig
 from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply
 from shared.kv_transfer import TransferClient
@@ -40,6 +40,7 @@ PROMPT_UPDATE_WINDOW = 0.01  # seconds
 # A request taken this recently may still be on its way into the queue (a grammar compiling, a
 # prefix fetch): the model counts as busy, so an eviction never takes it from under that request.
 ADMIT_WINDOW = 1.0  # seconds
+STORE_WARM_S = 5.0  # seconds a model's readiness waits for the cluster store's warm-up at most
 
 _NOT_SERVING = {"no_model": "the worker has no model loaded", "loading": "the worker is loading its model",
                 "unloading": "the worker is unloading its model"}
@@ -237,6 +238,14 @@ class WorkerService:
             engine.prompt_sink = self.cluster_cache
         self.loop_thread.on_step = self.cluster_cache.note_step
 
+    async def store_warm(self, timeout: float = STORE_WARM_S) -> None:
+        """Wait (bounded) for the cluster store's warm-up: UCXX's import holds the GIL for a moment,
+        which the first requests would otherwise pay in their steps (issue 42: on two cores, later
+        turns of W4 waited twice as long while it ran beside them)."""
+        warming = self.cluster_cache.warming if self.cluster_cache is not None else None
+        if warming is not None:
+            await asyncio.wait([warming], timeout=timeout)
+
     def _start_handoff(self) -> None:
         """The prefill role pushes KV pages, the decode role listens for them (UCXX)."""
         role = self.cfg.role
@@ -264,6 +273,8 @@ class WorkerService:
     # -- NATS handlers (event loop) ---------------------------------------------------------------
     def _on_generate(self, msg: GenerateRequest) -> RouteReply:
         """Acknowledge at once (the scheduler waits for it); the step thread does the rest."""
+        if hop_trace.TRACE is not None:
+            hop_trace.TRACE.mark(msg.request_id, "wk_in")
         if self.draining:
             return RouteReply.rejected(503, "service_unavailable", "the worker is draining", 1.0)
         self.last_used = time.monotonic()
@@ -310,12 +321,26 @@ class WorkerService:
     def _admit(self, loop_thread: StepLoop, add: AddCommand, msg: GenerateRequest) -> None:
         cache = self.cluster_cache
         held = msg.store_cached_tokens  # by the scheduler's index of the store; -1: unknown
-        if (cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * self.block_size
-                and (held < 0 or held >= 2 * self.block_size)):
-            asyncio.ensure_future(self._add_after_fetch(loop_thread, cache, add, msg.cache_salt,
-                                                        None if held < 0 else held // self.block_size))
-        else:  # the store holds nothing of it (or nothing that could pay): no round trip at all
-            loop_thread.submit(add)
+        bs = self.block_size
+        if (cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * bs
+                and (held < 0 or held >= 2 * bs)):
+            # Decided here, not in the fetch's task: a request that waits even one event-loop turn
+            # may miss the next step and wait a whole one (issue 42: later turns of W4, whose
+            # worker held the store's part already, waited ~15 ms longer than without a store).
+            hashes = cache.prompt_hashes(add.prompt_token_ids, msg.cache_salt)
+            local = loop_thread.engine.block_manager.num_cached_prefix(hashes)
+            held_blocks = None if held < 0 else held // bs
+            want = (len(hashes) if held_blocks is None else held_blocks) - local
+            if want > 0 and cache.pays(want, ask=held_blocks is None):
+                asyncio.ensure_future(self._add_after_fetch(loop_thread, cache, add, hashes, local, held_blocks))
+                return
+        self._queue(loop_thread, add)  # the store holds nothing more of it (or nothing that pays): no round trip
+
+    @staticmethod
+    def _queue(loop_thread: StepLoop, add: AddCommand) -> None:
+        if hop_trace.TRACE is not None:
+            hop_trace.TRACE.mark(add.request_id, "wk_queued")
+        loop_thread.submit(add)
 
     async def _add_after_compile(self, loop_thread: StepLoop, add: AddCommand, msg: GenerateRequest) -> None:
         """A structured output's grammar, compiled on a thread (cached by its text), then the request
@@ -329,20 +354,18 @@ class WorkerService:
             return
         self._admit(loop_thread, add, msg)
 
-    async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, cache_salt: str,
-                               held: int | None) -> None:
+    async def _add_after_fetch(self, loop_thread: StepLoop, cache, add: AddCommand, hashes: list[bytes],
+                               local: int, held: int | None) -> None:
         """Fetch the part of the prompt's prefix that the cluster store holds and this worker does
-        not (when that is faster than prefilling it), then queue the request."""
+        not (`local` blocks of `hashes` it has), then queue the request."""
         try:
-            hashes = cache.prompt_hashes(add.prompt_token_ids, cache_salt)
-            local = loop_thread.engine.block_manager.num_cached_prefix(hashes)
             fetched = await cache.fetch(hashes, local, held)
             if fetched is not None:
                 loop_thread.submit(InsertCachedCommand(*fetched))
         except Exception:  # the store is an optimisation: the request goes on without it
             log.exception("prefix fetch failed", request_id=add.request_id)
         finally:
-            loop_thread.submit(add)
+            self._queue(loop_thread, add)
 
     async def _on_abort(self, msg: AbortRequest) -> None:
         rids = list(msg.request_ids)
@@ -396,6 +419,9 @@ class WorkerService:
                 done = [o.request_id for o in outputs.ended() if o.finished]
                 if done:
                     asyncio.ensure_future(self.sender.finished_here(done))
+        if hop_trace.TRACE is not None and isinstance(outputs, StepOutputs):
+            for rid in outputs.request_ids:
+                hop_trace.TRACE.mark(rid, "wk_out")  # the summary keeps each request's first
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
             asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
 

@@ -17,6 +17,7 @@ import structlog
 
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.step_trace import StepTrace
+from shared import hop_trace
 from shared.sampling_params import SamplingParams
 
 log = structlog.get_logger("worker.step_loop")
@@ -232,6 +233,8 @@ class StepLoop(threading.Thread):
                                             self.eos_token_ids, command.cache_salt, handoff=command.handoff,
                                             matcher=command.matcher)
                     self.reply_to[command.request_id] = command.reply_to
+                    if hop_trace.TRACE is not None:
+                        hop_trace.TRACE.mark(command.request_id, "wk_added")
                 except ValueError as e:
                     rejected.append(Rejected(command.request_id, command.reply_to, str(e)))
                 except Exception as e:  # a bug fails this request; it must not end the step thread (and the serving)

@@ -121,6 +121,21 @@ async def test_put_commit_lookup_get_round_trip(kvstore):
     assert (s.hit_pages, s.miss_pages, s.hit_tokens) == (4, 8, 4 * BLOCK)
 
 
+async def test_a_probe_times_a_page_round_trip_and_counts_in_no_figure(kvstore):
+    """The worker's cost probe: its page is put once, then only read back; the store's reuse figure,
+    which decides write-back, does not move."""
+    kv = await kvstore()
+    c = kv.client
+    key = chain(1, start=4242)[0]
+    put_s, get_s = await c.probe(NS, key, PAGE)
+    assert put_s > 0 and get_s > 0
+    put_s, get_s = await c.probe(NS, key, PAGE)
+    assert put_s == 0 and get_s > 0
+    s = await kv.stats()
+    assert (s.pages, s.stored_pages, s.leases) == (1, 0, 0)
+    assert await c.lookup(NS, BLOCK, [key]) == 0  # another namespace than the model's pages
+
+
 async def test_a_large_transfer_is_byte_identical(kvstore, capsys):
     kv = await kvstore()
     page_bytes = 256 << 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.kvstore.page_index import PageIndex, PageIndexError
+from shared.kvstore_messages import PROBE_PREFIX
 
 NS = "m=tiny|dt=float32|bs=4|L=2|H=2|D=8"
 PAGE = 100
@@ -260,3 +261,17 @@ def test_stored_and_evicted_pages_are_reported_as_kv_events():
     lease = index.reserve("ns", 8, [b"e" * 16], ttl=10)  # room comes from evicting the oldest extent
     stored, removed = index.take_events()
     assert stored == [] and len(removed) == 4
+
+
+def test_a_probe_page_counts_in_no_figure_and_no_event(clock):
+    """A worker's cost probe (shared/kvstore_client.py: probe) is stored and read like any page, but
+    the store's reuse figure (what decides write-back) and the schedulers' index never see it."""
+    ix = make(clock)
+    store(ix, 1)
+    ix.take_events()
+    reuse = ix.reuse
+    assert store(ix, 9, ns=PROBE_PREFIX + NS) == 1
+    lease = ix.acquire(PROBE_PREFIX + NS, hs(9), ttl=5.0)
+    assert lease is not None and len(lease.pages) == 1
+    assert ix.reuse == reuse and ix.stats.stored_pages == 1 and ix.stats.leased_pages == 0
+    assert ix.take_events() == ([], [])

@@ -1,0 +1,57 @@
+"""Per-request timestamps at each hop, for finding where a request waits (issue 42's trace).
+
+`INFERNO_HOP_TRACE=DIR` makes each service append `{"rid", "hop", "t"}` JSON lines (wall clock, one
+host's clock for the whole stack) to DIR/<service>-<pid>.jsonl: the gateway when it sends a request
+to the scheduler (gw_route), when the scheduler answered (gw_routed) and when the first token came
+(gw_first); the scheduler when it takes the request (sc_in) and when its worker acknowledged it
+(sc_out); the worker when the request came (wk_in) and when it was queued for a step (wk_queued),
+after any fetch from the cluster store. `python bench/hop_trace_summary.py DIR` joins them. Off by
+default; when on, a mark is a tuple appended (any thread) and a file write every few hundred.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+
+FLUSH_EVERY = 256
+
+
+class HopTrace:
+    def __init__(self, path: str):
+        self.path = path
+        self._rows: list[tuple[str, str, float]] = []
+        self._lock = threading.Lock()
+        atexit.register(self.flush)
+
+    def mark(self, rid: str, hop: str) -> None:
+        self._rows.append((rid, hop, time.time()))
+        if len(self._rows) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            rows, self._rows = self._rows, []
+            if rows:
+                with open(self.path, "a") as f:
+                    f.writelines(json.dumps({"rid": r, "hop": h, "t": t}) + "\n" for r, h, t in rows)
+
+
+def from_env(service: str) -> HopTrace | None:
+    directory = os.environ.get("INFERNO_HOP_TRACE", "")
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    return HopTrace(os.path.join(directory, f"{service}-{os.getpid()}.jsonl"))
+
+
+# One per process: the services call TRACE.mark only `if TRACE is not None`.
+TRACE: HopTrace | None = None
+
+
+def enable(service: str) -> None:
+    global TRACE
+    TRACE = from_env(service)
