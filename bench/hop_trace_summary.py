@@ -13,7 +13,7 @@ import glob
 import json
 import sys
 
-SEGMENTS = (("gw_route", "sc_in", "gateway → scheduler"), ("sc_in", "wk_in", "scheduler routing → worker"),
+SEGMENTS = (("gw_in", "gw_route", "gateway: HTTP in → routing"), ("gw_route", "sc_in", "gateway → scheduler"), ("sc_in", "wk_in", "scheduler routing → worker"),
             ("wk_in", "wk_queued", "worker: in → step queue"), ("wk_queued", "wk_added", "step queue → the engine"),
             ("wk_added", "wk_out", "engine → first token out"), ("wk_out", "gw_first", "first token → gateway"),
             ("gw_route", "gw_first", "gateway: routed → first token"))

@@ -50,7 +50,9 @@ $PY/python - "$OUT" <<'PY'
 import glob, json, statistics, sys
 for gb in ("2", "0"):
     rows = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/bench-kvstore-{gb}-*.json"))]
-    if rows and rows[0].get("sessions"):
+    if not rows:
+        continue
+    if rows[0].get("sessions"):
         figs = {"hit %": [100 * r["sessions"]["hit_ratio"] for r in rows],
                 "later TTFT p50": [r["sessions"]["ttft_later"]["p50"] for r in rows],
                 "later TTFT p99": [r["sessions"]["ttft_later"]["p99"] for r in rows]}

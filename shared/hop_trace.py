@@ -1,8 +1,8 @@
 """Per-request timestamps at each hop, for finding where a request waits (issue 42's trace).
 
 `INFERNO_HOP_TRACE=DIR` makes each service append `{"rid", "hop", "t"}` JSON lines (wall clock, one
-host's clock for the whole stack) to DIR/<service>-<pid>.jsonl: the gateway when it sends a request
-to the scheduler (gw_route), when the scheduler answered (gw_routed) and when the first token came
+host's clock for the whole stack) to DIR/<service>-<pid>.jsonl: the gateway when the request came
+(gw_in), when it sends it to the scheduler (gw_route), when the scheduler answered (gw_routed) and when the first token came
 (gw_first); the scheduler when it takes the request (sc_in) and when its worker acknowledged it
 (sc_out); the worker when the request came (wk_in) and when it was queued for a step (wk_queued),
 after any fetch from the cluster store. `python bench/hop_trace_summary.py DIR` joins them. Off by
@@ -27,8 +27,9 @@ class HopTrace:
         self._lock = threading.Lock()
         atexit.register(self.flush)
 
-    def mark(self, rid: str, hop: str) -> None:
-        self._rows.append((rid, hop, time.time()))
+    def mark(self, rid: str, hop: str, ago: float = 0.0) -> None:
+        """`ago`: the hop happened this many seconds before now."""
+        self._rows.append((rid, hop, time.time() - ago))
         if len(self._rows) >= FLUSH_EVERY:
             self.flush()
 

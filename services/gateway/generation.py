@@ -93,6 +93,7 @@ class Generation:
         messages = [self._message(i) for i in range(self.spec.n)]
         if hop_trace.TRACE is not None:
             for rid in self.request_ids:
+                hop_trace.TRACE.mark(rid, "gw_in", time.monotonic() - self.arrival)  # the HTTP request's arrival
                 hop_trace.TRACE.mark(rid, "gw_route")
         routing = asyncio.ensure_future(asyncio.gather(
             *(route(conn, gw.subjects.generate, m) for m in messages), return_exceptions=True))

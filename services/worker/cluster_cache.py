@@ -4,9 +4,8 @@ prefix this worker lacks fetched from the store when that beats recomputing it.
 Write-back never touches a step's critical path: the step thread only queues a copy of the new
 full blocks (and skips it when the queue's byte bound is reached); a background task sends them.
 On a GPU the copies take device memory beside a KV pool sized to nearly all of it, and a host
-store over UCXX moves ~1-2 GB/s there, slower than an 8B model prefills on an H100: so GPU
-workers write back only with `--kvstore on`; elsewhere `auto` writes a block back while its put
-costs less than the prefill it saves times the store's reuse (pages read per page stored).
+store over UCXX moves ~1-2 GB/s there, slower than an 8B model prefills on an H100: so workers
+write back only with `--kvstore on` (write_back "on"); by default they only fetch ("off").
 A fetch runs before a request is queued, and only when the scheduler's index of the store says
 it holds more of the prompt than this worker does (or the index cannot say): the pages past the
 worker's own prefix hit are fetched when that is estimated faster than their prefill (learnt: a
@@ -74,12 +73,10 @@ class Estimate:
 
 class ClusterCache(PromptSink):
     def __init__(self, client: KvStoreClient, namespace: str, page_bytes: int, block_size: int, model: str,
-                 write_back: str = "auto", on_gpu: bool = False):
+                 write_back: str = "off", on_gpu: bool = False):
         self.client, self.namespace, self.page_bytes = client, namespace, page_bytes
         self.block_size, self.model = block_size, model
-        # "on": every new block; "auto": only while storing a block costs less than the prefill it
-        # is expected to save (else the copies only cost the event loop and the store); "off": none.
-        self.write_back = write_back
+        self.write_back = write_back  # "on": every new prompt block; "off": none
         self.max_queue_bytes = QUEUE_BYTES_GPU if on_gpu else QUEUE_BYTES_CPU
         self.known: OrderedDict[bytes, None] = OrderedDict()  # stored in the store (by us or seen there)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -88,12 +85,10 @@ class ClusterCache(PromptSink):
         self.down_until = 0.0
         self.prefill_tps = Estimate(5e3)  # prefill tokens/s of this engine, from its steps
         # A fetch costs lookup_s (when the scheduler did not say what the store holds), then get_s,
-        # then its bytes at fetch_bps; a put costs put_block_s a block, on this event loop.
+        # then its bytes at fetch_bps.
         self.lookup_s = Estimate(1e-3)
         self.get_s = Estimate(2e-3)
         self.fetch_bps = Estimate(1e9)
-        self.put_block_s = Estimate(0.0)
-        self.reuse = 1.0  # the store's pages read per page stored (its put replies say)
         self.late = 0  # answers past their deadline in a row
         self.stats = {"put_pages": 0, "dropped_pages": 0, "fetched_pages": 0, "fetches": 0, "errors": 0,
                       "slow_lookups": 0}
@@ -156,8 +151,7 @@ class ClusterCache(PromptSink):
 
     # -- write-back (PromptSink: called on the step thread) ---------------------------------------
     def skip(self, hashes: list[bytes]) -> int:
-        if (self.write_back == "off" or not self.available
-                or (self.write_back == "auto" and not self.worth_storing(len(hashes)))):
+        if self.write_back == "off" or not self.available:
             return len(hashes)
         n = 0
         for h in hashes:  # reads only: the event loop owns `known`
@@ -191,10 +185,7 @@ class ClusterCache(PromptSink):
         try:
             if event is not None:
                 await asyncio.to_thread(event.synchronize)
-            t0 = time.perf_counter()
             await self.client.put(self.namespace, hashes, pages, self.page_bytes)
-            self.put_block_s.add((time.perf_counter() - t0) / len(hashes))
-            self.reuse = self.client.reuse
             self._remember(hashes)
             self.stats["put_pages"] += len(hashes)
         except KvStoreError as e:
@@ -245,13 +236,6 @@ class ClusterCache(PromptSink):
         store's pages as cached here only by the fraction of the prefill a fetch saves."""
         n = TYPICAL_PREFIX_BLOCKS
         return (self.get_s.value + n * self.page_bytes / self.fetch_bps.value) / self._prefill_s(n)
-
-    def worth_storing(self, blocks: int) -> bool:
-        """Fetching these blocks would pay, and storing one costs less than it saves: the prefill a
-        fetch spares, times how often the store's pages are read at all (when the scheduler routes
-        each dialogue back to its worker, hardly ever: W4 on the CPU)."""
-        saved = self._prefill_s(1) - self.page_bytes / self.fetch_bps.value
-        return self.put_block_s.value < self.reuse * saved and self.pays(blocks)
 
     async def _in_time(self, coro, blocks: int, floor: float = MIN_LOOKUP_S):
         """`coro`'s result, or None when it takes longer than prefilling `blocks` would (`floor` at

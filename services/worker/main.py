@@ -93,9 +93,9 @@ def parse_args(argv):
                          "worker's receive slots over CUDA IPC; --no-handoff-push: this worker copies it out "
                          "of theirs")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
-                    help="auto: when a cluster KV store answers, fetch prefixes from it when that beats "
-                         "recomputing, and (CPU workers) write prompt blocks to it when that pays; on: every "
-                         "worker writes every prompt block")
+                    help="auto: a GPU worker fetches prefixes from the cluster KV store when one answers and "
+                         "that beats recomputing, a CPU worker does not use it; on: fetch too, and write every "
+                         "prompt block to it")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default=env_default("INFERNO_LOAD_FORMAT", "auto"),
                     help="dummy: random weights drawn on the device, no weight files read (benchmarking "
                          "shapes such as 70B from a directory written by make-model --config-only)")

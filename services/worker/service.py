@@ -218,20 +218,26 @@ class WorkerService:
         return self._transfer_client
 
     def _start_cluster_cache(self) -> None:
-        """Prompt blocks to the cluster KV store and prefixes from it (auto: when one answers; a GPU
-        worker then only fetches, `on` makes it write back too)."""
+        """Prompt blocks to the cluster KV store and prefixes from it (auto: a GPU worker fetches
+        when one answers and that pays, a CPU worker leaves it alone; `on`: every worker fetches and
+        writes back)."""
         engine = self.loop_thread.engine
-        if (self.cfg.kvstore == "off" or not hasattr(engine, "kv_cache")
+        on_gpu = self.cfg.device.startswith("cuda")
+        # A CPU worker's steps and the store's machinery share the host's cores, a cost the fetch
+        # and put estimates cannot see. On the 2-core VM, W4's later turns waited 65 ms (p50 of 4
+        # runs) against 30-36 without the store, with nothing written to it: the endpoint, UCX's
+        # threads and the probes alone slowed every event loop of the stack (issue 42).
+        if (self.cfg.kvstore == "off" or (self.cfg.kvstore == "auto" and not on_gpu)
+                or not hasattr(engine, "kv_cache")
                 or not getattr(engine, "holds_whole_kv", True)):  # a parallel group's ranks each hold a part
             return
         from services.worker.cluster_cache import ClusterCache
         from shared.kvstore_client import KvStoreClient
 
         layout, size = self._page_layout()
-        on_gpu = self.cfg.device.startswith("cuda")
         self.cluster_cache = ClusterCache(KvStoreClient(self.conn, self._transfer(), self.prefix), layout, size,
                                           self.block_size, self.model_name,
-                                          write_back="off" if on_gpu and self.cfg.kvstore == "auto" else self.cfg.kvstore,
+                                          write_back="off" if self.cfg.kvstore == "auto" else "on",
                                           on_gpu=on_gpu)
         self.cluster_cache.start()
         if self.cluster_cache.write_back != "off":  # else the steps need not look at first tokens at all

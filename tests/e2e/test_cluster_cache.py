@@ -55,7 +55,7 @@ def wait_for(predicate, timeout=15.0, what="condition"):
 
 @pytest.fixture
 def cluster(tiny_model, tmp_path):
-    s = start_stack(tmp_path, tiny_model, workers=1)
+    s = start_stack(tmp_path, tiny_model, workers=1, worker_args=("--kvstore", "on"))  # CPU workers: off by default
     yield s
     s.stop()
 
