@@ -9,7 +9,7 @@
 #   - with SCALE=1 (issue 40), W2 on one worker and on all the GPUs behind one gateway per GPU
 #     (--api-server-count), 8 client processes, no kvstore: the scaling figure.
 # Ends with one table (summary.txt). Needs the image's missing wheels in .whl/ (../shared/tools/gpu-wheels.sh).
-# Usage: COMMIT=<sha> [W4=0: the W2 pairs only] [WS="2 4": the worker counts] [SCALE=1] bash bench/kvstore_gpu.sh
+# Usage: COMMIT=<sha> [W4=0: the W2 pairs only] [WS="2 4": the worker counts] [MORE=1: a third pair] [SCALE=1] bash bench/kvstore_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -84,7 +84,7 @@ PY
 # Each W2 pair twice, in both orders: the first stack of a call also warms the machine.
 for W in ${WS:-2 4}; do
   [ "$W" -le "$NGPU" ] || continue
-  for tag in off$W store$W store${W}b off${W}b; do
+  for tag in off$W store$W store${W}b off${W}b ${MORE:+off${W}c store${W}c}; do
     up "$tag" "$W" $([[ $tag == off* ]] && echo --kvstore-capacity-gb 0)
     w2 "$tag"
     [ "$W" = 2 ] && [[ $tag != *b ]] && [ "${W4:-1}" = 1 ] && w4 "$tag" 2
