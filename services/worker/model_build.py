@@ -138,6 +138,14 @@ class HostCopy:
     model: object
     num_blocks: int
     nbytes: int
+    span: tuple[int, int] | None = None  # its place in the worker's PinnedArena, if it has one
+    arena: object | None = None
+
+    def release(self) -> None:
+        """Give its pinned memory back (its model is on the GPU again, or the copy is dropped)."""
+        if self.span is not None:
+            self.arena.give(self.span)
+            self.span = None
 
 
 @dataclass(slots=True)
@@ -156,6 +164,7 @@ class WarmDevice:
 
     marks: dict
     staging: object | None = None  # engine.loader.StagingPool, filled
+    arena: object | None = None  # engine.pinned_arena.PinnedArena for evicted models (--host-memory-gb)
 
 
 def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
@@ -170,7 +179,7 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
     from services.worker.kernels import triton_setup
 
     marks = {"imported_at": time.time()}
-    staging = None
+    staging = arena = None
     if cfg.device.startswith("cuda") and not cfg.emit_only:
         device = torch.device(cfg.device)
         staging = StagingPool()
@@ -186,8 +195,13 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
         staging.fill(staging_count())
         torch.cuda.synchronize(device)
         triton_setup.start(device)  # beside the load that follows; the engine waits for it after
+        if cfg.host_memory_gb > 0:  # before any model serves: pinning later stalls the others' launches
+            from services.worker.engine.pinned_arena import PinnedArena
+            t = time.perf_counter()
+            arena = PinnedArena(int(cfg.host_memory_gb * 1e9))
+            log.info("pinned arena", gb=round(arena.nbytes / 1e9, 2), seconds=round(time.perf_counter() - t, 3))
     marks["device_at"] = time.time()
-    return WarmDevice(marks, staging)
+    return WarmDevice(marks, staging, arena)
 
 
 def staging_count() -> int:
@@ -260,6 +274,7 @@ def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: b
         import dataclasses
         t_move = time.perf_counter()
         move_model(host.model, torch.device(cfg.device))
+        host.release()
         model, moved_s = host.model, time.perf_counter() - t_move
         config = dataclasses.replace(config, num_blocks=config.num_blocks or host.num_blocks)
     engine = LLMEngine(config, model=model, kv_cache=kv, staging=staging)
@@ -303,9 +318,10 @@ def handoff_buffer_tokens(cfg: WorkerServiceConfig) -> int:
 
 
 @holding_device
-def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
+def evict_model(built: BuiltModel, cfg: WorkerServiceConfig, arena=None) -> HostCopy | None:
     """Free a model's GPU memory, keeping its weights in host memory for the way back (None for the
-    model-free emitter, which has none). The model's step thread has stopped."""
+    model-free emitter, which has none): in `arena` (a PinnedArena) when it has room, else pinned now.
+    The model's step thread has stopped."""
     engine = built.engine
     model = getattr(engine, "model", None)
     num_blocks = getattr(getattr(engine, "kv_cache", None), "num_blocks", 0)
@@ -314,17 +330,19 @@ def evict_model(built: BuiltModel, cfg: WorkerServiceConfig) -> HostCopy | None:
         return None
     import torch
 
-    from services.worker.engine.residency import model_bytes, move_model
+    from services.worker.engine.residency import host_tensors, model_bytes, move_model
     on_gpu = engine.device.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize(engine.device)  # its last steps may still read the weights
     del engine  # release_model frees the pool and empties the allocator's cache: no reference may hold it
-    nbytes = move_model(model, torch.device("cpu")) if on_gpu else model_bytes(model)
+    span = arena.take(arena.bytes_for(host_tensors(model))) if on_gpu and arena is not None else None
+    host_alloc = arena.views(span) if span is not None else None
+    nbytes = move_model(model, torch.device("cpu"), host_alloc) if on_gpu else model_bytes(model)
     # Beside other models, emptying the cache (cudaFree: a device-wide sync) would stall their steps;
     # with expandable segments (worker/main.py) the next model's allocations reuse the freed pages, and
     # the allocator empties its cache by itself if an allocation would not fit otherwise.
     release_model(built, cfg, keep_cache="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    return HostCopy(model, num_blocks, nbytes)
+    return HostCopy(model, num_blocks, nbytes, span, arena if span is not None else None)
 
 
 @holding_device

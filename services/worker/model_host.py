@@ -203,6 +203,7 @@ class ModelHost:
         while held and sum(s.copy.nbytes for s in held) + self._moving + nbytes > self.host_budget:
             dropped = held.pop(0)
             log.info("host copy dropped", model=dropped.spec.model_name, gb=round(dropped.copy.nbytes / 1e9, 2))
+            dropped.copy.release()
             dropped.copy = None
 
     def host_bytes(self) -> int:

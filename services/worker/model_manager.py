@@ -102,7 +102,8 @@ class ModelManager:
             await self.service.detach()
             built, self.built = self.built, None
             if keep:
-                copy = await asyncio.to_thread(evict_model, built, self.cfg)
+                warm = self.warm.result() if self.warm.done() and not self.warm.exception() else None
+                copy = await asyncio.to_thread(evict_model, built, self.cfg, warm.arena if warm else None)
             else:
                 copy = None
                 await asyncio.to_thread(release_model, built, self.cfg)

@@ -23,9 +23,15 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for _, _, t in _tensors(model))
 
 
-def move_model(model: nn.Module, device: torch.device) -> int:
+def host_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors move_model takes to the host, in the order it allocates their destinations."""
+    return [t for _, _, t in _tensors(model) if t.device.type != "cpu"]
+
+
+def move_model(model: nn.Module, device: torch.device, host_alloc=None) -> int:
     """Move every tensor of `model` to `device` (pinned memory when that is the CPU and a GPU is
-    there), in place; returns the bytes moved. Returns once the copies are done."""
+    there), in place; returns the bytes moved. Returns once the copies are done. `host_alloc(shape,
+    dtype)`: where each host destination goes, in host_tensors' order (a PinnedArena's views)."""
     to_host = device.type == "cpu"
     cuda = torch.cuda.is_available() and (to_host or device.type == "cuda")
     with torch.no_grad():
@@ -39,8 +45,11 @@ def move_model(model: nn.Module, device: torch.device) -> int:
         # after what the current stream has queued (a destination may be memory it freed): on the
         # default stream they would queue behind, and hold up, the steps of the process's other
         # models (services/worker/model_host.py).
-        outs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) if to_host
-                else torch.empty(t.shape, dtype=t.dtype, device=device) for _, _, t in moves]
+        if to_host and host_alloc is not None:
+            outs = [host_alloc(t.shape, t.dtype) for _, _, t in moves]
+        else:
+            outs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) if to_host
+                    else torch.empty(t.shape, dtype=t.dtype, device=device) for _, _, t in moves]
         stream = torch.cuda.Stream() if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
