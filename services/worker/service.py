@@ -245,9 +245,9 @@ class WorkerService:
         self.loop_thread.on_step = self.cluster_cache.note_step
 
     async def store_warm(self, timeout: float = STORE_WARM_S) -> None:
-        """Wait (bounded) for the cluster store's warm-up: UCXX's import holds the GIL for a moment,
-        which the first requests would otherwise pay in their steps (issue 42: on two cores, later
-        turns of W4 waited twice as long while it ran beside them)."""
+        """Wait (bounded) for the cluster store's warm-up: UCXX's import holds the GIL for ~0.5 s and
+        the probe times the first get; a model that says it is ready then serves its first requests
+        without either beside their steps."""
         warming = self.cluster_cache.warming if self.cluster_cache is not None else None
         if warming is not None:
             await asyncio.wait([warming], timeout=timeout)
@@ -330,9 +330,9 @@ class WorkerService:
         bs = self.block_size
         if (cache is not None and cache.worth_asking and msg.num_prompt_tokens > 2 * bs
                 and (held < 0 or held >= 2 * bs)):
-            # Decided here, not in the fetch's task: a request that waits even one event-loop turn
-            # may miss the next step and wait a whole one (issue 42: later turns of W4, whose
-            # worker held the store's part already, waited ~15 ms longer than without a store).
+            # Decided here, not in the fetch's task: a request whose worker already holds what the
+            # store has goes to the step queue now, not an event-loop turn later (when it may miss
+            # the next step and wait a whole one).
             hashes = cache.prompt_hashes(add.prompt_token_ids, msg.cache_salt)
             local = loop_thread.engine.block_manager.num_cached_prefix(hashes)
             held_blocks = None if held < 0 else held // bs
