@@ -14,8 +14,7 @@ longer than the prefill it could save. A store that fails, or answers late three
 is left alone for a moment; the worker just recomputes, and comes back to it later. The first
 lookup, UCXX's import, the endpoint to the store and a first transfer are paid at start, not by a
 request, and a probe page read back every few seconds keeps the get's cost current (issue 42: a
-first get took 70 ms where the prefill it saved took 4, and the scheduler, told that fetches were
-cheap, sent dialogues' later turns away from the worker that held them).
+request's first get took 70 ms on the 2-core VM where the prefill it saved took 4).
 """
 
 from __future__ import annotations
