@@ -95,7 +95,7 @@ def pin_beside(nbytes: int, device, pin: bool = True) -> Future:
 
     made: Future = Future()
 
-    def make() -> None:
+    def pin() -> None:
         bind_thread(device)
         t = time.perf_counter()
         try:
@@ -107,5 +107,5 @@ def pin_beside(nbytes: int, device, pin: bool = True) -> Future:
         log.info("pinned arena", gb=round(arena.nbytes / 1e9, 2), seconds=round(time.perf_counter() - t, 3))
         made.set_result(arena)
 
-    threading.Thread(target=make, name="pin-arena", daemon=True).start()
+    threading.Thread(target=pin, name="pin-arena", daemon=True).start()
     return made
