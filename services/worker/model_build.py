@@ -164,7 +164,7 @@ class WarmDevice:
 
     marks: dict
     staging: object | None = None  # engine.loader.StagingPool, filled
-    arena: object | None = None  # a Future of the PinnedArena for evicted models (--host-memory-gb)
+    arena: object | None = None  # engine.pinned_arena.PinnedArena for evicted models (--host-memory-gb)
 
 
 def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
@@ -195,9 +195,11 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
         staging.fill(staging_count())
         torch.cuda.synchronize(device)
         triton_setup.start(device)  # beside the load that follows; the engine waits for it after
-        if cfg.host_memory_gb > 0:  # beside the first loads, before any model serves (pin_beside)
-            from services.worker.engine.pinned_arena import pin_beside
-            arena = pin_beside(int(cfg.host_memory_gb * 1e9), device)
+        if cfg.host_memory_gb > 0:  # before any model serves: pinning later stalls the others' launches
+            from services.worker.engine.pinned_arena import PinnedArena
+            t = time.perf_counter()
+            arena = PinnedArena(int(cfg.host_memory_gb * 1e9))
+            log.info("pinned arena", gb=round(arena.nbytes / 1e9, 2), seconds=round(time.perf_counter() - t, 3))
     marks["device_at"] = time.time()
     return WarmDevice(marks, staging, arena)
 

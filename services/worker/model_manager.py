@@ -103,9 +103,7 @@ class ModelManager:
             built, self.built = self.built, None
             if keep:
                 warm = self.warm.result() if self.warm.done() and not self.warm.exception() else None
-                pinning = warm.arena if warm is not None else None
-                arena = pinning.result() if pinning is not None and pinning.done() else None
-                copy = await asyncio.to_thread(evict_model, built, self.cfg, arena)
+                copy = await asyncio.to_thread(evict_model, built, self.cfg, warm.arena if warm else None)
             else:
                 copy = None
                 await asyncio.to_thread(release_model, built, self.cfg)

@@ -33,11 +33,3 @@ def test_views_hold_a_models_tensors_in_order_each_aligned():
         assert (out.data_ptr() - arena.buffer.data_ptr()) % ALIGN == 0 and out.dtype == t.dtype and torch.equal(out, t)
     with pytest.raises(ValueError):
         allocate((1,), torch.float32)  # past the span
-
-
-def test_the_arena_is_made_on_a_thread_of_its_own():
-    from services.worker.engine.pinned_arena import pin_beside
-
-    made = pin_beside(4 * ALIGN, None, pin=False)
-    arena = made.result(timeout=10)
-    assert arena is not None and arena.free_bytes == 4 * ALIGN

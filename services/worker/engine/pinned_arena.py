@@ -3,21 +3,16 @@
 Pinning takes the driver's lock for as long as it pins (cudaHostAlloc: ~1.1 GB/s on the H200 host),
 and every other thread's CUDA calls wait for it: the launches of the models serving beside the one
 being evicted. A 1B's ITL p99 was 526 ms against 2.0 quiet while an 8B went to the host, 17.5 ms with
-threaded pinning, 13.0 with this arena (H200, 2026-11-29). With it, an eviction pins nothing: its
-tensors are views of memory pinned at start (`--host-memory-gb`), carved first-fit and given back when
-the model returns to the GPU or its copy is dropped.
+threaded pinning (H200, 2026-11-29). With the arena, an eviction pins nothing: its tensors are views
+of memory pinned at start (`--host-memory-gb`), carved first-fit and given back when the model returns
+to the GPU or its copy is dropped.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from concurrent.futures import Future
 
-import structlog
 import torch
-
-log = structlog.get_logger("worker.arena")
 
 ALIGN = 512  # bytes: every view starts on a boundary any dtype and DMA engine is happy with
 
@@ -85,27 +80,3 @@ class PinnedArena:
             return self.buffer[start:start + n].view(dtype).view(shape)
 
         return allocate
-
-
-def pin_beside(nbytes: int, device, pin: bool = True) -> Future:
-    """The arena, pinned on a thread of its own: the start's loads go on meanwhile (its driver lock
-    slows them, but serves no one yet: 40 GB took 20.8 s before the first load when pinned in line).
-    An eviction before it is done pins its copy itself (done() is False)."""
-    from services.worker.engine.cuda_device import bind_thread
-
-    made: Future = Future()
-
-    def pin() -> None:
-        bind_thread(device)
-        t = time.perf_counter()
-        try:
-            arena = PinnedArena(nbytes, pin)
-        except Exception as e:  # no room to pin: evictions pin their copies themselves
-            log.warning("pinned arena failed", gb=round(nbytes / 1e9, 2), error=repr(e))
-            made.set_result(None)
-            return
-        log.info("pinned arena", gb=round(arena.nbytes / 1e9, 2), seconds=round(time.perf_counter() - t, 3))
-        made.set_result(arena)
-
-    threading.Thread(target=pin, name="pin-arena", daemon=True).start()
-    return made
