@@ -197,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         # activations, and a whole segment stays reserved for a few live blocks: the 8B's way back could
         # not allocate its pool with 31 GiB reserved and free (H200). Expandable segments unmap the free
         # pages instead. Set before torch is imported (its allocator reads it once).
-        # An eviction's pinned host memory is pinned by threads (malloc, then cudaHostRegister),
-        # not cudaHostAlloc's ~1.1 GB/s: the driver's lock, held while it pins, stalled the other
-        # models' launches (a 1B's ITL p99 526 ms against 2.0 quiet while an 8B went to the host).
+        # Pinned host memory (the --host-memory-gb arena at start, an eviction's copy past it) is
+        # pinned by threads (malloc, then cudaHostRegister), not cudaHostAlloc's ~1.1 GB/s: the
+        # driver's lock, held while it pins, stalls the other models' launches (a 1B's ITL p99 526 ms
+        # against 2.0 quiet while an 8B went to the host, 17.5 with threads; engine/pinned_arena.py).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,"
                               "pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
     prefetch = None

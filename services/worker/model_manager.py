@@ -102,8 +102,8 @@ class ModelManager:
             await self.service.detach()
             built, self.built = self.built, None
             if keep:
-                warm = self.warm.result() if self.warm.done() and not self.warm.exception() else None
-                copy = await asyncio.to_thread(evict_model, built, self.cfg, warm.arena if warm else None)
+                # A built model came after the device's warm-up: it is done, and succeeded.
+                copy = await asyncio.to_thread(evict_model, built, self.cfg, self.warm.result().arena)
             else:
                 copy = None
                 await asyncio.to_thread(release_model, built, self.cfg)

@@ -427,7 +427,7 @@ class WorkerService:
                     asyncio.ensure_future(self.sender.finished_here(done))
         if hop_trace.TRACE is not None and isinstance(outputs, StepOutputs):
             for rid in outputs.request_ids:
-                hop_trace.TRACE.mark(rid, "wk_out")  # the summary keeps each request's first
+                hop_trace.TRACE.mark_first(rid, "wk_out")  # its first token, not every one
         for subject, batch in token_batches(self.cfg.worker_id, outputs, routes):
             asyncio.ensure_future(self.conn.publish_encoded(subject, encode(batch), TokenBatch.TYPE))
 

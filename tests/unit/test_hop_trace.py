@@ -21,12 +21,13 @@ def test_marks_from_several_services_join_into_segments(tmp_path):
     for rid in ("a", "b"):
         gateway.mark(rid, "gw_route")
         worker.mark(rid, "wk_in")
-        worker.mark(rid, "wk_out")
-        worker.mark(rid, "wk_out")  # later tokens: the first one counts
+        worker.mark_first(rid, "wk_out")
+        worker.mark_first(rid, "wk_out")  # later tokens: not marked again
         gateway.mark(rid, "gw_first")
     gateway.flush()
     worker.flush()
     s = summary_module()
+    assert sum(1 for line in open(tmp_path / "worker-2.jsonl")) == 4
     marks = s.load(str(tmp_path))
     assert set(marks) == {"a", "b"} and set(marks["a"]) == {"gw_route", "wk_in", "wk_out", "gw_first"}
     assert marks["a"]["wk_out"] <= marks["a"]["gw_first"]
