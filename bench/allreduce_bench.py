@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-HIDDEN = (4096, 8192)  # Llama-3.1-8B, 70B
-BATCHES = (1, 16, 64, 256)
+# Llama-3.1-8B, 70B by default; AR_HIDDEN="2048" AR_BATCHES="1 64 512" for another model's sizes.
+HIDDEN = tuple(int(x) for x in os.environ.get("AR_HIDDEN", "4096 8192").split())
+BATCHES = tuple(int(x) for x in os.environ.get("AR_BATCHES", "1 16 64 256").split())
 
 
 def timed(fn, iters: int) -> float:
