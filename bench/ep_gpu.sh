@@ -4,7 +4,8 @@
 # communication a layer adds at decode sizes (two all-reduces of batch × 2,048 bf16: NCCL and the
 # one-shot peer-memory path, bench/custom_allreduce_check.py); 8B W1 with TP=1 against TP=2.
 # Random weights drawn on the GPUs (--load-format dummy). Ends with one table (summary.txt).
-# Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh. Usage: COMMIT=<sha> [PARTS="comm w1 w2"] bash bench/ep_gpu.sh
+# PARTS "sweep": the engine's steps at batch 256 and 1,024 (SWEEP), one GPU against EP=2.
+# Needs .whl/: WITH_UCX=0 ../shared/tools/gpu-wheels.sh. Usage: COMMIT=<sha> [PARTS="comm w1 w2 sweep"] bash bench/ep_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/inferno-out}; mkdir -p "$OUT"
@@ -29,6 +30,18 @@ if [[ $PARTS == *" w1 "* ]]; then  # 8B W1: one GPU against TP=2 (the issue's 1.
       | grep '^{' | tail -1 > "$RAW/w1_tp$tp.json"
     [ -s "$RAW/w1_tp$tp.json" ] || tail -5 "$RAW/w1_tp$tp.err"
     echo "W1 TP=$tp done at ${SECONDS} s: $(head -c 200 "$RAW/w1_tp$tp.json")"
+  done
+fi
+if [[ $PARTS == *" sweep "* ]]; then  # the engine alone: qwen3-30b-a3b steps at W2's batches, one GPU against EP=2
+  for b in ${SWEEP:-256 1024}; do
+    for tp in 1 2; do
+      EP=$([ $tp = 2 ] && echo "--tensor-parallel-size 2 --enable-expert-parallel")
+      timeout 200 python3 -m services.cli bench-engine --model /tmp/qwen3-30b-a3b --load-format dummy --batch-size $b \
+        --prompt-len 256 --decode-tokens 64 --overlap --json $EP 2>"$RAW/sweep_${b}_tp$tp.err" | grep '^{' | tail -1 \
+        > "$RAW/sweep_${b}_tp$tp.json"
+      [ -s "$RAW/sweep_${b}_tp$tp.json" ] || tail -5 "$RAW/sweep_${b}_tp$tp.err"
+      echo "sweep batch $b TP=$tp at ${SECONDS} s: $(head -c 260 "$RAW/sweep_${b}_tp$tp.json")"
+    done
   done
 fi
 if [[ $PARTS == *" w2 "* ]]; then  # qwen3-30b-a3b W2: one GPU, then EP over two
@@ -80,6 +93,14 @@ for tp in (1, 2):
         print(f"8B W1 TP={tp}: {r['decode_tokens_per_s']:.1f} tok/s ({r['decode_step_ms']:.3f} ms a step)")
 if len(result["w1"]) == 2:
     print(f"8B W1 TP=2 / TP=1: {result['w1']['tp2'] / result['w1']['tp1']:.3f} x (target >= 1.6)")
+for b in os.environ.get("SWEEP", "256 1024").split():
+    rows = {tp: (lines(f"sweep_{b}_tp{tp}.json") or [None])[-1] for tp in (1, 2)}
+    if all(rows.values()):
+        a, e = rows[1], rows[2]
+        print(f"engine batch {b}: decode step {a['decode_step_ms']:.2f} ms one GPU, {e['decode_step_ms']:.2f} ms EP=2 "
+              f"({a['decode_step_ms'] / e['decode_step_ms']:.2f} x); prefill {a['prefill_tokens_per_s']:,.0f} / "
+              f"{e['prefill_tokens_per_s']:,.0f} tok/s")
+        result.setdefault("sweep", {})[b] = {"one": a, "ep2": e}
 for lane in ("one", "ep2"):
     try:
         s = json.load(open(f"{raw}/w2_{lane}.json"))["summary"]

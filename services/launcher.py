@@ -398,7 +398,7 @@ def parse_args(argv):
     ap.add_argument("--decode-workers", type=int, default=0,
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
     ap.add_argument("--disagg-max-prefill-queue-tokens", type=int, default=None,
-                    help="the scheduler's queue bound for a remote prefill (default: none)")
+                    help="the scheduler's queue bound for a remote prefill (default: its own, 4096; 0: none)")
     ap.add_argument("--kvstore-capacity-gb", type=float, default=None,
                     help="host memory of the cluster KV store (prefix reuse across workers); 0: none "
                          "(default: 2 with two or more workers, none with one)")

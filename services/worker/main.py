@@ -64,6 +64,11 @@ def parse_args(argv):
                     help="most requests running at once (default: 1024 with a GPU, as vLLM's on 80 GB parts: "
                          "the batch the KV pool holds; 256 on the CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_default("INFERNO_MAX_NUM_BATCHED_TOKENS", 8192))
+    ap.add_argument("--chunked-prefill-size", type=int,
+                    default=env_default("INFERNO_CHUNKED_PREFILL_SIZE", None, int),
+                    help="most prompt tokens in one step, all requests together (SGLang's flag); default: "
+                         "512 for the decode role, so its own prefills keep its steps short, else "
+                         "--max-num-batched-tokens")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -92,6 +97,10 @@ def parse_args(argv):
                     help="decode role on a GPU: prefill workers of this host write the prompt's KV into this "
                          "worker's receive slots over CUDA IPC; --no-handoff-push: this worker copies it out "
                          "of theirs")
+    ap.add_argument("--handoff-ipc", action=argparse.BooleanOptionalAction,
+                    default=env_default("INFERNO_HANDOFF_IPC", True, parse_bool),
+                    help="prefill/decode roles on GPUs of one host: pages move over CUDA IPC; --no-handoff-ipc: "
+                         "as bytes over UCXX, as between hosts (UCX_TLS picks the transport)")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: a GPU worker fetches prefixes from the cluster KV store when one answers and "
                          "that beats recomputing, a CPU worker does not use it; on: fetch too, and write every "
@@ -263,11 +272,13 @@ def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, floa
                   num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   block_size=args.block_size, max_num_seqs=max_num_seqs_default(args.max_num_seqs, args.device),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  chunked_prefill_size=args.chunked_prefill_size,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
-                  speculative_config=args.speculative_config, handoff_push=args.handoff_push, kvstore=args.kvstore,
+                  speculative_config=args.speculative_config, handoff_push=args.handoff_push,
+                  handoff_ipc=args.handoff_ipc, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm, enable_expert_parallel=args.enable_expert_parallel)

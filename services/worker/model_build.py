@@ -256,7 +256,7 @@ def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: b
         gpu_memory_utilization=min(cfg.gpu_memory_utilization, 0.99), memory_share=cfg.memory_share,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_model_len,
-        cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
+        chunked_prefill_size=chunked_prefill_size(cfg), cuda_graphs=cuda_graphs and not staged, overlap=overlap, cache_key=spec.model_name,
         load_format=spec.load_format, tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size, custom_all_reduce=cfg.custom_all_reduce,
         fused_all_reduce_norm=cfg.fused_all_reduce_norm, enable_expert_parallel=cfg.enable_expert_parallel,
@@ -298,6 +298,18 @@ def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: b
     timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb, "kv_s": kv_s, "kv_reused": kv is not None,
                "graphs_s": graphs_s, "graphs_deferred": len(graphs.backlog) if graphs is not None else 0}
     return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
+
+
+DECODE_PREFILL_CHUNK = 512  # a decode worker's prompt tokens a step, by default
+
+
+def chunked_prefill_size(cfg: WorkerServiceConfig) -> int:
+    """A decode worker prefills a prompt itself when it is short or the prefill workers are backed
+    up (the scheduler's queue bound): 512 tokens a step add ~10 ms to its decode steps on an H100
+    (8B), where whole 8,192-token steps put its ITL p99 at 1.00 × the mixed workers' (2026-11-27)."""
+    if cfg.chunked_prefill_size is not None:
+        return cfg.chunked_prefill_size
+    return DECODE_PREFILL_CHUNK if cfg.role == "decode" else 0
 
 
 DECODE_HANDOFF_TOKENS = 16384  # a decode worker's hand-off room at least: the default step budget's two steps

@@ -260,17 +260,18 @@ class WorkerService:
         from shared.kv_transfer import TransferServer
 
         layout, size = self._page_layout()
-        on_gpu = self.loop_thread.engine.kv_cache.pool.is_cuda
+        # CUDA IPC between this host's GPU workers, unless told to move bytes as between hosts.
+        ipc = self.loop_thread.engine.kv_cache.pool.is_cuda and self.cfg.handoff_ipc
         if role == "prefill":
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
                                         self._transfer(), self.cfg.handoff_timeout,
-                                        IpcExporter() if on_gpu else None, host_id(),
-                                        IpcImporter() if on_gpu else None)
+                                        IpcExporter() if ipc else None, host_id(),
+                                        IpcImporter() if ipc else None)
         else:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
                                             self.conn.publish, self.prefix, self.cfg.worker_id,
-                                            IpcImporter() if on_gpu else None, host_id(),
-                                            IpcExporter() if on_gpu and self.cfg.handoff_push else None,
+                                            IpcImporter() if ipc else None, host_id(),
+                                            IpcExporter() if ipc and self.cfg.handoff_push else None,
                                             grammars=lambda: self.grammars)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()

@@ -61,6 +61,7 @@ class FakeRunner:
             r, bs = s.request, self.block_size
             assert s.start == r.num_computed_tokens and s.num_new_tokens >= 1
             assert s.num_new_tokens <= cfg.max_tokens_per_request_step
+            assert s.num_new_tokens == 1 or s.num_new_tokens <= cfg.prefill_budget
             assert s.samples == (s.start + s.num_new_tokens == r.num_tokens)
             for pos in range(s.start, s.start + s.num_new_tokens):
                 self.kv[r.block_ids[pos // bs], pos % bs] = tuple(r.all_token_ids[:pos + 1])
@@ -115,6 +116,26 @@ def test_long_prefill_threshold_gives_exact_chunks():
         [("a", 6, 14, True)],
         [("a", 1, 20, True)],
     ]
+
+
+def test_chunked_prefill_size_caps_the_prompt_tokens_of_a_step_not_its_decodes():
+    """A decode worker's own prefills (chunked_prefill_size 8 here): every request's prompt
+    tokens together stay within the cap, and decodes run beside them whatever the cap."""
+    batcher = make_batcher(chunked_prefill_size=8)
+    batcher.add_request(make_request("d", range(900, 902), max_tokens=6))
+    batcher.add_request(make_request("a", range(10), max_tokens=2))
+    batcher.add_request(make_request("b", range(50, 56), max_tokens=1))
+    plans = FakeRunner(batcher).run()
+    assert [summary(p) for p in plans] == [
+        [("d", 2, 0, True), ("a", 6, 0, False)],
+        [("d", 1, 2, True), ("a", 4, 6, True), ("b", 4, 0, False)],
+        [("d", 1, 3, True), ("a", 1, 10, True), ("b", 2, 4, True)],
+        [("d", 1, 4, True)],
+        [("d", 1, 5, True)],
+        [("d", 1, 6, True)],
+    ]
+    for plan in plans:
+        assert sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) <= 8
 
 
 def test_decodes_lead_the_step_before_running_prompts_chunks():

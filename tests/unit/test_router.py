@@ -339,7 +339,7 @@ def test_a_queue_bound_sends_the_prompt_to_its_decode_worker_when_every_prefill_
 
 
 def test_the_queue_bound_is_a_non_negative_int():
-    assert RouterConfig().disagg_max_prefill_queue_tokens == 0
+    assert RouterConfig().disagg_max_prefill_queue_tokens == 4096  # past it a decode worker prefills too
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError):
             RouterConfig(disagg_max_prefill_queue_tokens=bad)

@@ -231,6 +231,7 @@ class Batcher:
         # Running prompts' next chunks go after the decodes: a step's one-token rows then lead
         # (AttentionMetadata.decode_rows), and one decode-attention launch takes them all.
         chunks: list[ScheduledRequest] = []
+        prefill_left = self.config.prefill_budget
         while index < len(running) and budget > 0 and len(scheduled) + len(chunks) < cap:
             request = running[index]
             pending = request.num_pending_tokens
@@ -256,6 +257,12 @@ class Batcher:
                 drop_draft(request)  # a draft is checked whole in one step, or not at all
                 total -= known - len(request.all_token_ids)
                 num_new = min(total - start, budget, self.config.max_tokens_per_request_step)
+            prompt_chunk = total - start > 1 + request.draft_len  # a prompt's (or a recompute's) tokens
+            if prompt_chunk:
+                num_new = min(num_new, prefill_left)
+                if num_new == 0:
+                    index += 1  # this step's prompt tokens are spent; it goes on next step
+                    continue
             while not bm.allocate_slots(request, request.num_inflight_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -264,6 +271,7 @@ class Batcher:
                     break
             else:
                 budget -= num_new
+                prefill_left -= num_new if prompt_chunk else 0
                 self._add_to_plan(scheduled if num_new == 1 else chunks, request, start, num_new)
                 index += 1
         scheduled += chunks
@@ -279,7 +287,9 @@ class Batcher:
                 break  # preempted while its last token was in flight; resumes once it is back
             computed_blocks, num_cached = bm.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget, self.config.max_tokens_per_request_step)
-            if not bm.allocate_slots(request, num_new, computed_blocks, num_cached):
+            if num_new > 1:
+                num_new = min(num_new, prefill_left)
+            if num_new == 0 or not bm.allocate_slots(request, num_new, computed_blocks, num_cached):
                 break
             self._waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resumption
@@ -288,6 +298,7 @@ class Batcher:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             budget -= num_new
+            prefill_left -= num_new if num_new > 1 else 0
             self._add_to_plan(scheduled, request, num_cached, num_new)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return self._sealed(plan)

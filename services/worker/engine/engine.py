@@ -166,6 +166,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            chunked_prefill_size=config.chunked_prefill_size,
             enable_prefix_caching=config.enable_prefix_caching,
             micro_batches=self.layout.pp,
         ), self.block_manager)

@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     long_prefill_token_threshold: int = 0
+    chunked_prefill_size: int = 0  # most prompt tokens a step (SchedulerConfig); 0: the step budget
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     # Plan and launch step N+1 before reading step N's tokens, so the host work hides behind
