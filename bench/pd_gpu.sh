@@ -25,6 +25,7 @@ for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do
   W="--prefill-workers 1 --decode-workers 1 ${PD_ARGS:-}"; ENV=()
   case $lane in
     mixed) W="--workers 2" ;;
+    pd_b) W="$W ${PD_B_ARGS:-}" ;;  # an A/B of 1P+1D flags, e.g. PD_B_ARGS="--disagg-max-prefill-queue-tokens 2048"
     pd_bytes) W="$W --worker-arg=--no-handoff-ipc" ;;
     pd_tcp) W="$W --worker-arg=--no-handoff-ipc"; ENV=(UCX_TLS=tcp,cuda_copy,self) ;;
   esac
@@ -44,7 +45,7 @@ for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do
   timeout 150 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests ${LONG_REQUESTS:-100} \
     --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --request-rate ${LONG_RATE:-5} --seed 11 \
     --no-progress --pids-file $run/pids.json --out "$RAW/long_$lane.json" 2>&1 | tail -1
-  curl -s localhost:8001/metrics | grep -E "^inferno:(requests_disaggregated|kv_handoffs)" > "$RAW/metrics_$lane.txt"
+  curl -s localhost:8001/metrics | grep -E "^inferno:(scheduler_disaggregated|requests_disaggregated|kv_handoffs)" > "$RAW/metrics_$lane.txt"
   kill -INT $UP; wait $UP
   grep -h "handoff_done\|handoff_landed" $run/prefill-*.log $run/decode-*.log > "$RAW/handoffs_$lane.jsonl" 2>/dev/null
   [ -s "$RAW/handoffs_$lane.jsonl" ] && python3 bench/handoff_stats.py "$RAW/handoffs_$lane.jsonl" > "$RAW/handoff_$lane.json"
@@ -56,7 +57,7 @@ import json, os, subprocess, sys
 raw, out, commit = sys.argv[1:]
 print(open(f"{raw}/gpus.txt").read().strip().replace("\n", "; "), "| commit", commit)
 result = {}
-for lane in ("mixed", "pd", "pd_bytes", "pd_tcp"):
+for lane in ("mixed", "pd", "pd_b", "pd_bytes", "pd_tcp"):
     try:
         s = json.load(open(f"{raw}/long_{lane}.json"))["summary"]
     except Exception:
@@ -72,12 +73,12 @@ for lane in ("mixed", "pd", "pd_bytes", "pd_tcp"):
     print(f"{lane:9} TTFT p50 / p99 {row['ttft_p50']:7.1f} / {row['ttft_p99']:7.1f} ms   ITL p50 / p99 "
           f"{row['itl_p50']:5.1f} / {row['itl_p99']:6.1f} ms   failed {row['failed']}")
 base = result.get("mixed")
-for lane in ("pd", "pd_bytes", "pd_tcp"):
+for lane in ("pd", "pd_b", "pd_bytes", "pd_tcp"):
     if base and lane in result:
         r = result[lane]
         print(f"{lane} against mixed: TTFT p99 {r['ttft_p99'] / base['ttft_p99']:.2f} x (target <= 1.3), "
               f"ITL p99 {r['itl_p99'] / base['itl_p99']:.2f} x (target <= 0.5)")
-for lane in ("pd", "pd_bytes", "pd_tcp"):
+for lane in ("pd", "pd_b", "pd_bytes", "pd_tcp"):
     h = result.get(lane, {}).get("handoff", {})
     for key, label in (("all", "all"), ("prompt_ge_2800", ">= 2,800 tokens")):
         x = h.get(key)

@@ -15,7 +15,8 @@ from services.worker.engine.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
 
 
-def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int, seed: int = 0) -> dict:
+def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int, seed: int = 0,
+        profile: str = "") -> dict:
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
@@ -35,11 +36,14 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
     sync()
     t1 = time.perf_counter()
     decode_steps = 0
+    profiler = _start_profile() if profile else None
     while engine.has_unfinished():
         engine.step()
         decode_steps += 1
     sync()
     t2 = time.perf_counter()
+    if profiler is not None:
+        _write_profile(profiler, profile, decode_steps, t2 - t1)
     prefill_s, decode_s = t1 - t0, t2 - t1
     return {
         "batch_size": batch_size, "prompt_len": prompt_len, "decode_tokens": decode_tokens,
@@ -54,6 +58,27 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         # The first request's first tokens: a parallel group's greedy output beside one GPU's, same weights.
         "first_tokens": requests[0].output_token_ids[:32],
     }
+
+
+def _start_profile():
+    """torch's profiler over the decode steps (this process's launches and its GPU's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def _write_profile(profiler, path: str, steps: int, seconds: float) -> None:
+    """The kernels by GPU time, per decode step, beside the step's wall time: GPU-bound when they
+    fill it, host-bound when they leave gaps."""
+    profiler.__exit__(None, None, None)
+    events = profiler.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    with open(path, "w") as f:
+        f.write(f"decode steps {steps}, wall {1e3 * seconds / max(steps, 1):.3f} ms a step, "
+                f"GPU kernels {gpu_us / 1e3 / max(steps, 1):.3f} ms a step\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", action="store_true", help="plan step N+1 before reading step N's tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--profile", default="", metavar="FILE",
+                    help="write torch's profile of the decode steps here (kernels by GPU time, per step)")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights drawn on the device (a --config-only directory suffices)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -95,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         custom_all_reduce=args.custom_all_reduce, fused_all_reduce_norm=args.fused_all_reduce_norm,
         enable_expert_parallel=args.enable_expert_parallel))
     try:
-        result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens)
+        result = run(engine, args.batch_size, args.prompt_len, args.decode_tokens, profile=args.profile)
     except BaseException:
         engine.close()
         raise
