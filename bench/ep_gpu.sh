@@ -45,12 +45,12 @@ if [[ $PARTS == *" sweep "* ]]; then  # the engine alone: qwen3-30b-a3b steps at
   done
 fi
 if [[ $PARTS == *" profile "* ]]; then  # torch's profile of the decode steps at batch PROFILE_BATCH, one GPU and EP=2
-  for tp in 1 2; do
+  for tp in ${PROFILE_TP:-1 2}; do
     EP=$([ $tp = 2 ] && echo "--tensor-parallel-size 2 --enable-expert-parallel")
-    timeout 200 python3 -m services.cli bench-engine --model /tmp/qwen3-30b-a3b --load-format dummy \
+    timeout 200 python3 -m services.cli bench-engine --model /tmp/${PROFILE_MODEL:-qwen3-30b-a3b} --load-format dummy \
       --batch-size ${PROFILE_BATCH:-256} --prompt-len 256 --decode-tokens 16 --overlap --json $EP \
-      --profile "$OUT/profile_tp$tp.txt" 2>/dev/null | grep '^{' | head -c 300
-    echo; head -1 "$OUT/profile_tp$tp.txt"
+      --profile "$OUT/profile_${PROFILE_MODEL:-qwen3-30b-a3b}_b${PROFILE_BATCH:-256}_tp$tp.txt" 2>/dev/null | grep '^{' | head -c 300
+    echo; head -1 "$OUT/profile_${PROFILE_MODEL:-qwen3-30b-a3b}_b${PROFILE_BATCH:-256}_tp$tp.txt"
   done
 fi
 if [[ $PARTS == *" w2 "* ]]; then  # qwen3-30b-a3b W2: one GPU, then EP over two

@@ -79,6 +79,8 @@ def _write_profile(profiler, path: str, steps: int, seconds: float) -> None:
         f.write(f"decode steps {steps}, wall {1e3 * seconds / max(steps, 1):.3f} ms a step, "
                 f"GPU kernels {gpu_us / 1e3 / max(steps, 1):.3f} ms a step\n")
         f.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+        f.write("\nby the host's own time:\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> int:
