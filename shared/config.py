@@ -252,6 +252,9 @@ class WorkerServiceConfig:
     # Hand-offs between GPU workers of one host over CUDA IPC (push or pull); False: the pages go as
     # bytes over UCXX as between hosts (UCX_TLS then picks the transport: how a cross-host link is bounded).
     handoff_ipc: bool = True
+    # Hand-off pages through pinned host memory where UCX would move GPU memory over TCP
+    # (services/worker/host_staging.py): "auto", "host" (always), "off".
+    handoff_staging: str = "auto"
     kvstore: str = "auto"  # "auto": use the cluster store when it pays (GPU: fetch only); "on": write back all; "off"
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster
@@ -282,6 +285,8 @@ class WorkerServiceConfig:
             _fail(self, "load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kvstore not in ("auto", "on", "off"):
             _fail(self, "kvstore", f"must be 'auto', 'on' or 'off', got {self.kvstore!r}")
+        if self.handoff_staging not in ("auto", "host", "off"):
+            _fail(self, "handoff_staging", f"must be auto, host or off, got {self.handoff_staging!r}")
         if self.role not in WORKER_ROLES:
             _fail(self, "role", f"must be one of {WORKER_ROLES}, got {self.role!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

@@ -26,6 +26,7 @@ import structlog
 
 from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcImporter
 from services.worker.grammar import GrammarError
+from services.worker.host_staging import HostStaging, copy_pages, flat_bytes, should_stage
 from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
@@ -48,17 +49,19 @@ class HandoffSender:
 
     def __init__(self, conn, prefix: str, worker_id: str, layout: str, page_bytes: int,
                  transfer: TransferClient, timeout: float = 10.0, ipc: IpcExporter | None = None,
-                 host_id: str = "", pusher: IpcImporter | None = None):
+                 host_id: str = "", pusher: IpcImporter | None = None, staging: HostStaging | None = None,
+                 staging_mode: str = "auto"):
         self.conn, self.prefix, self.worker_id = conn, prefix, worker_id
         self.layout, self.page_bytes, self.timeout = layout, page_bytes, timeout
         self.transfer = transfer
         self.ipc, self.host_id = ipc, host_id  # a GPU worker's CUDA IPC exports, and its host
         self.pusher = pusher  # ... and its mappings of decode workers' receive buffers (pushes)
+        self.staging, self.staging_mode = staging, staging_mode  # pages through host memory (host_staging.py)
         self._no_ipc: set[str] = set()  # decode workers that refused a descriptor: bytes from now on
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
         self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0}
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0, "staged": 0}
         self.recent_seconds: deque[float] = deque(maxlen=256)  # the latest hand-offs' times (their p50 in heartbeats)
 
     async def on_ready(self, msg: KvHandoffReady) -> None:
@@ -228,7 +231,19 @@ class HandoffSender:
                     raise
                 log.info("cuda ipc refused; sending the bytes from now on", decode_address=address, error=str(e))
                 self._no_ipc.add(address)
-        reply, _ = await self.transfer.call(address, header, pages if pages.shape[0] else None, timeout=self.timeout)
+        if not pages.shape[0]:
+            reply, _ = await self.transfer.call(address, header, None, timeout=self.timeout)
+            return reply, False
+        if self.staging is None or not should_stage(self.staging_mode, self.host_id, peer_host):
+            reply, _ = await self.transfer.call(address, header, pages, timeout=self.timeout)
+            return reply, False
+        staged = self.staging.take(nbytes_of(pages))
+        try:
+            await asyncio.to_thread(copy_pages, staged, flat_bytes(pages))
+            reply, _ = await self.transfer.call(address, {**header, "staged": True}, staged, timeout=self.timeout)
+        finally:
+            self.staging.give(staged)
+        self.stats["staged"] += 1
         return reply, False
 
     def _describe(self, pages, handoff, address: str, peer_host: str) -> dict | None:
@@ -255,8 +270,10 @@ class HandoffReceiver:
 
     def __init__(self, step_loop, layout: str, page_bytes: int, address: str, ttl: float = 10.0,
                  publish=None, prefix: str = "", worker_id: str = "", ipc: IpcImporter | None = None,
-                 host_id: str = "", slots: IpcExporter | None = None, grammars=lambda: None):
+                 host_id: str = "", slots: IpcExporter | None = None, grammars=lambda: None,
+                 staging: HostStaging | None = None):
         self.step_loop, self.layout, self.page_bytes = step_loop, layout, page_bytes
+        self.staging = staging  # host buffers that "staged" frames land in before their copy onto the GPU
         self.grammars = grammars  # () -> the attached model's Grammars (structured outputs), or None
         self.address, self.ttl = address, ttl
         # A GPU worker's CUDA IPC mappings; the host it announces (prefill workers there send descriptors).
@@ -269,7 +286,7 @@ class HandoffReceiver:
         self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
         self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0, "ipc": 0,
-                      "pushed": 0}
+                      "pushed": 0, "staged": 0}
 
     def on_prepare(self, msg: GenerateRequest) -> None:
         """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
@@ -408,6 +425,8 @@ class HandoffReceiver:
             buffer = None if entry is None else entry[1].buffer
         if buffer is None or nbytes_of(buffer) != header["nbytes"]:
             return None  # unknown or expired: kv_transfer drains the bytes and refuses them
+        if header.get("staged") and self.staging is not None:
+            return self.staging.take(header["nbytes"])  # on_frame copies it into `buffer`, then gives it back
         return buffer
 
     def _prepared_reservation(self, request_id):
@@ -419,7 +438,12 @@ class HandoffReceiver:
 
     async def on_frame(self, header: dict, payload) -> tuple[dict, None]:
         arrived = time.perf_counter()
-        reply = await self._on_frame(header)
+        staged = payload if header.get("staged") and self.staging is not None else None
+        try:
+            reply = await self._on_frame(header, staged)
+        finally:
+            if staged is not None:
+                self.staging.give(staged)
         sent_at = header.get("sent_at")
         if reply.get("ok") and isinstance(sent_at, float):
             # One line per landed hand-off at debug level: with the prefill side's handoff_done, a
@@ -430,9 +454,9 @@ class HandoffReceiver:
                       copy_gpu_s=header.get("copy_gpu_s", 0.0))
         return reply, None
 
-    async def _on_frame(self, header: dict) -> dict:
+    async def _on_frame(self, header: dict, staged) -> dict:
         if header.get("op") == "kv_handoff_direct":
-            return await self._on_direct(header)
+            return await self._on_direct(header, staged)
         if header.get("op") != "kv_handoff":
             return {"error": f"unknown op {header.get('op')!r}"}
         tid = header.get("transfer_id")
@@ -440,7 +464,7 @@ class HandoffReceiver:
         if entry is None:
             return {"error": "no reservation for this transfer (expired or aborted)"}
         offer, reservation, expiry = entry
-        refused = await self._copy_in(header, reservation)
+        refused = await self._copy_in(header, reservation, staged)
         if refused:
             return {"error": refused}
         if self.waiting.pop(tid, None) is None:
@@ -449,11 +473,21 @@ class HandoffReceiver:
         self._import(offer, reservation)
         return {"ok": True}
 
-    async def _copy_in(self, header: dict, reservation) -> str | None:
+    async def _copy_in(self, header: dict, reservation, staged=None) -> str | None:
         """Pages described by an "ipc" header: copy them out of the prefill worker's buffer on a
         stream of ours and wait for the copy (the step stream never waits for it, and the reply
-        frees the prefill worker's slot). An error text refuses the descriptor when they cannot be
+        frees the prefill worker's slot). Pages of a "staged" frame: from the host buffer they
+        landed in into the reservation's. An error text refuses the descriptor when they cannot be
         copied so; None when they are in the buffer (or came as the frame's bytes)."""
+        if header.get("staged"):
+            if staged is None:
+                return "staged pages but no host buffer took them"
+            t0 = time.perf_counter()
+            # Behind the buffer's allocation, as a pull's copy is.
+            await asyncio.to_thread(copy_pages, flat_bytes(reservation.buffer), staged, reservation.allocated)
+            header["copy_s"] = time.perf_counter() - t0
+            self.stats["staged"] += 1
+            return None
         if "ipc" not in header:
             return None
         buffer = reservation.buffer
@@ -482,7 +516,7 @@ class HandoffReceiver:
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
                                             offer.num_cached_tokens))
 
-    async def _on_direct(self, header: dict) -> dict:
+    async def _on_direct(self, header: dict, staged=None) -> dict:
         """Pages and offer in one frame, into blocks reserved at the scheduler's prepare."""
         rid = header.get("request_id")
         reservation = self._prepared_reservation(rid)
@@ -498,7 +532,7 @@ class HandoffReceiver:
         pushed = "pushed" in header
         if pushed and (not reservation.hold_until or header["pushed"] != nbytes_of(reservation.buffer)):
             return {"error": "pages pushed into a slot this reservation never announced"}
-        refused = await self._copy_in(header, reservation)
+        refused = await self._copy_in(header, reservation, staged)
         if refused:
             return {"error": refused}
         if self._prepared_reservation(rid) is not reservation:

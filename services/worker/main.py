@@ -101,6 +101,11 @@ def parse_args(argv):
                     default=env_default("INFERNO_HANDOFF_IPC", True, parse_bool),
                     help="prefill/decode roles on GPUs of one host: pages move over CUDA IPC; --no-handoff-ipc: "
                          "as bytes over UCXX, as between hosts (UCX_TLS picks the transport)")
+    ap.add_argument("--handoff-staging", choices=["auto", "host", "off"],
+                    default=env_default("INFERNO_HANDOFF_STAGING", "auto"),
+                    help="hand-off pages through pinned host memory where UCX would move GPU memory over TCP: "
+                         "auto (when UCX_TLS has no CUDA IPC or RDMA transport, or the peer is on another host "
+                         "without RDMA), host (always), off")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: a GPU worker fetches prefixes from the cluster KV store when one answers and "
                          "that beats recomputing, a CPU worker does not use it; on: fetch too, and write every "
@@ -278,7 +283,7 @@ def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, floa
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
                   speculative_config=args.speculative_config, handoff_push=args.handoff_push,
-                  handoff_ipc=args.handoff_ipc, kvstore=args.kvstore,
+                  handoff_ipc=args.handoff_ipc, handoff_staging=args.handoff_staging, kvstore=args.kvstore,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm, enable_expert_parallel=args.enable_expert_parallel)

@@ -14,6 +14,7 @@ import structlog
 from services.worker.compile_watch import CompileWatch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
+from services.worker.host_staging import HostStaging
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.grammar import GrammarError, Grammars
 from services.worker.handoff import HandoffReceiver, HandoffSender
@@ -276,17 +277,18 @@ class WorkerService:
         layout, size = self._page_layout()
         # CUDA IPC between this host's GPU workers, unless told to move bytes as between hosts.
         ipc = self.loop_thread.engine.kv_cache.pool.is_cuda and self.cfg.handoff_ipc
+        staging = HostStaging(pin=self.loop_thread.engine.kv_cache.pool.is_cuda)
         if role == "prefill":
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
                                         self._transfer(), self.cfg.handoff_timeout,
                                         IpcExporter() if ipc else None, host_id(),
-                                        IpcImporter() if ipc else None)
+                                        IpcImporter() if ipc else None, staging, self.cfg.handoff_staging)
         else:
             self.receiver = HandoffReceiver(self.loop_thread, layout, size, "", self.cfg.handoff_timeout,
                                             self.conn.publish, self.prefix, self.cfg.worker_id,
                                             IpcImporter() if ipc else None, host_id(),
                                             IpcExporter() if ipc and self.cfg.handoff_push else None,
-                                            grammars=lambda: self.grammars)
+                                            grammars=lambda: self.grammars, staging=staging)
             self.transfer_server = TransferServer(self.receiver.on_frame, self.receiver.allocate,
                                                   host=self.cfg.transfer_host).start()
             self.receiver.address = self.transfer_server.address
@@ -551,13 +553,13 @@ class WorkerService:
             recent = sorted(self.sender.recent_seconds)
             return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
                     "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                    "kv_handoffs_pushed": stats["pushed"],
+                    "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"],
                     "kv_handoff_p50_ms": 1e3 * recent[len(recent) // 2] if recent else 0.0}
         if self.receiver is not None:
             stats = self.receiver.stats
             return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
                     "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                    "kv_handoffs_pushed": stats["pushed"]}
+                    "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"]}
         return {}
 
 

@@ -31,10 +31,13 @@ def pd_stack(request, tiny_model, tmp_path_factory):
     # Every prompt is prefilled remotely (threshold 1), so each request is handed off.
     # Heartbeats may wait seconds on a 2-core machine running three workers flat out (20 hand-offs
     # at once below): a worker is gone after 10 s here, not 3 (the fault tests keep the defaults).
+    # With two decode workers the pages go through host staging buffers on both sides (as they do
+    # where UCX would move GPU memory over TCP), so every test below checks that path too.
     s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1,
                     decode_workers=request.param,
                     scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
-                    gateway_args=("--heartbeat-ttl", "10"))
+                    gateway_args=("--heartbeat-ttl", "10"),
+                    worker_args=("--handoff-staging", "host") if request.param == 2 else ())
     yield s
     s.stop()
 
@@ -171,6 +174,14 @@ def test_metrics_count_hand_offs_and_their_median_time(pd_stack):
             break
         time.sleep(0.2)
     assert m["inferno:kv_handoffs_total"] > 0 and 0 < m["inferno:kv_handoff_seconds_p50"] < 5
+    hbs = heartbeats(pd_stack)
+    staged = {hb.role: hb.kv_handoffs_staged for hb in hbs.values() if hb.role == "prefill"}
+    if len(hbs) == 3:  # 1P+2D: every hand-off went through the host staging buffers
+        assert staged["prefill"] > 0 and staged["prefill"] == sum(
+            hb.kv_handoffs for hb in hbs.values() if hb.role == "prefill")
+        assert sum(hb.kv_handoffs_staged for hb in hbs.values() if hb.role == "decode") > 0
+    else:
+        assert staged["prefill"] == 0
 
 
 def test_decode_workers_queue_hand_offs_until_blocks_free(pd_stack):
