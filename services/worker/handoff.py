@@ -57,6 +57,7 @@ class HandoffSender:
         self.ipc, self.host_id = ipc, host_id  # a GPU worker's CUDA IPC exports, and its host
         self.pusher = pusher  # ... and its mappings of decode workers' receive buffers (pushes)
         self.staging, self.staging_mode = staging, staging_mode  # pages through host memory (host_staging.py)
+        self._staging_turns: dict[str, asyncio.Lock] = {}  # decode worker's address → its staged frames' turn
         self._no_ipc: set[str] = set()  # decode workers that refused a descriptor: bytes from now on
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
@@ -237,12 +238,15 @@ class HandoffSender:
         if self.staging is None or not should_stage(self.staging_mode, self.host_id, peer_host):
             reply, _ = await self.transfer.call(address, header, pages, timeout=self.timeout)
             return reply, False
-        staged = self.staging.take(nbytes_of(pages))
-        try:
-            await asyncio.to_thread(copy_pages, staged, flat_bytes(pages))
-            reply, _ = await self.transfer.call(address, {**header, "staged": True}, staged, timeout=self.timeout)
-        finally:
-            self.staging.give(staged)
+        # One staged frame at a time to a decode worker: its endpoint sends one frame at a time anyway,
+        # and a frame waiting for its turn holds no host buffer (a new one costs ~1 s a GB to pin).
+        async with self._staging_turns.setdefault(address, asyncio.Lock()):
+            staged = self.staging.take(nbytes_of(pages))
+            try:
+                await asyncio.to_thread(copy_pages, staged, flat_bytes(pages))
+                reply, _ = await self.transfer.call(address, {**header, "staged": True}, staged, timeout=self.timeout)
+            finally:
+                self.staging.give(staged)
         self.stats["staged"] += 1
         return reply, False
 
