@@ -12,6 +12,7 @@ import torch
 
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
+from services.worker.engine.torch_profile import FOLLOWERS_ENV, start_profile, write_profile
 from shared.sampling_params import SamplingParams
 
 
@@ -36,14 +37,14 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
     sync()
     t1 = time.perf_counter()
     decode_steps = 0
-    profiler = _start_profile() if profile else None
+    profiler = start_profile() if profile else None
     while engine.has_unfinished():
         engine.step()
         decode_steps += 1
     sync()
     t2 = time.perf_counter()
     if profiler is not None:
-        _write_profile(profiler, profile, decode_steps, t2 - t1)
+        write_profile(profiler, profile, decode_steps, t2 - t1)
     prefill_s, decode_s = t1 - t0, t2 - t1
     return {
         "batch_size": batch_size, "prompt_len": prompt_len, "decode_tokens": decode_tokens,
@@ -58,29 +59,6 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         # The first request's first tokens: a parallel group's greedy output beside one GPU's, same weights.
         "first_tokens": requests[0].output_token_ids[:32],
     }
-
-
-def _start_profile():
-    """torch's profiler over the decode steps (this process's launches and its GPU's kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = profile(activities=activities)
-    profiler.__enter__()
-    return profiler
-
-
-def _write_profile(profiler, path: str, steps: int, seconds: float) -> None:
-    """The kernels by GPU time, per decode step, beside the step's wall time: GPU-bound when they
-    fill it, host-bound when they leave gaps."""
-    profiler.__exit__(None, None, None)
-    events = profiler.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
-    with open(path, "w") as f:
-        f.write(f"decode steps {steps}, wall {1e3 * seconds / max(steps, 1):.3f} ms a step, "
-                f"GPU kernels {gpu_us / 1e3 / max(steps, 1):.3f} ms a step\n")
-        f.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
-        f.write("\nby the host's own time:\n")
-        f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:  # a parallel group's other ranks profile their whole run beside it (FILE.rankN)
+        os.environ[FOLLOWERS_ENV] = args.profile
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization, num_blocks=args.num_blocks,

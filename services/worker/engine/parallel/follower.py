@@ -8,9 +8,11 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from services.worker.engine.parallel.group import EXIT_CODE_RANK_LOST, die_with_parent
 from services.worker.engine.parallel.step_channel import OP_STOP
+from services.worker.engine.torch_profile import FOLLOWERS_ENV, start_profile, write_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,15 +30,21 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(EngineConfig(**json.loads(args.config)), rank=args.rank, init_method=args.init_method)
     channel = engine.group.channel
+    profile_path = os.environ.get(FOLLOWERS_ENV, "")
+    profiler = start_profile() if profile_path else None
+    steps, t0 = 0, time.perf_counter()
     try:
         while True:
             message = channel.recv()
             if message.op == OP_STOP:
                 break
             engine.runner.follow(message)
+            steps += 1
     except Exception as e:  # the driver is gone or a step failed here: the group cannot go on
         print(f"rank {args.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE_RANK_LOST)
+    if profiler is not None:
+        write_profile(profiler, f"{profile_path}.rank{args.rank}", steps, time.perf_counter() - t0)
     engine.close()
     sys.stdout.flush()
     sys.stderr.flush()
