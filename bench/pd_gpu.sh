@@ -5,6 +5,7 @@
 # then the same with UCX_TLS=tcp,cuda_copy,self (what a cross-host TCP link costs). Each lane: warm-up,
 # the greedy probe (the hand-off must move the KV intact), long prompts (input 1,000-3,000, output
 # 100-300) at LONG_RATE req/s, the hand-offs from the workers' logs. Ends with one table (summary.txt).
+# A lane named twice runs twice and its requests are pooled: LANES="mixed pd mixed pd" for the TTFT verdict.
 # 8B shape, random weights written once (make-model: every lane loads the same weights).
 # Needs .whl/ with UCX (../shared/tools/gpu-wheels.sh). Usage: COMMIT=<sha> [LANES="mixed pd pd_bytes pd_tcp"]
 #   [LONG_RATE=5] [LONG_REQUESTS=100] [PD_ARGS="..."] bash bench/pd_gpu.sh
@@ -20,7 +21,9 @@ M=/tmp/llama-3.1-8b
 [ -f $M/config.json ] || python3 -m services.cli make-model $M --preset llama-3.1-8b --dtype bfloat16 --device cuda \
   --seed 0 --quiet
 echo "model at ${SECONDS} s"
-for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do
+declare -A SEEN
+for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do  # a lane named again runs again (k): its requests are pooled
+  k=$(( ${SEEN[$lane]:-0} + 1 )); SEEN[$lane]=$k
   run=/tmp/run-$lane; rm -rf $run
   W="--prefill-workers 1 --decode-workers 1 ${PD_ARGS:-}"; ENV=()
   case $lane in
@@ -44,10 +47,10 @@ for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do
     > /dev/null 2>&1 || echo "greedy probe failed"
   timeout 150 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests ${LONG_REQUESTS:-100} \
     --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --request-rate ${LONG_RATE:-5} --seed 11 \
-    --no-progress --pids-file $run/pids.json --out "$RAW/long_$lane.json" 2>&1 | tail -1
+    --no-progress --save-requests --pids-file $run/pids.json --out "$RAW/long_${lane}_$k.json" 2>&1 | tail -1
   curl -s localhost:8001/metrics | grep -E "^inferno:(scheduler_disaggregated|requests_disaggregated|kv_handoffs)" > "$RAW/metrics_$lane.txt"
   kill -INT $UP; wait $UP
-  grep -h "handoff_done\|handoff_landed" $run/prefill-*.log $run/decode-*.log > "$RAW/handoffs_$lane.jsonl" 2>/dev/null
+  grep -h "handoff_done\|handoff_landed" $run/prefill-*.log $run/decode-*.log >> "$RAW/handoffs_$lane.jsonl" 2>/dev/null
   [ -s "$RAW/handoffs_$lane.jsonl" ] && python3 bench/handoff_stats.py "$RAW/handoffs_$lane.jsonl" > "$RAW/handoff_$lane.json"
   grep -h -i "traceback" -A3 $run/*.log | head -8
   echo "$lane done at ${SECONDS} s"
@@ -56,22 +59,47 @@ python3 - "$RAW" "$OUT" "${COMMIT:-?}" <<'PY' | tee "$OUT/summary.txt"
 import json, os, subprocess, sys
 raw, out, commit = sys.argv[1:]
 print(open(f"{raw}/gpus.txt").read().strip().replace("\n", "; "), "| commit", commit)
+import glob
+
+def pct(values, q):  # linear between ranks, as the load generator's
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    x = q * (len(v) - 1)
+    i = int(x)
+    return v[i] + (v[min(i + 1, len(v) - 1)] - v[i]) * (x - i)
+
+def itls(r):  # the load generator's RequestRecord.itls: a chunk's gap over its share of the tokens
+    t = r["chunk_times"]
+    if len(t) < 2:
+        return []
+    share = max((r.get("completion_tokens") or len(t)) - 1, len(t) - 1) / (len(t) - 1)
+    return [1e3 * (b - a) / share for a, b in zip(t, t[1:])]
+
 result = {}
 for lane in ("mixed", "pd", "pd_b", "pd_bytes", "pd_tcp"):
-    try:
-        s = json.load(open(f"{raw}/long_{lane}.json"))["summary"]
-    except Exception:
+    runs = [json.load(open(p)) for p in sorted(glob.glob(f"{raw}/long_{lane}_*.json"))]
+    if not runs:
         continue
-    row = {"ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"], "itl_p50": s["itl"]["p50"],
-           "itl_p99": s["itl"]["p99"], "failed": s["failed"], "total_tok_s": s["total_throughput"]}
+    # Every run's requests pooled: a p99 of 100 requests moved +-20 % between calls (2026-11-29).
+    reqs = [r for run in runs for r in run.get("requests", []) if r.get("error") is None and r.get("ttft") is not None]
+    ttft = [1e3 * r["ttft"] for r in reqs]
+    itl = [x for r in reqs for x in itls(r)]
+    row = {"runs": len(runs), "requests": len(reqs), "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+           "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
+           "failed": sum(run["summary"]["failed"] for run in runs),
+           "ttft_p99_each": [round(run["summary"]["ttft"]["p99"], 1) for run in runs],
+           "itl_p99_each": [round(run["summary"]["itl"]["p99"], 1) for run in runs],
+           "total_tok_s": sum(run["summary"]["total_throughput"] for run in runs) / len(runs)}
     try:
         h = json.load(open(f"{raw}/handoff_{lane}.json"))
         row["handoff"] = h
     except Exception:
         pass
     result[lane] = row
-    print(f"{lane:9} TTFT p50 / p99 {row['ttft_p50']:7.1f} / {row['ttft_p99']:7.1f} ms   ITL p50 / p99 "
-          f"{row['itl_p50']:5.1f} / {row['itl_p99']:6.1f} ms   failed {row['failed']}")
+    print(f"{lane:9} x{row['runs']} TTFT p50 / p99 {row['ttft_p50']:7.1f} / {row['ttft_p99']:7.1f} ms   ITL p50 / p99 "
+          f"{row['itl_p50']:5.1f} / {row['itl_p99']:6.1f} ms   failed {row['failed']}   p99s a run: TTFT "
+          f"{row['ttft_p99_each']} ITL {row['itl_p99_each']}")
 base = result.get("mixed")
 for lane in ("pd", "pd_b", "pd_bytes", "pd_tcp"):
     if base and lane in result:
