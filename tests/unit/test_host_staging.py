@@ -51,3 +51,34 @@ def test_pages_round_trip_through_a_staging_buffer_bit_exact():
         pass
     else:
         raise AssertionError("flat_bytes copied a strided tensor")
+
+
+def test_staged_frames_to_one_decode_worker_take_turns_and_share_one_buffer():
+    """Frames waiting for one decode worker's endpoint hold no host buffer: one is made and reused
+    (pinning a new one costs ~1 s a GB), and each frame carries its own pages."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.worker.handoff import HandoffSender
+
+    sent = []
+
+    class Endpoint:  # the transfer client's contract: one frame, one reply header
+        async def call(self, address, header, payload, timeout):
+            sent.append((header["staged"], bytes(payload.numpy())))
+            await asyncio.sleep(0.01)
+            return {"ok": True}, None
+
+    staging = HostStaging(pin=False)
+    sender = HandoffSender(None, "p", "w", "layout", 64, Endpoint(), staging=staging, staging_mode="host")
+    pages = [torch.full((2, 8), float(i)) for i in range(5)]
+
+    async def main():
+        return await asyncio.gather(*(sender._deliver("decode:1", {"op": "kv_handoff"},
+                                                      SimpleNamespace(pages=p, in_buffer=False), 0, "")
+                                      for p in pages))
+
+    replies = asyncio.run(main())
+    assert all(r == ({"ok": True}, False) for r in replies)
+    assert staging.made == 1 and sender.stats["staged"] == 5
+    assert sorted(payload for _, payload in sent) == sorted(bytes(flat_bytes(p).numpy()) for p in pages)
