@@ -255,6 +255,9 @@ class WorkerServiceConfig:
     # Hand-off pages through pinned host memory where UCX would move GPU memory over TCP
     # (services/worker/host_staging.py): "auto", "host" (always), "off".
     handoff_staging: str = "auto"
+    # The Triton kernel variants this worker compiles, recorded (services/worker/kernel_manifest.py):
+    # replayed in parallel processes at start when the file exists, written once the worker settles.
+    kernel_manifest: str = ""
     kvstore: str = "auto"  # "auto": use the cluster store when it pays (GPU: fetch only); "on": write back all; "off"
     load_format: str = "auto"  # "dummy": random weights drawn on the device (shape benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; one worker to the cluster

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import structlog
 
+from services.worker import kernel_manifest
+
 log = structlog.get_logger("worker.compile")
 
 
@@ -39,6 +41,7 @@ class CompileWatch:
 
     def _before(self, *args, **kwargs) -> bool:
         self._started[threading.get_ident()] = time.perf_counter()
+        kernel_manifest.note(kwargs.get("fn"), kwargs.get("compile"))  # what a later start compiles ahead
         return False  # False: compile (True would skip the kernel)
 
     def _after(self, *args, **kwargs) -> None:

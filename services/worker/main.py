@@ -106,6 +106,10 @@ def parse_args(argv):
                     help="hand-off pages through pinned host memory where UCX would move GPU memory over TCP: "
                          "auto (when UCX_TLS has no CUDA IPC or RDMA transport, or the peer is on another host "
                          "without RDMA), host (always), off")
+    ap.add_argument("--kernel-manifest", default=env_default("INFERNO_KERNEL_MANIFEST", ""), metavar="PATH",
+                    help="GPU: the Triton kernel variants this worker compiles, recorded into PATH once it settles; "
+                         "when PATH exists at start, helper processes compile them all side by side while the "
+                         "worker loads (a fresh machine's first start; keep PATH beside the model)")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: a GPU worker fetches prefixes from the cluster KV store when one answers and "
                          "that beats recomputing, a CPU worker does not use it; on: fetch too, and write every "
@@ -217,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         # against 2.0 quiet while an 8B went to the host, 17.5 with threads; engine/pinned_arena.py).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,"
                               "pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+    from services.worker.kernel_manifest import replay_at_start
+    replay_at_start(cfg.kernel_manifest, cfg.device)  # kernels compile beside the imports and the weights' read
     prefetch = None
     if cfg.model_dir and args.load_format == "auto" and not args.emit_only:
         from services.worker.prefetch import start_prefetch
@@ -284,6 +290,7 @@ def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, floa
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
                   speculative_config=args.speculative_config, handoff_push=args.handoff_push,
                   handoff_ipc=args.handoff_ipc, handoff_staging=args.handoff_staging, kvstore=args.kvstore,
+                  kernel_manifest=args.kernel_manifest,
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm, enable_expert_parallel=args.enable_expert_parallel)

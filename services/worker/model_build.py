@@ -194,6 +194,9 @@ def warm_device(cfg: WorkerServiceConfig, early=None) -> WarmDevice:
         marks["cublas_at"] = time.time()
         staging.fill(staging_count())
         torch.cuda.synchronize(device)
+        if cfg.kernel_manifest:  # every compile from the first on, for the manifest written once settled
+            from services.worker.kernel_manifest import install_recorder
+            install_recorder()
         triton_setup.start(device)  # beside the load that follows; the engine waits for it after
         if cfg.host_memory_gb > 0:  # before any model serves: pinning later stalls the others' launches
             from services.worker.engine.pinned_arena import PinnedArena

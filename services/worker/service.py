@@ -496,8 +496,14 @@ class WorkerService:
     # -- heartbeats -------------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
         snapshot: asyncio.Future | None = None
+        manifest_due = bool(self.cfg.kernel_manifest) and self.cfg.device.startswith("cuda")
         while True:
             await self._publish_load()
+            if manifest_due and self._settled():  # every start-up compile is done: what a fresh start needs
+                manifest_due = False
+                from services.worker.kernel_manifest import save
+                held = await asyncio.to_thread(save, self.cfg.kernel_manifest)
+                log.info("kernel manifest written", manifest=self.cfg.kernel_manifest, kernels=held)
             # Beside the beats, never in their way: a put waits for JetStream's ack (seconds while NATS is away).
             if (snapshot is None or snapshot.done()) and self.kv_mirror.due(time.monotonic()) and self.conn.connected:
                 snapshot = asyncio.ensure_future(self._put_kv_snapshot())

@@ -7,7 +7,9 @@ drawn on the device (no weights are read), to its end: the KV sizing's dry run, 
 variants and every CUDA graph (the ones a worker captures after it is ready too), then exits. The
 same flags compile the same kernels, so run it with the flags the workers will have (device, dtype,
 --max-num-seqs, --max-num-batched-tokens, --kv-cache-dtype, --quantization, ...), into the cache
-directory the workers mount.
+directory the workers mount. With --kernel-manifest PATH it also records the variants into PATH (and
+replays PATH's first, if it exists): a worker given that PATH on a machine without the cache compiles
+them side by side (services/worker/kernel_manifest.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.load_format = "dummy"  # the kernels depend on the shapes, not the values
     cfg, _ = service_config(args)
+    from services.worker import kernel_manifest
+    helpers = kernel_manifest.replay_at_start(cfg.kernel_manifest, cfg.device)  # a manifest's variants, side by side
+    if cfg.kernel_manifest and cfg.device.startswith("cuda"):
+        kernel_manifest.install_recorder()
     cache = triton_cache_dir()
     before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     t0 = time.perf_counter()
@@ -43,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             pass
     seconds = time.perf_counter() - t0
     release_model(built, cfg)
+    if helpers is not None:
+        helpers.wait()
+    if cfg.kernel_manifest and cfg.device.startswith("cuda"):
+        held = kernel_manifest.save(cfg.kernel_manifest)
+        print(f"inferno warm-kernels: {len(kernel_manifest.recorded())} kernel variants compiled or loaded, "
+              f"manifest {cfg.kernel_manifest}: {held} in all", flush=True)
     after = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     print(f"inferno warm-kernels: {checked.spec.model_name} on {cfg.device} in {seconds:.1f} s; Triton's cache "
           f"{cache}: {after - before} new files, {after} in all", flush=True)
