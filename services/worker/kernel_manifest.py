@@ -182,23 +182,34 @@ def default_jobs() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 2))
 
 
-def start_precompile(path: str | Path, jobs: int | None = None) -> subprocess.Popen | None:
-    """The replay in a process of its own, started now and never waited for (None: no manifest)."""
+def start_precompile(path: str | Path, jobs: int | None = None, report=None) -> subprocess.Popen | None:
+    """The replay in a process of its own, started now; the caller never waits for it. A thread
+    reaps it and hands its result line to `report` (None: no manifest at path)."""
     if read(path) is None:
         return None
     cmd = [sys.executable, "-m", "services.worker.kernel_manifest", str(path), "--jobs", str(jobs or default_jobs())]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def reap() -> None:
+        out, _ = proc.communicate()
+        if report is not None:
+            try:
+                report(json.loads(out.strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                report({"exit": proc.returncode})
+    threading.Thread(target=reap, name="kernel-manifest", daemon=True).start()
+    return proc
 
 
 def replay_at_start(path: str, device: str) -> subprocess.Popen | None:
     """A GPU process's start: the manifest's variants compiled beside it, if there is one."""
     if not path or not device.startswith("cuda"):
         return None
-    proc = start_precompile(path)
+    import structlog
+    log = structlog.get_logger("worker.kernels")
+    proc = start_precompile(path, report=lambda result: log.info("kernel manifest compiled", manifest=path, **result))
     if proc is not None:
-        import structlog
-        structlog.get_logger("worker.kernels").info("kernel manifest replayed beside the start", manifest=path,
-                                                    jobs=default_jobs(), pid=proc.pid)
+        log.info("kernel manifest replayed beside the start", manifest=path, jobs=default_jobs(), pid=proc.pid)
     return proc
 
 
