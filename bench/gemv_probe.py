@@ -2,7 +2,7 @@
 projections in bf16: µs, GB/s and error of each block-size configuration, the best per shape, the
 SiLU-fused down projection, and a decode step's sum (32 layers + the LM head).
 
-Usage (on the GPU, from the repository root): python3 bench/gemv_probe.py [--m 1,2,4,8]
+Usage (on the GPU, from the repository root): python3 bench/gemv_probe.py [--m 1,2,4,8] [--tp 2]
 Each time is the median of 7 replays of a CUDA graph of 20 calls, divided by 20; the calls rotate
 over copies of the weight that together pass 4x the 50 MB L2, so every call reads its weights from
 HBM. GB/s counts the bytes each call must move once (weights + x + out). Error: ||out - ref|| /
@@ -247,8 +247,14 @@ def summary(rows: list[Row], ms) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default="1,2,4,8", help="row counts, comma-separated")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="one rank's shapes under tensor parallelism: qkv, gate_up and the LM head split "
+                             "by rows (N / tp), o_proj and down by columns (K / tp)")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
+    if args.tp > 1:  # the module's SHAPES as one rank holds them (the summaries read them too)
+        SHAPES[:] = [(name, n // args.tp if name in ("qkv", "gate_up", "lm_head") else n,
+                      k // args.tp if name in ("o_proj", "down") else k, count) for name, n, k, count in SHAPES]
     if not torch.cuda.is_available():
         print("no GPU: this probe times kernels on one")
         return 1
