@@ -239,7 +239,7 @@ class HandoffSender:
             reply, _ = await self.transfer.call(address, header, pages, timeout=self.timeout)
             return reply, False
         # One staged frame at a time to a decode worker: its endpoint sends one frame at a time anyway,
-        # and a frame waiting for its turn holds no host buffer (a new one costs ~1 s a GB to pin).
+        # and a frame waiting for its turn holds no host buffer (each waiting frame made its own).
         async with self._staging_turns.setdefault(address, asyncio.Lock()):
             staged = self.staging.take(nbytes_of(pages))
             try:

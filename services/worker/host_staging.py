@@ -1,11 +1,16 @@
-"""Hand-off pages through pinned host memory, where UCX would move GPU memory over TCP.
+"""Hand-off pages through host memory, where UCX would move GPU memory over TCP.
 
 Without a CUDA IPC or RDMA path, UCX sends GPU memory over TCP by its own staging pipeline, which
 moved a hand-off's pages at 0.1-0.2 GB/s between two H200s of one host (UCX_TLS=tcp,cuda_copy,self:
 4.2 s for a 2,900-token prompt's 364 MiB; 26 of 100 long prompts timed out; 2026-11-29), against
-~0.7 GB/s for host bytes over TCP on a 2-core VM. So the prefill worker copies the pages into a
-pinned host buffer (tens of GB/s) and sends that; the decode worker receives into one and copies
-it onto its GPU. The frame's header says "staged", so the decode side needs no setting of its own.
+2.0 GB/s for pinned host memory over the same loopback (bench/ucx_tcp_probe.py). So the prefill
+worker copies the pages into a host buffer and sends that; the decode worker receives into one and
+copies it onto its GPU. The frame's header says "staged", so the decode side needs no setting of its own.
+
+The buffers are pageable, not pinned: the copies then run at ~10 GB/s rather than 25-50, still
+several times the link, and no buffer is pinned while the worker serves (pinning takes ~1 s a GB
+on the event loop that receives the frame, and the driver's lock held meanwhile stalls the steps'
+launches: the ITL lesson of several models on one GPU, engine/pinned_arena.py).
 
 `--handoff-staging auto` (the default) stages when UCX has no GPU-capable path to the peer: UCX_TLS
 names transports and none of them moves GPU memory directly (cuda_ipc, RDMA), or the peer is on
@@ -49,10 +54,10 @@ def should_stage(mode: str, own_host: str, peer_host: str, ucx_tls: str | None =
 
 
 class HostStaging:
-    """Reusable host buffers (pinned when a GPU is there): take() one of at least n bytes, give() it
-    back. Pinning costs ~1 s a GB, so buffers are kept, up to `keep_bytes` of them."""
+    """Reusable host buffers: take() one of at least n bytes, give() it back. Kept, up to `keep_bytes`
+    of them, so their pages are faulted in once (pin: pinned memory, for tests and A/B runs)."""
 
-    def __init__(self, pin: bool, keep_bytes: int = 4 << 30):
+    def __init__(self, pin: bool = False, keep_bytes: int = 4 << 30):
         self.pin, self.keep_bytes = pin, keep_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # takes on the event loop, gives from copy threads too
@@ -75,7 +80,7 @@ class HostStaging:
             self._free.append(base)
             self._free.sort(key=torch.Tensor.numel, reverse=True)
             while sum(b.numel() for b in self._free) > self.keep_bytes and self._free:
-                self._free.pop()  # the smallest go first: the large ones cost most to pin again
+                self._free.pop()  # the smallest go first: the large ones cost most to make again
 
 
 def flat_bytes(x: torch.Tensor) -> torch.Tensor:

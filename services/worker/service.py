@@ -277,7 +277,7 @@ class WorkerService:
         layout, size = self._page_layout()
         # CUDA IPC between this host's GPU workers, unless told to move bytes as between hosts.
         ipc = self.loop_thread.engine.kv_cache.pool.is_cuda and self.cfg.handoff_ipc
-        staging = HostStaging(pin=self.loop_thread.engine.kv_cache.pool.is_cuda)
+        staging = HostStaging()  # pageable: never pinned while serving (host_staging.py)
         if role == "prefill":
             self.sender = HandoffSender(self.conn, self.prefix, self.cfg.worker_id, layout, size,
                                         self._transfer(), self.cfg.handoff_timeout,
