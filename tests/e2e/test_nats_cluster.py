@@ -70,6 +70,61 @@ def test_the_stack_serves_on_when_a_nats_server_dies(cluster_stack):
     assert bucket_replicas(cluster_stack) == 3  # the bucket is still there, on the two left
 
 
+def test_a_restarted_server_rejoins_with_its_jetstream_directory_and_catches_up(cluster_stack):
+    """nats-0 down (the test above killed it; killed here if not), an affinity entry written meanwhile
+    on the other two; restarted with the same argv, hence its JetStream directory, it rejoins the
+    cluster, its replica of the bucket is current again (no lag: it holds the entry written while it was
+    down), and clients of it read that entry."""
+    import nats
+
+    victim = cluster_stack.child("nats-0")
+    if victim.proc.poll() is None:
+        victim.proc.kill()
+        victim.proc.wait()
+    urls = cluster_stack.admin_nats_url.split(",")
+
+    async def put_on_the_others() -> None:
+        nc = await nats.connect(urls[1:])
+        try:
+            kv = await nc.jetstream().key_value("inferno_affinity")
+            await kv.put("rejoin-probe", b"written while nats-0 was down")
+        finally:
+            await nc.close()
+
+    async def replica_of_nats0() -> tuple[bool, int, bytes]:
+        """Through nats-0 alone: (its replica current, its lag, the probe entry as it reads it)."""
+        nc = await nats.connect(urls[:1], max_reconnect_attempts=0)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info("KV_inferno_affinity")
+            peers = {p.name: p for p in info.cluster.replicas or []}
+            if info.cluster.leader == "nats-0":
+                current, lag = True, 0
+            else:
+                peer = peers.get("nats-0")
+                current, lag = (peer.current, peer.lag or 0) if peer else (False, -1)
+            value = (await (await js.key_value("inferno_affinity")).get("rejoin-probe")).value
+            return current, lag, value
+        finally:
+            await nc.close()
+
+    asyncio.run(put_on_the_others())
+    cluster_stack.restart(victim)
+    deadline = time.monotonic() + 30
+    last = None
+    while True:
+        try:
+            last = current, lag, value = asyncio.run(replica_of_nats0())
+            if current and lag == 0 and value == b"written while nats-0 was down":
+                break
+        except Exception as e:  # not listening yet, or JetStream still syncing
+            last = repr(e)
+        assert time.monotonic() < deadline, (f"nats-0 did not rejoin and catch up within 30 s: exit "
+                                             f"{victim.proc.poll()}, last {last}")
+        time.sleep(0.3)
+    assert complete(cluster_stack, "Hello there")  # and the stack serves with all three
+
+
 def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
     """`--api-server-count 2`: two gateway processes on one port (SO_REUSEPORT), each with its own
     NATS inbox; with one killed, the other takes every connection."""
