@@ -60,6 +60,7 @@ class Gateway:
         self.tenancy = Tenancy(self.keys, cfg.share_prefix_cache, self.metrics.registry, clock)
         self.created = int(time.time())
         self.conn: NatsConnection | None = None  # set once the inbox and heartbeats are subscribed
+        self._bus_lost = False  # the NATS connection went down: requests in flight then may have lost tokens
         self.draining = False
         # Tokenization and chat templates run here, never on the event loop.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-tokenize")
@@ -143,6 +144,27 @@ class Gateway:
                 if silent:
                     log.warning("worker_silent", worker_ids=sorted({w for _, w in silent}))
                     self._lost(stream, silent, "stopped responding")
+
+    def on_bus_state(self, connected: bool) -> None:
+        """The NATS connection's state. Core NATS drops what is published to a subscriber while it is
+        away, so after a reconnect every request in flight may have lost tokens on the way here,
+        its last one included (then it would wait forever: 15 of 32 streams did when a server of
+        three died under them, 2026-11-29). Each ends with a clean 503 now, its worker told to stop:
+        a retry goes through the reconnected bus. Requests that began after the reconnect are whole."""
+        if not connected:
+            self._bus_lost = True
+            return
+        if not self._bus_lost:
+            return  # the first connection
+        self._bus_lost = False
+        failed = 0
+        for stream in self.router.streams():
+            if not stream.failed:
+                self.router.fail(stream, StreamFailed(
+                    503, "the gateway's connection to NATS was interrupted and tokens of this request may "
+                         "have been lost on the way; retry it"))
+                failed += 1
+        log.warning("nats_interrupted_requests_ended", requests=failed)
 
     def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
         self.health.on_heartbeat(hb)

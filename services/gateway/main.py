@@ -115,7 +115,8 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
 
 
 async def _connect_forever(gw: Gateway, nats_api: NatsApi, nats_cfg: NatsConfig) -> None:
-    conn = await connect_nats(nats_cfg, f"gateway-{gw.cfg.gateway_id}")  # waits for the server forever
+    # Waits for the server forever; a reconnect ends the requests in flight (Gateway.on_bus_state).
+    conn = await connect_nats(nats_cfg, f"gateway-{gw.cfg.gateway_id}", on_state=gw.on_bus_state)
     await gw.attach(conn)
     await nats_api.start(conn)
 

@@ -257,3 +257,26 @@ async def test_drain_closes(nats_conn):
     assert not nats_conn.connected and nats_conn.client.is_closed
     await nats_conn.drain()  # idempotent
     await nats_conn.close()
+
+
+def test_the_first_reconnect_of_an_outage_goes_at_once_to_another_server_of_the_cluster():
+    """A cluster's other servers are up when one dies: no pause, and never the lost one first. Later
+    attempts (and a lone server's) wait the pause plus jitter, so a fleet does not hammer it in step."""
+    from types import SimpleNamespace
+    from urllib.parse import urlparse
+
+    from shared.nats_client import FAILOVER_JITTER, NatsConnection
+
+    cfg = NatsConfig(url="nats://a:1,nats://b:2,nats://c:3")
+    conn = NatsConnection(cfg, "t")
+    pool = [SimpleNamespace(uri=urlparse(u)) for u in cfg.servers]
+    conn._server = "a:1"  # connected to a until it died
+    for _ in range(20):
+        server, delay = conn._next_server(pool, {})
+        assert server.uri.netloc != "a:1" and 0 <= delay <= FAILOVER_JITTER
+    conn._errors_while_down = 1  # that try failed too: the pause and any server
+    server, delay = conn._next_server(pool, {})
+    assert cfg.reconnect_time_wait <= delay <= cfg.reconnect_time_wait + cfg.reconnect_jitter
+    lone = NatsConnection(NatsConfig(url="nats://a:1"), "t")
+    lone._server = "a:1"
+    assert lone._next_server(pool[:1], {})[1] >= cfg.reconnect_time_wait
