@@ -54,7 +54,14 @@ def affinity_keys(stack) -> set[str]:
     async def ask() -> set[str]:
         nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
-            return set(await (await nc.jetstream().key_value("inferno_affinity")).keys())
+            deadline = time.monotonic() + 20
+            while True:  # a server killed a moment ago may have led the bucket: JetStream elects another
+                try:
+                    return set(await (await nc.jetstream().key_value("inferno_affinity")).keys())
+                except nats.errors.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
         finally:
             await nc.close()
 
