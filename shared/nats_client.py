@@ -149,10 +149,10 @@ class NatsConnection:
         )
 
     def _next_server(self, servers: list, info: dict) -> tuple[Any, float]:
-        """nats-py's reconnect hook: which server to try, after how long. A cluster's other servers
-        are up when one dies (the one connected to, `_server`), so the first try
-        goes to one of them at once: waiting the pause first (and maybe picking the dead server
-        again, one time in three of three) left a gateway without the bus for 1.6-2.5 s (2026-11-29)."""
+        """nats-py's reconnect hook: which server to try, after how long. A cluster's other servers are
+        up when one dies (the one connected to, `_server`), so the first try goes to one of them at
+        once: waiting the pause first (and picking the dead server again one time in three, of three)
+        left a gateway without the bus for 1.6-2.5 s (2026-11-29)."""
         others = [s for s in servers if s.uri.netloc != self._server]
         if others and self._errors_while_down == 0 and len(others) < len(servers):
             return random.choice(others), random.uniform(0.0, FAILOVER_JITTER)

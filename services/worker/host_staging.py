@@ -55,10 +55,10 @@ def should_stage(mode: str, own_host: str, peer_host: str, ucx_tls: str | None =
 
 class HostStaging:
     """Reusable host buffers: take() one of at least n bytes, give() it back. Kept, up to `keep_bytes`
-    of them, so their pages are faulted in once (pin: pinned memory, for tests and A/B runs)."""
+    of them, so their pages are faulted in once."""
 
-    def __init__(self, pin: bool = False, keep_bytes: int = 4 << 30):
-        self.pin, self.keep_bytes = pin, keep_bytes
+    def __init__(self, keep_bytes: int = 4 << 30):
+        self.keep_bytes = keep_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # takes on the event loop, gives from copy threads too
         self.made = 0  # buffers allocated (a test and the logs read it)
@@ -72,7 +72,7 @@ class HostStaging:
                 return buf[:nbytes]
         size = -(-max(nbytes, 1) // ROUND) * ROUND
         self.made += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
+        return torch.empty(size, dtype=torch.uint8)[:nbytes]
 
     def give(self, view: torch.Tensor) -> None:
         base = view._base if view._base is not None else view

@@ -103,7 +103,7 @@ def parse_args(argv):
                          "as bytes over UCXX, as between hosts (UCX_TLS picks the transport)")
     ap.add_argument("--handoff-staging", choices=["auto", "host", "off"],
                     default=env_default("INFERNO_HANDOFF_STAGING", "auto"),
-                    help="hand-off pages through pinned host memory where UCX would move GPU memory over TCP: "
+                    help="hand-off pages through host memory where UCX would move GPU memory over TCP: "
                          "auto (when UCX_TLS has no CUDA IPC or RDMA transport, or the peer is on another host "
                          "without RDMA), host (always), off")
     ap.add_argument("--kernel-manifest", default=env_default("INFERNO_KERNEL_MANIFEST", ""), metavar="PATH",

@@ -14,10 +14,10 @@ import structlog
 from services.worker.compile_watch import CompileWatch
 from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
-from services.worker.host_staging import HostStaging
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.grammar import GrammarError, Grammars
 from services.worker.handoff import HandoffReceiver, HandoffSender
+from services.worker.host_staging import HostStaging
 from services.worker.kv_snapshot import SNAPSHOT_TTL, KvMirror
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, Rejected, StepLoop
 from services.worker.token_batches import token_batches

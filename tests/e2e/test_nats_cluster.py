@@ -26,18 +26,18 @@ def complete(stack, prompt: str) -> str:
     return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
 
 
-def bucket_replicas(stack) -> int:
+def read_bucket(stack, read):
+    """`await read(kv)` on the affinity bucket, tried again for 20 s: the scheduler creates it once
+    JetStream has elected its leader, and a server killed a moment ago may have led it."""
     import nats
 
-    async def ask() -> int:
+    async def ask():
         nc = await nats.connect(stack.admin_nats_url.split(","))
         try:
-            js = nc.jetstream()
             deadline = time.monotonic() + 20
-            while True:  # the scheduler creates it once JetStream has elected its leader
+            while True:
                 try:
-                    status = await (await js.key_value("inferno_affinity")).status()
-                    return status.stream_info.config.num_replicas
+                    return await read(await nc.jetstream().key_value("inferno_affinity"))
                 except Exception:
                     if time.monotonic() > deadline:
                         raise
@@ -48,24 +48,16 @@ def bucket_replicas(stack) -> int:
     return asyncio.run(ask())
 
 
+def bucket_replicas(stack) -> int:
+    async def replicas(kv) -> int:
+        return (await kv.status()).stream_info.config.num_replicas
+    return read_bucket(stack, replicas)
+
+
 def affinity_keys(stack) -> set[str]:
-    import nats
-
-    async def ask() -> set[str]:
-        nc = await nats.connect(stack.admin_nats_url.split(","))
-        try:
-            deadline = time.monotonic() + 20
-            while True:  # a server killed a moment ago may have led the bucket: JetStream elects another
-                try:
-                    return set(await (await nc.jetstream().key_value("inferno_affinity")).keys())
-                except nats.errors.TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
-        finally:
-            await nc.close()
-
-    return asyncio.run(ask())
+    async def keys(kv) -> set[str]:
+        return set(await kv.keys())
+    return read_bucket(stack, keys)
 
 
 def gateway_server(stack) -> str:

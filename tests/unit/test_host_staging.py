@@ -20,7 +20,7 @@ def test_auto_stages_where_ucx_has_no_gpu_path():
 
 
 def test_buffers_are_reused_rounded_up_and_bounded():
-    staging = HostStaging(pin=False, keep_bytes=3 * ROUND)
+    staging = HostStaging(keep_bytes=3 * ROUND)
     a = staging.take(1000)
     assert a.numel() == 1000 and a._base.numel() == ROUND and staging.made == 1
     staging.give(a)
@@ -39,7 +39,7 @@ def test_buffers_are_reused_rounded_up_and_bounded():
 
 def test_pages_round_trip_through_a_staging_buffer_bit_exact():
     pages = torch.randn(5, 2, 16, 8, dtype=torch.bfloat16)
-    staging = HostStaging(pin=False)
+    staging = HostStaging()
     staged = staging.take(pages.numel() * pages.element_size())
     copy_pages(staged, flat_bytes(pages))
     out = torch.empty_like(pages)
@@ -69,7 +69,7 @@ def test_staged_frames_to_one_decode_worker_take_turns_and_share_one_buffer():
             await asyncio.sleep(0.01)
             return {"ok": True}, None
 
-    staging = HostStaging(pin=False)
+    staging = HostStaging()
     sender = HandoffSender(None, "p", "w", "layout", 64, Endpoint(), staging=staging, staging_mode="host")
     pages = [torch.full((2, 8), float(i)) for i in range(5)]
 
