@@ -126,3 +126,28 @@ def test_warm_logits_runs_the_head_at_every_padded_count(model_dirs):
     want = sorted({logits_rows(m) for m in range(1, 81)}, reverse=True)
     assert seen == want
     assert {1, 2, 3, 4} <= set(seen) and max(seen) == logits_rows(80)
+
+
+def test_a_broken_capture_is_retried_and_a_bucket_that_never_captures_leaves_only_its_kind_eager(model_dirs):
+    """A capture that another thread broke (seen on an H200 while UCX was set up) is tried again;
+    after CAPTURE_ATTEMPTS failures of one bucket its kind stays eager and the other kind goes on."""
+    from services.worker.engine.staged_graphs import CAPTURE_ATTEMPTS
+
+    engine = make_engine(model_dirs[ARCH], max_num_seqs=16, max_num_batched_tokens=64)
+    graphs = StagedGraphs(engine)
+    capture, broken = graphs._capture, []
+
+    def flaky(runner, size):
+        if runner is graphs.decode and size == 4 and len(broken) < CAPTURE_ATTEMPTS - 1:
+            broken.append(size)
+            raise RuntimeError("operation failed due to a previous error during capture")
+        if runner is graphs.mixed and size == 64:
+            raise RuntimeError("never")
+        capture(runner, size)
+
+    graphs._capture = flaky
+    while graphs.capture_next():
+        pass
+    assert broken == [4] * (CAPTURE_ATTEMPTS - 1)
+    assert engine.runner.graphs is graphs.decode and graphs.decode.buckets == graph_buckets(16)
+    assert engine.runner.mixed_graphs is None and graphs.mixed.buckets == [] and not graphs.backlog

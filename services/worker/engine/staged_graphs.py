@@ -23,6 +23,7 @@ from services.worker.engine.cuda_graphs import CudaGraphRunner
 from services.worker.engine.mixed_graphs import MixedGraphRunner
 
 log = structlog.get_logger("worker.graphs")
+CAPTURE_ATTEMPTS = 3  # tries of one bucket before its kind is left eager
 
 
 class GraphMemory:
@@ -65,6 +66,7 @@ class StagedGraphs:
         self.ready_seconds = 0.0
         self.later_seconds = 0.0
         self._stream = None
+        self._failures: dict[tuple[int, int], int] = {}
 
     @property
     def count(self) -> int:
@@ -96,13 +98,10 @@ class StagedGraphs:
         else:
             runner.d["slots"].fill_(-1)
             runner.d["tiles"].fill_(-1)
-        if self.cuda:
-            runner._forward(size)  # compile and warm the kernels outside capture
-            runner.graphs[size] = self._capture(runner, size)
-        else:
-            runner.outputs[size] = runner._forward(size)
-            if runner is self.decode:  # the CPU's stand-in replays the forward into the same output
-                runner.graphs[size] = _Rerun(runner._forward, size, runner.outputs[size])
+        try:
+            self._capture(runner, size)
+        except RuntimeError as e:
+            return self._failed(runner, size, e)
         runner.buckets = sorted([*runner.buckets, size])
         if len(runner.buckets) == self.total[id(runner)]:  # complete: its steps replay graphs from now on
             if runner is self.decode:
@@ -119,6 +118,26 @@ class StagedGraphs:
                      **memory)
         return bool(self.backlog)
 
+    def _failed(self, runner, size: int, error: RuntimeError) -> bool:
+        """A capture that broke: the bucket goes back to the front of the backlog (up to
+        CAPTURE_ATTEMPTS tries), and its kind's steps run eagerly meanwhile. Seen once in six 4-GPU
+        stacks with the kvstore on (2026-11-29): while another thread of the worker set UCX up, a
+        capture ended in "operation failed due to a previous error during capture"; dropping the
+        bucket left that worker eager for good (4.4x the CPU a token, 0.78x the stack's W2)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.engine.device)
+        key = (id(runner), size)
+        self._failures[key] = self._failures.get(key, 0) + 1
+        if self._failures[key] < CAPTURE_ATTEMPTS:
+            log.warning("graph capture failed, will retry", bucket=size, attempt=self._failures[key],
+                        error=str(error).splitlines()[0][:200])
+            self.backlog.insert(0, (runner, size))
+            return True
+        log.error("graph capture failed, this kind runs eagerly", bucket=size, attempts=self._failures[key],
+                  error=str(error).splitlines()[0][:200])
+        self.backlog = [(r, s) for r, s in self.backlog if r is not runner]
+        return bool(self.backlog)
+
     def _memory(self) -> dict:
         """The device memory left once every graph holds its pool (free, and cached by the allocator
         for the eager steps): what the KV sizing's reserves (gpu_memory.py) left over."""
@@ -127,11 +146,17 @@ class StagedGraphs:
         free = torch.cuda.mem_get_info(device)[0]
         return {"free_gib": round(free / 2**30, 2), "cached_gib": round(cached / 2**30, 2)}
 
-    def _capture(self, runner, size: int):
+    def _capture(self, runner, size: int) -> None:
         """One graph into the shared pool. Not torch.cuda.graph(): that empties the allocator's
         caches (device, and the pinned host memory the next load's staging would reuse) before each
         capture, which costs the steps around it; and here only this thread's calls may break a
         capture (the event loop's may touch the device)."""
+        if not self.cuda:
+            runner.outputs[size] = runner._forward(size)
+            if runner is self.decode:  # the CPU's stand-in replays the forward into the same output
+                runner.graphs[size] = _Rerun(runner._forward, size, runner.outputs[size])
+            return
+        runner._forward(size)  # compile and warm the kernels outside capture
         current = torch.cuda.current_stream(self.engine.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.engine.device)
@@ -145,12 +170,12 @@ class StagedGraphs:
             finally:
                 graph.capture_end()
         current.wait_stream(stream)
+        runner.graphs[size] = graph
         if self.pool is None:
             self.pool = graph.pool()
         if self.memory is not None:  # a graph of this engine holds the pool now
             self.memory.release()
             self.memory = None
-        return graph
 
     def graph_memory(self) -> GraphMemory | None:
         """What the next model's graphs may reuse, once this engine is dropped."""
