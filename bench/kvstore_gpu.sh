@@ -43,7 +43,7 @@ up() {  # tag, workers, extra `inferno up` flags ...
     --out /tmp/warmup.json > /dev/null 2>&1  # first shapes (and Triton compiles, on the first stack) out of the figures
   echo "$tag up and warm at ${SECONDS} s"
 }
-down() { kill -INT "$UP"; wait "$UP"; grep -h -i "traceback\|error" /tmp/run-$1/*.log | head -5; }
+down() { kill -INT "$UP"; wait "$UP"; grep -h -i "traceback\|error\|capture failed" /tmp/run-$1/*.log | head -5; }
 w2() { timeout 240 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 2000 --processes ${PROCS:-4} \
          --vocab-size 128000 --pids-file "/tmp/run-$1/pids.json" --out "$OUT/w2_$1.json" 2>&1 | tail -4; }
 w4() { timeout 240 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --sessions 16 --turns 8 --system-len 4000 \
