@@ -115,3 +115,16 @@ def test_gguf_file_is_the_same_model_as_its_directory(arch, moe_dirs, tmp_path):
     quantized = write_gguf(moe_dirs[arch], tmp_path / f"{arch}-q8.gguf", matrix_type="Q8_0")
     got = engine_prefill_logits(make_engine(quantized), prompt)
     assert ((got - want).norm() / want.norm()) < 0.05
+
+
+def test_bench_engine_reports_how_evenly_decode_tokens_fell_on_the_experts(moe_dirs):
+    """bench-engine's expert_spread: EP's step waits for its busiest GPU, so its figure needs the
+    split of the decode tokens over contiguous blocks of experts beside it."""
+    from services.worker.engine.bench_engine import expert_spread, run
+
+    engine = make_engine(moe_dirs["Qwen3MoeForCausalLM"])
+    spread = run(engine, batch_size=3, prompt_len=8, decode_tokens=4)["expert_spread"]
+    experts = engine.model_config.moe.num_experts
+    assert 1.0 <= spread["max_over_mean"] <= experts and 1.0 <= spread["ep2_max_over_mean"] <= 2.0
+    assert expert_spread(torch.tensor([6, 2, 0, 0])) == {"max_over_mean": 3.0, "ep2_max_over_mean": 2.0,
+                                                          "ep4_max_over_mean": 3.0}

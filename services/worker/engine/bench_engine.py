@@ -37,6 +37,7 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
     sync()
     t1 = time.perf_counter()
     decode_steps = 0
+    routed_before = _routed(engine)
     profiler = start_profile() if profile else None
     while engine.has_unfinished():
         engine.step()
@@ -58,7 +59,28 @@ def run(engine: LLMEngine, batch_size: int, prompt_len: int, decode_tokens: int,
         "overlap": engine.config.overlap,
         # The first request's first tokens: a parallel group's greedy output beside one GPU's, same weights.
         "first_tokens": requests[0].output_token_ids[:32],
+        "expert_spread": expert_spread(_routed(engine) - routed_before) if routed_before is not None else None,
     }
+
+
+def _routed(engine: LLMEngine) -> torch.Tensor | None:
+    """Tokens routed to each expert so far, summed over the MoE layers (None: no MoE)."""
+    counters = engine.expert_load.counters
+    return torch.stack(counters).sum(0).cpu() if counters else None
+
+
+def expert_spread(tokens: torch.Tensor) -> dict:
+    """How evenly the decode steps' tokens fell on the experts: the busiest expert's tokens over
+    the mean, and the busiest of R contiguous blocks of experts (expert parallelism's split over R
+    GPUs) over the mean block. A step waits for its busiest GPU: random-weight routers are not
+    trained to balance, so the EP figure depends on this."""
+    t = tokens.double()
+    spread = {"max_over_mean": round(float(t.max() / t.mean().clamp(min=1e-9)), 3)}
+    for ranks in (2, 4, 8):
+        if t.numel() % ranks == 0:
+            blocks = t.view(ranks, -1).sum(1)
+            spread[f"ep{ranks}_max_over_mean"] = round(float(blocks.max() / blocks.mean().clamp(min=1e-9)), 3)
+    return spread
 
 
 def main(argv: list[str] | None = None) -> int:
