@@ -238,6 +238,7 @@ class WorkerServiceConfig:
     max_model_len: int | None = None  # None: the model's own limit
     heartbeat_interval: float = 1.0
     drain_timeout: float = 30.0
+    gateway_ttl: float = 15.0  # a gateway silent this long: its requests here end (services/worker/gateway_watch.py)
     emit_only: bool = False  # model-free token emitter, only to measure serving overhead
     emit_step_seconds: float = 0.0  # the emitter's step time (0: as fast as it can)
     # Where a decode worker's UCXX listener takes KV pages: an address prefill workers can reach.
@@ -302,7 +303,7 @@ class WorkerServiceConfig:
             _fail(self, "host_memory_gb", "host_memory_gb and model_idle_timeout must not be negative")
         _ints(self, "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "heartbeat_interval",
-                  "drain_timeout")
+                  "drain_timeout", "gateway_ttl")
         _non_negative(self, "emit_step_seconds")
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:

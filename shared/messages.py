@@ -363,6 +363,20 @@ class TokenBatch(Message):
 
 @register
 @dataclass(slots=True, frozen=True, kw_only=True)
+class GatewayHeartbeat(Message):
+    """gateway → gateway_heartbeat subject, every second: the inbox its requests' tokens go to. A
+    worker that stops hearing one ends those requests (no one reads their tokens any more)."""
+
+    TYPE = "gateway_heartbeat"
+    VERSION = 1
+
+    gateway_id: str
+    inbox: str
+    in_flight: int = 0
+
+
+@register
+@dataclass(slots=True, frozen=True, kw_only=True)
 class WorkerHeartbeat(Message):
     """worker → heartbeat subject, about once a second and at once when its state changes:
     identity, readiness, the model it serves and its load."""

@@ -32,18 +32,18 @@ def role_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     worker = f"{p}.worker.*"
     return {
         # API requests in (one gateway of the queue group), routing asked of the schedulers, tokens
-        # back from the workers, aborts out; replies to API clients go to their inboxes.
-        "gateway": {"publish": [f"{p}.generate", f"{worker}.abort", *_SERVICE_PUB],
+        # back from the workers, aborts and its heartbeats out; replies to API clients go to their inboxes.
+        "gateway": {"publish": [f"{p}.generate", f"{worker}.abort", f"{p}.gateway_heartbeat", *_SERVICE_PUB],
                     "subscribe": [f"{p}.api.>", f"{p}.gateway.*.tokens", f"{p}.heartbeat", *_SERVICE_SUB]},
         # (and aborts a request at a worker that did not acknowledge it in time)
         "scheduler": {"publish": [f"{worker}.generate", f"{worker}.prepare", f"{worker}.abort", *_SERVICE_PUB],
                       "subscribe": [f"{p}.generate", f"{p}.heartbeat", f"{p}.kv_events", *_SERVICE_SUB]},
         # A worker serves its own subjects (generate, abort, hand-offs, admin), streams tokens to the
         # gateways, offers hand-offs to other workers (and aborts there what it handed over) and asks
-        # the kvstore.
+        # the kvstore; it hears the gateways' beats (a silent one's requests end).
         "worker": {"publish": [f"{p}.heartbeat", f"{p}.kv_events", f"{p}.gateway.*.tokens", f"{worker}.handoff",
                                f"{worker}.handoff_ready", f"{worker}.abort", f"{p}.kvstore.>", *_SERVICE_PUB],
-                   "subscribe": [f"{worker}.>", *_SERVICE_SUB]},
+                   "subscribe": [f"{worker}.>", f"{p}.gateway_heartbeat", *_SERVICE_SUB]},
         "kvstore": {"publish": [f"{p}.kv_events", *_SERVICE_PUB],
                     "subscribe": [f"{p}.kvstore.>", *_SERVICE_SUB]},
     }

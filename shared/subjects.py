@@ -119,6 +119,11 @@ def heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.heartbeat"
 
 
+def gateway_heartbeat(prefix: str = DEFAULT_PREFIX) -> str:
+    """Gateways' beats (GatewayHeartbeat): a worker ends the requests of a gateway gone silent."""
+    return f"{check_prefix(prefix)}.gateway_heartbeat"
+
+
 def kv_events(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}.kv_events"
 
@@ -164,6 +169,10 @@ class Subjects:
     @property
     def heartbeat(self) -> str:
         return heartbeat(self.prefix)
+
+    @property
+    def gateway_heartbeat(self) -> str:
+        return gateway_heartbeat(self.prefix)
 
     @property
     def kv_events(self) -> str:

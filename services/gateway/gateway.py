@@ -23,12 +23,13 @@ from services.gateway.worker_health import HEARTBEAT_TTL, WorkerHealth
 from shared.chat_template import ChatTemplateError
 from shared.config import GatewayConfig
 from shared.logging import get_logger
-from shared.messages import AbortRequest, TokenBatch, WorkerHeartbeat
+from shared.messages import AbortRequest, GatewayHeartbeat, TokenBatch, WorkerHeartbeat
 from shared.nats_client import NatsConnection
 from shared.subjects import DEFAULT_PREFIX, Subjects
 from shared.tokenizer import Tokenizer
 
 WATCH_INTERVAL = 0.25  # how often in-flight requests are checked against worker heartbeats
+BEAT_INTERVAL = 1.0  # this gateway's heartbeat: workers end the requests of one gone silent (gateway_watch.py)
 
 log = get_logger("gateway")
 
@@ -100,6 +101,7 @@ class Gateway:
         self._subscriptions.append(await conn.subscribe(self.subjects.heartbeat, WorkerHeartbeat,
                                                         self._on_heartbeat))
         self.conn = conn
+        self.spawn(self._beat(conn))
         log.info("gateway_attached", inbox=self.inbox)
 
     async def close(self) -> None:
@@ -127,6 +129,16 @@ class Gateway:
             await conn.publish(self.subjects.worker_abort(worker_id), msg)
         except Exception as e:  # the worker's own TTL-based cleanup is the fallback
             log.warning("abort_publish_failed", worker_id=worker_id, error=repr(e))
+
+    async def _beat(self, conn: NatsConnection) -> None:
+        """Tell the workers, every BEAT_INTERVAL, that this gateway still reads its inbox."""
+        while True:
+            try:
+                await conn.publish(self.subjects.gateway_heartbeat, GatewayHeartbeat(
+                    gateway_id=self.cfg.gateway_id, inbox=self.inbox, in_flight=len(self.router.streams())))
+            except Exception as e:  # NATS away: the next beat goes after the reconnect
+                log.debug("gateway_beat_failed", error=repr(e))
+            await asyncio.sleep(BEAT_INTERVAL)
 
     async def _watch_workers(self) -> None:
         """Requests of workers that went silent: their tokens are not coming, so a request that has

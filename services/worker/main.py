@@ -139,6 +139,8 @@ def parse_args(argv):
                          "each all-reduce in the same kernel (default; --no-fused-all-reduce-norm: two kernels)")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--gateway-ttl", type=float, default=15.0,
+                    help="seconds without a gateway's heartbeat after which its requests here are ended")
     ap.add_argument("--emit-only", action="store_true", help="model-free token emitter: serving-overhead benchmark only")
     ap.add_argument("--emit-step-seconds", type=float, default=0.0,
                     help="with --emit-only: seconds per step, e.g. 0.015 for a GPU's batch-256 decode (one token "
@@ -158,14 +160,17 @@ async def serve(cfg: WorkerServiceConfig, nats_cfg: NatsConfig, cuda_graphs: boo
     SIGTERM, drain. `started`: the process's start (wall clock), where a start-up load's breakdown
     counts from. `early`: the device context and staging made while torch imported (cuda_early.py).
     `more_models`: (dir, name, share) of the models beside the first (services/worker/model_host.py)."""
+    from services.worker.gateway_watch import GatewayWatch
     from services.worker.model_build import ModelSpec, warm_device
     from services.worker.model_host import ModelHost
 
     log = structlog.get_logger("worker")
     # torch, the device and the kernels warm up in a thread while NATS connects.
     warm = asyncio.ensure_future(asyncio.to_thread(warm_device, cfg, early))
-    conn = await connect_nats(nats_cfg, name=cfg.worker_id)
-    host = ModelHost(cfg, conn, nats_cfg.subject_prefix, cuda_graphs, overlap, warm)
+    gateways = GatewayWatch(cfg.gateway_ttl)
+    conn = await connect_nats(nats_cfg, name=cfg.worker_id, on_state=gateways.on_bus_state)
+    await gateways.attach(conn, nats_cfg.subject_prefix)
+    host = ModelHost(cfg, conn, nats_cfg.subject_prefix, cuda_graphs, overlap, warm, gateways)
     manager = (await host.start()).manager
     later = [await host.register(ModelSpec.of(cfg, d, n), share) for d, n, share in more_models]
     stop = asyncio.Event()
@@ -285,6 +290,7 @@ def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, floa
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   chunked_prefill_size=args.chunked_prefill_size,
                   heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
+                  gateway_ttl=args.gateway_ttl,
                   emit_only=args.emit_only, emit_step_seconds=args.emit_step_seconds,
                   transfer_host=args.kv_transfer_host, handoff_timeout=args.handoff_timeout,
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,

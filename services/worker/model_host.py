@@ -60,8 +60,9 @@ class Slot:
 
 class ModelHost:
     def __init__(self, cfg: WorkerServiceConfig, conn, prefix: str, cuda_graphs: bool, overlap: bool,
-                 warm: asyncio.Future):
+                 warm: asyncio.Future, gateways=None):
         self.cfg, self.conn, self.prefix = cfg, conn, prefix
+        self.gateways = gateways  # a GatewayWatch the slots share: their requests of a dead gateway end
         self.cuda_graphs, self.overlap, self.warm = cuda_graphs, overlap, warm
         self.budget = cfg.gpu_memory_utilization
         self.host_budget = int(cfg.host_memory_gb * 1e9)
@@ -84,6 +85,7 @@ class ModelHost:
         cfg = dataclasses.replace(self.cfg, worker_id=wid, memory_share=share, model_dir=spec.model_dir,
                                   model_name=spec.model_name)
         service = WorkerService(cfg, self.conn, self.prefix)
+        service.gateways = self.gateways
         service.host = self.cfg.worker_id
         manager = ModelManager(service, cfg, self.cuda_graphs, self.overlap, self.warm)
         manager.host, manager.spec = self, spec

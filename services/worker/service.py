@@ -92,6 +92,8 @@ class WorkerService:
         self.grammars: Grammars | None = None  # structured outputs' compiler, of the attached model
         self.on_first_token: Callable[[], None] | None = None  # once, after a model is attached
         self.draining = False
+        self.gateways = None  # a GatewayWatch: this worker's requests of a gateway gone silent are ended
+        self._orphans: set[str] = set()  # requests already ended for that (their abort on its way)
         self.seq = 0
         self.kv_seq = 0
         self.kv_mirror = KvMirror()  # what the KV events announced, for the JetStream snapshots
@@ -499,6 +501,7 @@ class WorkerService:
         manifest_due = bool(self.cfg.kernel_manifest) and self.cfg.device.startswith("cuda")
         while True:
             await self._publish_load()
+            self._end_orphans()
             if manifest_due and self._settled():  # every start-up compile is done: what a fresh start needs
                 manifest_due = False
                 from services.worker.kernel_manifest import save
@@ -508,6 +511,21 @@ class WorkerService:
             if (snapshot is None or snapshot.done()) and self.kv_mirror.due(time.monotonic()) and self.conn.connected:
                 snapshot = asyncio.ensure_future(self._put_kv_snapshot())
             await asyncio.sleep(heartbeat_period(self.cfg))
+
+    def _end_orphans(self) -> None:
+        """End the requests whose gateway went silent (gateway_watch.py): no one reads their tokens."""
+        silent = self.gateways.silent() if self.gateways is not None else None
+        if not silent:
+            return
+        lt = self.loop_thread
+        routes = list(lt.reply_to.items()) if lt is not None else []
+        routes += [(rid, msg.reply_to) for rid, msg in list(self.parked.items())]
+        orphans = {rid for rid, inbox in routes if inbox in silent}
+        new = orphans - self._orphans
+        self._orphans = orphans  # those still here next time are not ended twice
+        if new:
+            log.warning("gateway silent, its requests ended", requests=len(new), gateways=sorted(silent))
+            asyncio.ensure_future(self._on_abort(AbortRequest(request_ids=sorted(new), reason="gateway silent")))
 
     async def _put_kv_snapshot(self) -> None:
         """The announced prefix-cache blocks into JetStream every few seconds while they change (and

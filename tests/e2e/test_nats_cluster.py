@@ -4,6 +4,7 @@ bucket is replicated on all of them, and when one server is killed the stack ser
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -204,10 +205,12 @@ def test_a_restarted_server_rejoins_with_its_jetstream_directory_and_catches_up(
 def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
     """`--api-server-count 2`: two gateway processes on one port (SO_REUSEPORT), each with its own
     NATS inbox. One killed under 16 streams: the other's streams finish, the dead one's end (their
-    connections drop) within 5 s, and new requests are answered by the other within 2 s."""
+    connections drop) within 5 s, new requests are answered by the other within 2 s, and the worker
+    ends the dead one's requests once it misses its heartbeats (--gateway-ttl)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    stack = start_stack(tmp_path, tiny_model, api_server_count=2, kvstore_capacity_gb=0)
+    stack = start_stack(tmp_path, tiny_model, api_server_count=2, kvstore_capacity_gb=0,
+                        worker_args=("--gateway-ttl", "1"))
     try:
         gateways = [stack.child("gateway-0"), stack.child("gateway-1")]
         assert all(g.proc.poll() is None for g in gateways)
@@ -215,7 +218,7 @@ def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
         assert len(answers) == 1
         started = [threading.Event() for _ in range(16)]
         with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(stream, stack, i, started[i], dropped_ok=True, max_tokens=600) for i in range(16)]
+            futures = [pool.submit(stream, stack, i, started[i], dropped_ok=True, max_tokens=1000) for i in range(16)]
             for event in started:
                 assert event.wait(30), "a stream never began"
             gateways[0].proc.kill()
@@ -228,7 +231,11 @@ def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
                 except Exception:
                     assert time.monotonic() - killed < 2, "no request succeeded within 2 s of the kill"
                     time.sleep(0.05)
+            ended = orphans_ended(tmp_path / "worker-0.log", within=killed + 5)
             ends = [f.result(timeout=60) for f in futures]
+        print(f"the worker ended {ended} of the dead gateway's requests; streams ended at "
+              f"{sorted(round(t - killed, 2) for _, t in ends)} s after the kill")
+        assert ended, "the worker went on generating the dead gateway's requests"
         assert {answer} == answers
         # The dead gateway's streams end at once; the other's run to their end, whenever that is.
         assert all(t - killed <= 5 for o, t in ends if o != "ok"), [(o, round(t - killed, 2)) for o, t in ends]
@@ -238,6 +245,17 @@ def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
         assert {complete(stack, "Hello there") for _ in range(4)} == answers
     finally:
         stack.stop()
+
+
+def orphans_ended(log_path, within: float) -> int:
+    """How many requests the worker ended for a silent gateway (its log), waiting until `within`."""
+    while True:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "gateway silent, its requests ended" in line:
+                return json.loads(line)["requests"]
+        if time.monotonic() > within:
+            return 0
+        time.sleep(0.1)
 
 
 def test_a_scheduler_killed_under_load_costs_at_most_clean_errors(tiny_model, tmp_path):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shared.errors import BadRequest, MessageError, Overloaded, ServiceError, ServiceUnavailable
-from shared.messages import (AbortRequest, Finish, GenerateRequest, KvEvents, KvSnapshot, RouteReply, TokenBatch,
-                             TokenDelta, TokenLogprobs, WireSamplingParams, WorkerHeartbeat)
+from shared.messages import (AbortRequest, Finish, GatewayHeartbeat, GenerateRequest, KvEvents, KvSnapshot, RouteReply,
+                             TokenBatch, TokenDelta, TokenLogprobs, WireSamplingParams, WorkerHeartbeat)
 from shared.sampling_params import SamplingParams
 from shared.wire import (DEFAULT_MAX_BYTES, DecodeCounter, Message, decode, encode, message_types, pack_ids,
                          register, safe_decode, unpack_ids)
@@ -62,6 +62,7 @@ SAMPLES: dict[type, list[Message]] = {
                     TokenLogprobs(index=0, logprobs=[-0.5], top_ids=[pack_ids([3, 4])], top_lps=[[-0.5, -1.0]])],
     TokenBatch: [TokenBatch.of("worker-3", [token_delta(), TokenDelta(request_id="r2")]),
                  TokenBatch.of("worker-3", [])],
+    GatewayHeartbeat: [GatewayHeartbeat(gateway_id="gw-1", inbox="inferno.gateway.gw-1.tokens", in_flight=32)],
     WorkerHeartbeat: [WorkerHeartbeat(worker_id="worker-3", role="decode", model="llama-3.1-8b", ready=True,
                                       draining=False, generate_subject="inferno.worker.worker-3.generate",
                                       abort_subject="inferno.worker.worker-3.abort", timestamp=1731974400.5, seq=17,
