@@ -268,7 +268,8 @@ def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: b
         # A prefill worker hands every request on after its first token: nothing to draft there.
         speculative=SpeculativeConfig.from_json(cfg.speculative_config)
         if cfg.speculative_config and cfg.role != "prefill" else None,
-        handoff_buffer_tokens=handoff_buffer_tokens(cfg))
+        handoff_buffer_tokens=handoff_buffer_tokens(cfg),
+        warm_sampler_later=True)  # a first token needs none of the sampler's kernels (sampler_warmup.py)
     kv = leftovers.kv_cache
     if kv is not None:
         kv.pool.zero_()  # as a new pool: padded graph rows read block 0

@@ -172,9 +172,13 @@ class WorkerService:
         return lt is not None and (bool(lt.reply_to) or not lt.commands.empty())
 
     def _settled(self) -> bool:
-        """Serving with nothing left to warm: a model attached and its deferred graphs captured."""
+        """Serving with nothing left to warm: a model attached, its deferred graphs captured and its
+        sampler's kernels compiled."""
         loop_thread = self.loop_thread
-        return loop_thread is not None and loop_thread.background is None and self.state == "ready"
+        if loop_thread is None or loop_thread.background is not None or self.state != "ready":
+            return False
+        sampler = getattr(loop_thread.engine, "sampler", None)
+        return sampler is None or sampler.kernels_ready
 
     async def finish_requests(self, timeout: float, reason: str) -> None:
         """Let the model's requests run up to `timeout` seconds (0: none), then end the rest with

@@ -4,7 +4,7 @@ A worker's first start on a fresh machine or container compiles its Triton kerne
 for an 8B model on an H200), every later start finds them in the cache (TRITON_CACHE_DIR, else
 ~/.triton/cache). This runs the worker's own start-up path, with the worker's flags and random weights
 drawn on the device (no weights are read), to its end: the KV sizing's dry run, the sampler's
-variants and every CUDA graph (the ones a worker captures after it is ready too), then exits. The
+variants and every CUDA graph (the ones a worker compiles and captures after it is ready too), then exits. The
 same flags compile the same kernels, so run it with the flags the workers will have (device, dtype,
 --max-num-seqs, --max-num-batched-tokens, --kv-cache-dtype, --quantization, ...), into the cache
 directory the workers mount. With --kernel-manifest PATH it also records the variants into PATH (and
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if built.graphs is not None:  # the graphs a worker captures on its step thread once it serves
         while built.graphs.capture_next():
             pass
+    sampler = getattr(built.engine, "sampler", None)
+    if sampler is not None:  # the kernels a worker's sampler compiles on a thread once it serves
+        sampler.wait_warm()
     seconds = time.perf_counter() - t0
     release_model(built, cfg)
     if helpers is not None:

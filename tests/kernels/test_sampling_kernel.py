@@ -565,3 +565,25 @@ def test_chain_rows_without_the_second_read(device):
     assert K.launches_needed(t.tolist(), k.tolist(), p.tolist(), mp.tolist(), 1024) == (True, False)
     got = K.sample(rows, t, k, p, mp, seeds, offsets, block_v=32, num_splits=2, chain_block=32, second_read=False)
     assert torch.equal(got, K.sample_ref(rows, t, k, p, mp, seeds, offsets))
+
+
+def test_workspace_bytes_bound_what_a_draw_allocates(monkeypatch, device):
+    """The KV sizing counts a draw's buffers with workspace_bytes instead of compiling the kernels in its
+    dry run: every launch taken (a row of each kind), they stay within it."""
+    n, vocab = 4, 5000
+    args = [*_params(n, device, temperature=0.8), _seeds(n, device), torch.arange(n, device=device)]
+    args[1][1], args[2][2], args[3][3] = 40, 0.9, 0.1  # top-k, top-p (a chain row), min-p
+    logits = torch.randn(n, vocab, device=device)
+    allocated = []
+    empty = torch.empty
+
+    def counting(*size, **kwargs):
+        t = empty(*size, **kwargs)
+        allocated.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(torch, "empty", counting)
+    got = K.sample(logits, *args)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert torch.equal(got, K.sample_ref(logits, *args))
+    assert len(allocated) >= 15 and sum(allocated) <= K.workspace_bytes(n, vocab, logits.device)

@@ -35,6 +35,18 @@ def run_all(engine, prompts, params, eos=(), matchers=None):
     return [(tokens[f"r{i}"], finish.get(f"r{i}"), logprobs[f"r{i}"]) for i in range(len(prompts))]
 
 
+def same_answers(got, want) -> bool:
+    """The same tokens and finish reasons, and log-probabilities to 1e-5: a CPU GEMM's last bits may
+    follow the batch's row count (its blocking), which overlapped steps change (seen on some hosts)."""
+    def flat(answers):
+        return [(t, f, [(c, [[i for i, _ in row] for row in top]) for c, top in lp]) for t, f, lp in answers]
+
+    def numbers(answers):
+        return [x for _, _, lp in answers for c, top in lp for x in [*c, *(v for row in top for _, v in row)]]
+
+    return flat(got) == flat(want) and numbers(got) == pytest.approx(numbers(want), abs=1e-5)
+
+
 @pytest.fixture
 def model_dir(model_dirs):
     return model_dirs[ARCH]
@@ -152,7 +164,7 @@ def test_grammar_rows_overlap_like_plain_steps(model_dir):
     matchers = [matcher, matcher, None, matcher, matcher]
     plain = run_all(make_engine(model_dir, overlap=False), prompts, params, eos, matchers)
     engine = make_engine(model_dir, overlap=True)
-    assert run_all(engine, prompts, params, eos, matchers) == plain
+    assert same_answers(run_all(engine, prompts, params, eos, matchers), plain)
     tok = Tokenizer.from_path(model_dir)
     for (tokens, reason, _), make in zip(plain, matchers):
         if make is not None and reason == "stop":

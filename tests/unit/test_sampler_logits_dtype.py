@@ -96,3 +96,46 @@ def test_logprobs_in_row_chunks_match_one_piece(monkeypatch):
     got = sampler(logits, reqs).result()
     assert got.token_ids == logits.float().argmax(-1).tolist()
     assert got.logprobs == whole.gather(1, logits.float().argmax(-1).view(-1, 1)).squeeze(1).tolist()
+
+
+def test_draws_are_sample_refs_while_the_kernels_compile_then_the_kernels():
+    """A worker's sampler compiles its kernel variants on a thread (sampler_warmup.py): until every one
+    is compiled its draws are sample_ref's (bit for bit the kernels'), then the kernels'."""
+    import threading
+
+    release, warming = threading.Event(), threading.Event()
+
+    class Slow(_Recording):
+        def sample(self, logits, *args, **kwargs):
+            if not release.is_set():  # a warm-up draw: "compiling" until released
+                warming.set()
+                release.wait(30)
+            return super().sample(logits, *args, **kwargs)
+
+    ops = Slow()
+    sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    warm = sampler.warm_up_later(8)
+    assert warming.wait(30) and not sampler.kernels_ready
+    logits = torch.randn(2, VOCAB).to(torch.bfloat16)
+    requests = [_request("a", SamplingParams(temperature=0.8, top_p=0.9, seed=3)),
+                _request("b", SamplingParams(temperature=0.7, top_k=5, seed=4))]
+    seen = len(ops.seen)
+    exact = sampler(logits, requests).result().token_ids
+    assert len(ops.seen) == seen  # not the kernels
+    release.set()
+    assert sampler.wait_warm(30) and warm.ready and sampler.kernels_ready and len(ops.seen) == 8
+    assert sampler(logits, requests).result().token_ids == exact and ops.seen[-1] is logits
+
+
+def test_the_exact_draw_a_few_rows_at_a_time_is_the_whole_batchs():
+    from services.worker.engine.sampler_warmup import FALLBACK_ROWS, draw_exact
+    from services.worker.kernels.sampling_ref import sample_ref
+
+    n = 2 * FALLBACK_ROWS + 5
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, VOCAB, generator=g)
+    temperature = torch.rand(n, generator=g) + 0.2
+    temperature[::7] = 0.0  # some greedy rows
+    args = (logits, temperature, torch.randint(0, 10, (n,), generator=g), torch.rand(n, generator=g),
+            torch.rand(n, generator=g) * 0.1, torch.arange(n) + 11, torch.randint(0, 50, (n,), generator=g))
+    assert torch.equal(draw_exact(*args), sample_ref(*args))

@@ -174,7 +174,9 @@ class LLMEngine:
         self.runner.block_tables = self.block_manager.tables
         self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
         t_warm = time.perf_counter()
-        if self.layout.is_driver:  # the only rank that samples: its kernel variants, before serving
+        if self.layout.is_driver and config.warm_sampler_later:  # the only rank that samples
+            self.sampler.warm_up_later(config.max_num_seqs)
+        elif self.layout.is_driver:  # its kernel variants, before serving
             self.sampler.warm_up(config.max_num_seqs)
         self.sampler_warm_seconds = time.perf_counter() - t_warm
         self.graph_capture_seconds = 0.0

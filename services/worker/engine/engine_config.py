@@ -43,6 +43,9 @@ class EngineConfig:
     speculative: Any = None
     max_graph_len: int = 4096  # decode steps with longer contexts run eagerly
     mixed_graphs: bool = True  # steps with prefill chunks (up to 2,048 tokens) replay graphs too
+    # The sampler's kernel variants compiled on a thread once the engine is made, draws exact with
+    # sample_ref meanwhile (the worker's start: sampler_warmup.py); False: compiled before it returns.
+    warm_sampler_later: bool = False
     load_threads: int = 8
     seed: int = 0
     cache_key: str = ""  # the model's identity in block hashes (the served name); "" = model_dir

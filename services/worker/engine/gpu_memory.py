@@ -13,7 +13,9 @@ from services.worker.engine.kv_cache import CacheLayout, KVCache, kv_bytes_per_b
 from services.worker.engine.kv_export import handoff_buffer_blocks
 from services.worker.engine.residency import model_bytes
 from services.worker.engine.sampler import log_probs
+from services.worker.engine.sampler_warmup import draw_exact
 from services.worker.kernels.extend_attention import query_tiles
+from services.worker.kernels.sampling import workspace_bytes
 from shared.sampling_params import MAX_TOP_LOGPROBS
 
 log = structlog.get_logger("worker.memory")
@@ -64,18 +66,22 @@ def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
     hidden = engine.model(ids, torch.arange(tokens, device=device), layers, meta)
     torch.cuda.synchronize()
     seconds["dry_forward_s"] = time.perf_counter() - t0
+    draw_bytes = 0
     if hidden is not None:  # None on a pipeline stage before the last: no logits there
         rows = min(cfg.max_num_seqs, tokens)
         logits = engine.model.compute_logits(hidden[:rows])
         f = torch.ones(rows, device=device)
-        engine.ops.sample(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f, f * 0,
-                          torch.zeros(rows, dtype=torch.int64, device=device),
-                          torch.zeros(rows, dtype=torch.int64, device=device))
+        # The draw as it is before the sampler's kernels are compiled (sampler_warmup.py), with top-p
+        # (its sort) on every row; the kernels' own buffers, counted, not compiled here (16 s of an
+        # empty cache's start): they come beside the logits too.
+        draw_exact(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f * 0.9, f * 0,
+                   torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+        draw_bytes = workspace_bytes(rows, logits.shape[1], device)
         log_probs(logits, torch.zeros(rows, dtype=torch.int64, device=device), MAX_TOP_LOGPROBS)  # every row asks
         del logits
     torch.cuda.synchronize()
     seconds["dry_head_s"] = time.perf_counter() - t0 - seconds["dry_forward_s"]
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = torch.cuda.max_memory_allocated(device) - base + draw_bytes
     # Every reference to the scratch pool goes before the cache is emptied: `layers` (views of its
     # one buffer) kept the whole of it (1 GiB at 8B) cached, lost to the KV pool (H100, 2026-11-28).
     del scratch, layers, hidden, meta, ids
@@ -106,7 +112,10 @@ def profile_kv_blocks(engine) -> int:
     # What torch's allocator holds (the weights, the rope table); the rest of in_use is outside it:
     # the CUDA context, cuBLAS workspaces, loaded kernels, and any other process on the GPU.
     reserved = torch.cuda.memory_reserved(device)
-    overheads = activation_peak + GRAPH_RESERVE_BYTES + mixed_graph_bytes(engine)
+    # The sampler's warm-up, when it compiles beside the first steps (sampler_warmup.py), holds its own.
+    warming = engine.config.warm_sampler_later and engine.layout.is_driver
+    warm_bytes = engine.sampler.warmup(engine.config.max_num_seqs).reserve_bytes() if warming else 0
+    overheads = activation_peak + GRAPH_RESERVE_BYTES + mixed_graph_bytes(engine) + warm_bytes
     budget = int(total * engine.config.gpu_memory_utilization) - in_use - overheads
     share = engine.config.memory_share
     if share:  # one of several models on the GPU: its own weights and overheads within its share too
@@ -118,7 +127,7 @@ def profile_kv_blocks(engine) -> int:
     engine.memory_report = {
         "total_gib": total / 2**30, "in_use_gib": in_use / 2**30, "torch_reserved_gib": reserved / 2**30,
         "outside_torch_gib": (in_use - reserved) / 2**30, "activation_peak_gib": activation_peak / 2**30,
-        "handoff_buffer_gib": handoff / 2**30,
+        "handoff_buffer_gib": handoff / 2**30, "sampler_warm_gib": warm_bytes / 2**30,
         "kv_gib": blocks * per_block / 2**30, "kv_blocks": blocks, "kv_tokens": blocks * engine.config.block_size,
         **seconds,
     }

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.grammar_mask import GrammarMask
 from services.worker.engine.ops import TorchOps
 from services.worker.engine.request import Request
+from services.worker.engine.sampler_warmup import Warmup, draw_exact
 from services.worker.kernels.sampling import launches_needed
 
 
@@ -42,7 +41,6 @@ class PendingSample:
         return SampleResult(ids, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
 
 
-_WARM_THREADS = 8  # warm-up draws compiling at once (a GPU host has 16 cores or more)
 # Rows whose log-probabilities are made at once (fp32, as vLLM's): in one piece, 1,024 rows of a 128k
 # vocabulary made 1 GB of temporaries (the widened copy and log_softmax's output), which the KV
 # sizing's dry run reserves for the largest step (gpu_memory.py).
@@ -86,6 +84,7 @@ class Sampler:
         self._turn = 0
         self._max_rows = max_rows
         self._grammar_mask: GrammarMask | None = None  # made at the first constrained draw
+        self._warming: Warmup | None = None  # the kernels' warm-up (sampler_warmup.py)
         self.grammar_timing = False  # GrammarMask.timing (the step trace's)
 
     def grammar_mask(self) -> GrammarMask:
@@ -134,41 +133,34 @@ class Sampler:
             logprobs = tuple(self._host_copy(t) for t in log_probs(raw, token_ids, k))
         return self._pending(token_ids, logprobs)
 
-    def warm_up(self, max_rows: int) -> int:
-        """Draw once at every batch size that needs a kernel variant of its own (dummy logits, the
-        parameters' dtypes as in serving), so that no step compiles one (seconds) mid-serving.
-        Returns how many draws."""
+    def warmup(self, max_rows: int) -> Warmup:
+        """The draws at every batch size that needs a kernel variant of its own (dummy logits, the
+        parameters' dtypes as in serving), so that no step compiles one (seconds) mid-serving: run
+        now (warm_up) or on a thread (warm_up_later). sampler_warmup.py says why."""
         rows = self.ops.sample_warm_rows(self.vocab_size, max_rows, self.device)
-        if not rows:
-            return 0
-        jobs = []  # (logits, float rows, int rows) of each draw
-        # The model's logits at each batch-size class; logits widened to fp32 (a batch with
-        # penalties, rare) draw in one launch shape (_draw), so one size compiles theirs.
-        # The first and last sizes read the row two ways (split over chunks or not: sampling._collects).
-        for dtype in dict.fromkeys((self.logits_dtype, torch.float32)):
-            sizes = rows if dtype == self.logits_dtype else list(dict.fromkeys((rows[0], rows[-1])))
-            logits = torch.zeros(max(sizes), self.vocab_size, dtype=dtype, device=self.device)
-            jobs += [(logits[:n], [[1.0] * n, [0.9] * n, [0.0] * n], [[0] * n, [0] * n, [0] * n]) for n in sizes]
-            # A batch without chain rows (top-p or min-p alone) skips the rounds: other variants.
-            jobs += [(logits[:n], [[1.0] * n, [1.0] * n, [0.0] * n], [[40] * n, [0] * n, [0] * n])
-                     for n in dict.fromkeys((sizes[0], sizes[-1]))]
-        self._warm_draws(jobs)
-        return len(jobs)
+        return Warmup(self._draw_kernel, rows, self.logits_dtype, self.vocab_size, self.device)
 
-    def _warm_draws(self, jobs: list) -> None:
-        """The warm-up's draws: on a GPU the first alone (it compiles the launches every size
-        shares), then the others on threads, so that their kernels compile side by side (Triton's
-        compiler and ptxas run outside the GIL for much of a compile); elsewhere in order."""
-        if not self._cuda or len(jobs) < 3:
-            for job in jobs:
-                self._draw(*job)
-            return
-        self._draw(*jobs[0])
-        with ThreadPoolExecutor(min(_WARM_THREADS, len(jobs) - 1), initializer=bind_thread,
-                                initargs=(self.device,)) as pool:
-            for future in [pool.submit(self._draw, *job) for job in jobs[1:]]:
-                future.result()
-        torch.cuda.synchronize(self.device)
+    def warm_up(self, max_rows: int) -> int:
+        """Every kernel variant compiled now; returns how many draws that took."""
+        warm = self.warmup(max_rows)
+        self._warming = warm
+        return warm.run()
+
+    def warm_up_later(self, max_rows: int) -> Warmup:
+        """The kernel variants compiled on a thread; every draw is sample_ref's until they are."""
+        warm = self.warmup(max_rows)
+        self._warming = warm
+        if not warm.ready:
+            warm.start()
+        return warm
+
+    @property
+    def kernels_ready(self) -> bool:
+        """Whether draws take the kernels (their variants compiled), else sample_ref (exact, slower)."""
+        return self._warming is None or self._warming.ready
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        return self._warming is None or self._warming.wait(timeout)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], places: list[int] | None = None) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
@@ -180,15 +172,26 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, float_rows: list[list[float]], int_rows: list[list[int]]) -> torch.Tensor:
         """float_rows: temperature, top_p, min_p; int_rows: top_k, seed, offset; one column a row."""
-        # The kernels' launches for rows this batch has none of are skipped: the chunked chain's (rows with
-        # top-p or min-p and no top-k, sampling_chain.py), the second read's (rows with top-k).
-        chain, second_read = launches_needed(float_rows[0], int_rows[0], float_rows[1], float_rows[2],
-                                             self.vocab_size)
+        if not self.kernels_ready:
+            floats, ints = self._upload(float_rows, int_rows)
+            return draw_exact(logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2])
+        return self._draw_kernel(logits, float_rows, int_rows)
+
+    def _upload(self, float_rows: list[list[float]], int_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         floats = torch.tensor(float_rows, dtype=torch.float32)
         ints = torch.tensor(int_rows, dtype=torch.int64)
         if self.device.type == "cuda":
             floats = floats.pin_memory().to(self.device, non_blocking=True)
             ints = ints.pin_memory().to(self.device, non_blocking=True)
+        return floats, ints
+
+    def _draw_kernel(self, logits: torch.Tensor, float_rows: list[list[float]],
+                     int_rows: list[list[int]]) -> torch.Tensor:
+        # The kernels' launches for rows this batch has none of are skipped: the chunked chain's (rows with
+        # top-p or min-p and no top-k, sampling_chain.py), the second read's (rows with top-k).
+        chain, second_read = launches_needed(float_rows[0], int_rows[0], float_rows[1], float_rows[2],
+                                             self.vocab_size)
+        floats, ints = self._upload(float_rows, int_rows)
         # Logits of another type than the model's (widened for penalties) compile kernel variants of
         # their own: one launch shape for every batch size keeps them to one set (warm_up).
         return self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2],

@@ -349,6 +349,26 @@ def warm_row_counts(vocab: int, max_rows: int, device: torch.device, block_v: in
     return sorted(rows.values())
 
 
+def workspace_bytes(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Device bytes sample() allocates for n_rows rows besides the logits, every launch taken: what the
+    KV sizing reserves for a draw (gpu_memory.py), whose own dry run need not compile the kernels."""
+    if n_rows <= 0:
+        return 0
+    block_v = _block_v(vocab, None)
+    split_block = launch_constants(vocab, block_v)[0]
+    splits = _chunking(vocab, _num_splits(vocab, n_rows, split_block, device), split_block)[1]
+    groups = _lane_groups(splits, split_block)
+    c_splits = _collect_splits(vocab, block_v)[1]
+    rounds = chain_splits(vocab, min(block_v, 2048))[1]
+    per_row = (8  # out
+               + 8 * block_v  # buf_l, buf_i
+               + splits * (4 * 4 + 4 * groups + 4 * _GRID_BINS.value)  # part_score, _idx, _z, _draw; part_u, part_grid
+               + 4 * (3 + 3 + 4)  # cand, row_m / row_z / row_b, c_rows
+               + 8 * 3 * c_splits  # the second read's part_f, part_i
+               + 4 * 3 * rounds)  # the chain's part_idx, part_mass, part_score
+    return n_rows * per_row
+
+
 def _collects(n_rows: int, device: torch.device) -> bool:
     """Whether the second read of a batch of n_rows is split over chunks of each row (sampling_collect.py)
     rather than one program's per row: now always. The split wins where the row programs leave SMs
