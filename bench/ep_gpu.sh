@@ -49,7 +49,7 @@ if [[ $PARTS == *" profile "* ]]; then  # torch's profile of the decode steps at
     EP=$([ $tp = 2 ] && echo "--tensor-parallel-size 2 --enable-expert-parallel")
     timeout 200 python3 -m services.cli bench-engine --model /tmp/${PROFILE_MODEL:-qwen3-30b-a3b} --load-format dummy \
       --batch-size ${PROFILE_BATCH:-256} --prompt-len 256 --decode-tokens 16 --overlap --json $EP \
-      --profile "$OUT/profile_${PROFILE_MODEL:-qwen3-30b-a3b}_b${PROFILE_BATCH:-256}_tp$tp.txt" 2>/dev/null | grep '^{' | head -c 300
+      ${PROFILE_TRACE:+--profile-trace} --profile "$OUT/profile_${PROFILE_MODEL:-qwen3-30b-a3b}_b${PROFILE_BATCH:-256}_tp$tp.txt" 2>/dev/null | grep '^{' | head -c 300
     echo; head -1 "$OUT/profile_${PROFILE_MODEL:-qwen3-30b-a3b}_b${PROFILE_BATCH:-256}_tp$tp.txt"
   done
 fi

@@ -12,7 +12,7 @@ import torch
 
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
-from services.worker.engine.torch_profile import FOLLOWERS_ENV, start_profile, write_profile
+from services.worker.engine.torch_profile import FOLLOWERS_ENV, TRACE_ENV, start_profile, write_profile
 from shared.sampling_params import SamplingParams
 
 
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--profile", default="", metavar="FILE",
                     help="write torch's profile of the decode steps here (kernels by GPU time, per step)")
+    ap.add_argument("--profile-trace", action="store_true",
+                    help="with --profile: each rank's timeline too, FILE[.rankN].trace.json.gz")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights drawn on the device (a --config-only directory suffices)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.profile:  # a parallel group's other ranks profile their whole run beside it (FILE.rankN)
         os.environ[FOLLOWERS_ENV] = args.profile
+        if args.profile_trace:
+            os.environ[TRACE_ENV] = "1"
     engine = LLMEngine(EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization, num_blocks=args.num_blocks,
