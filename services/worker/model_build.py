@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
@@ -303,6 +304,24 @@ def _build_model(checked: CheckedModel, cfg: WorkerServiceConfig, cuda_graphs: b
     timings = {"weights_s": engine.load_seconds, "weights_gb": weights_gb, "kv_s": kv_s, "kv_reused": kv is not None,
                "graphs_s": graphs_s, "graphs_deferred": len(graphs.backlog) if graphs is not None else 0}
     return BuiltModel(checked, engine, engine.max_model_len, graphs, timings)
+
+
+def between_steps(built: BuiltModel) -> Callable[[], bool] | None:
+    """What the step thread does between two steps once the model serves, one piece a turn, until
+    it returns False: the deferred CUDA graphs, a bucket a turn, then the start of the sampler's
+    warm-up thread (sampler_warmup.py: after the last capture, which its launches could break)."""
+    graphs = built.graphs
+    sampler = getattr(built.engine, "sampler", None)
+    if (graphs is None or not graphs.backlog) and (sampler is None or sampler.kernels_ready):
+        return None
+
+    def turn() -> bool:
+        if graphs is not None and graphs.capture_next():
+            return True
+        if sampler is not None:
+            sampler.start_warm_up()
+        return False
+    return turn
 
 
 DECODE_PREFILL_CHUNK = 512  # a decode worker's prompt tokens a step, by default

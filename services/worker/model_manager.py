@@ -18,7 +18,8 @@ import time
 import structlog
 
 from services.worker.model_build import (BuiltModel, CheckedModel, HostCopy, Leftovers, ModelCheckError, ModelSpec,
-                                         build_model, check_model, evict_model, free_memory, release_model)
+                                         between_steps, build_model, check_model, evict_model, free_memory,
+                                         release_model)
 from services.worker.service import WorkerService
 from shared import subjects
 from shared.admin_messages import (LoadBreakdown, LoadModelRequest, UnloadModelRequest, WorkerAdminReply,
@@ -199,11 +200,9 @@ class ModelManager:
                 prefetch, marks: dict) -> None:
         self.built = built
         tune_gc()  # the new model's objects out of every later collection, as at start
-        graphs = built.graphs
-        background = graphs.capture_next if graphs is not None and graphs.backlog else None
         spec = built.checked.spec
         self.service.attach(built.engine, built.checked.eos_token_ids, built.max_model_len, spec.model_name,
-                            background, tokenizer_source=spec.model_dir)
+                            between_steps(built), tokenizer_source=spec.model_dir)
         fields = {k: round(v, 3) if isinstance(v, float) else v for k, v in _fields(breakdown).items()}
         if prefetch is not None:
             fields.update(prefetch.report())

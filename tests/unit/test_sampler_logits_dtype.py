@@ -115,6 +115,8 @@ def test_draws_are_sample_refs_while_the_kernels_compile_then_the_kernels():
     ops = Slow()
     sampler = Sampler(ops, VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
     warm = sampler.warm_up_later(8)
+    assert not sampler.kernels_ready and not warm.started  # pending: the worker starts it once its graphs are captured
+    sampler.start_warm_up()
     assert warming.wait(30) and not sampler.kernels_ready
     logits = torch.randn(2, VOCAB).to(torch.bfloat16)
     requests = [_request("a", SamplingParams(temperature=0.8, top_p=0.9, seed=3)),
@@ -139,3 +141,56 @@ def test_the_exact_draw_a_few_rows_at_a_time_is_the_whole_batchs():
     args = (logits, temperature, torch.randint(0, 10, (n,), generator=g), torch.rand(n, generator=g),
             torch.rand(n, generator=g) * 0.1, torch.arange(n) + 11, torch.randint(0, 50, (n,), generator=g))
     assert torch.equal(draw_exact(*args), sample_ref(*args))
+
+
+def test_between_steps_captures_the_graphs_then_starts_the_samplers_warm_up():
+    """The step thread's work between steps once a model serves (model_build.between_steps): every
+    deferred graph first, then the sampler's warm-up thread, whose launches could break a capture."""
+    from types import SimpleNamespace
+
+    from services.worker.model_build import between_steps
+
+    log = []
+
+    class Graphs:
+        backlog = [8, 16]
+
+        def capture_next(self):
+            if self.backlog:
+                log.append(f"graph {self.backlog.pop(0)}")
+            return bool(self.backlog)
+
+    class Warming:
+        kernels_ready = False
+
+        def start_warm_up(self):
+            log.append("sampler")
+
+    turn = between_steps(SimpleNamespace(graphs=Graphs(), engine=SimpleNamespace(sampler=Warming())))
+    while turn():
+        pass
+    assert log == ["graph 8", "graph 16", "sampler"]
+    ready = SimpleNamespace(kernels_ready=True)
+    assert between_steps(SimpleNamespace(graphs=None, engine=SimpleNamespace(sampler=ready))) is None
+
+
+def test_a_warm_up_stopped_by_its_models_unload_draws_no_more():
+    import threading
+
+    release, warming = threading.Event(), threading.Event()
+    calls = []
+
+    class Slow(_Recording):
+        def sample(self, logits, *args, **kwargs):
+            calls.append(logits.shape[0])
+            warming.set()
+            release.wait(30)
+            return super().sample(logits, *args, **kwargs)
+
+    sampler = Sampler(Slow(), VOCAB, torch.device("cpu"), logits_dtype=torch.bfloat16)
+    sampler.warm_up_later(8)
+    sampler.start_warm_up()
+    assert warming.wait(30)
+    threading.Timer(0.2, release.set).start()  # the draw under way ends; close() waits for it
+    sampler.close()
+    assert calls == [1] and not sampler.kernels_ready  # the rest never drawn: the draws stay with sample_ref

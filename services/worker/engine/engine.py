@@ -568,7 +568,8 @@ class LLMEngine:
             raise ValueError(f"a worker split over {self.layout.world_size} processes cannot {what} yet")
 
     def close(self) -> None:
-        """Stop the other ranks of a parallel group (a single-process engine has nothing to stop)."""
+        """Stop the sampler's warm-up thread, if it runs, and the other ranks of a parallel group."""
+        self.sampler.close()
         if self.group is not None:
             self.group.close()
             self.group = None

@@ -147,19 +147,31 @@ class Sampler:
         return warm.run()
 
     def warm_up_later(self, max_rows: int) -> Warmup:
-        """The kernel variants compiled on a thread; every draw is sample_ref's until they are."""
-        warm = self.warmup(max_rows)
-        self._warming = warm
-        if not warm.ready:
+        """The kernel variants to compile on a thread, once start_warm_up() is called (after the CUDA
+        graphs are captured: no launch of its then breaks a capture); every draw is sample_ref's
+        until they are compiled."""
+        self._warming = self.warmup(max_rows)
+        return self._warming
+
+    def start_warm_up(self) -> None:
+        """The thread of warm_up_later's variants, if it is not running yet."""
+        warm = self._warming
+        if warm is not None and not warm.ready and not warm.started:
             warm.start()
-        return warm
 
     @property
     def kernels_ready(self) -> bool:
         """Whether draws take the kernels (their variants compiled), else sample_ref (exact, slower)."""
         return self._warming is None or self._warming.ready
 
+    def close(self) -> None:
+        """Stop a warm-up under way: its model is going (engine.close)."""
+        if self._warming is not None and self._warming.started:
+            self._warming.stop()
+
     def wait_warm(self, timeout: float | None = None) -> bool:
+        """Until the kernels are compiled (their thread started now if it was not); whether they are."""
+        self.start_warm_up()
         return self._warming is None or self._warming.wait(timeout)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], places: list[int] | None = None) -> torch.Tensor:

@@ -5,7 +5,8 @@ launches a batch needs: sampling.warm_row_counts), ~1.3 s each to compile on an 
 empty Triton cache they were 30 s of a 48 s start to the first token (the KV sizing's dry draw 16.5
 s, the warm-up 19 s; 8B, 2026-11-29). A first token needs none of them: a greedy batch takes the
 argmax, and sample_ref draws bit for bit as the kernels do. So a worker compiles them on a thread
-once its engine is made (Warmup.start), and until every one is compiled each draw is sample_ref's,
+once it serves and its CUDA graphs are captured (Warmup.start: a launch from another thread may break
+a capture), and until every one is compiled each draw is sample_ref's,
 FALLBACK_ROWS rows at a time (at once, its fp32 copies and sort of a 128k vocabulary take ~6 MB a
 row). `inferno bench-engine`, the tests and `inferno warm-kernels` compile them first (Warmup.run).
 """
@@ -65,6 +66,7 @@ class Warmup:
         self.draw, self.vocab, self.device = draw, vocab, device
         self.batches = warm_batches(rows, logits_dtype) if rows else []
         self.ready = not self.batches
+        self._stopped = False
         self.draws = sum(len(d) for _, d in self.batches)
         self._thread: threading.Thread | None = None
 
@@ -81,7 +83,7 @@ class Warmup:
         """Every warm-up draw, now; returns how many."""
         for dtype, draws in self.batches:
             self._run_batch(dtype, draws)
-        self.ready = True
+        self.ready = not self._stopped
         return self.draws
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -89,6 +91,15 @@ class Warmup:
         if self._thread is not None:
             self._thread.join(timeout)
         return self.ready
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """No more draws (its model is being unloaded); waits for those under way (a compile: seconds)."""
+        self._stopped = True
+        self.wait(timeout)
 
     def start(self) -> None:
         """The warm-up on a thread of its own: the sampler draws with sample_ref until it is done."""
@@ -106,15 +117,21 @@ class Warmup:
         """On a GPU the first draw alone (it compiles the launches every size shares), then the others
         on threads, so that their kernels compile side by side (Triton's compiler and ptxas run
         outside the GIL for much of a compile); elsewhere in order."""
+        if self._stopped:
+            return
         logits = torch.zeros(max(n for n, _, _ in draws), self.vocab, dtype=dtype, device=self.device)
         jobs = [(logits[:n], floats, ints) for n, floats, ints in draws]
         if self.device.type != "cuda" or len(jobs) < 3:
             for job in jobs:
-                self.draw(*job)
+                self._draw(*job)
             return
-        self.draw(*jobs[0])
+        self._draw(*jobs[0])
         with ThreadPoolExecutor(min(WARM_THREADS, len(jobs) - 1), initializer=bind_thread,
                                 initargs=(self.device,)) as pool:
-            for future in [pool.submit(self.draw, *job) for job in jobs[1:]]:
+            for future in [pool.submit(self._draw, *job) for job in jobs[1:]]:
                 future.result()
         torch.cuda.synchronize(self.device)
+
+    def _draw(self, *job) -> None:
+        if not self._stopped:
+            self.draw(*job)
