@@ -74,8 +74,8 @@ def dry_run_peak_bytes(engine, seconds: dict | None = None) -> int:
         # The draw as it is before the sampler's kernels are compiled (sampler_warmup.py), with top-p
         # (its sort) on every row; the kernels' own buffers, counted, not compiled here (16 s of an
         # empty cache's start): they come beside the logits too.
-        draw_exact(logits, f, torch.zeros(rows, dtype=torch.int32, device=device), f * 0.9, f * 0,
-                   torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        draw_exact(logits, f, zeros, f * 0.9, f * 0, zeros, zeros)
         draw_bytes = workspace_bytes(rows, logits.shape[1], device)
         log_probs(logits, torch.zeros(rows, dtype=torch.int64, device=device), MAX_TOP_LOGPROBS)  # every row asks
         del logits
