@@ -10,6 +10,13 @@ variant side by side into the cache while the worker imports torch and reads its
 worker's own compiles become cache loads. Compiling needs no GPU (Triton's wheel ships ptxas), so
 the helpers make no CUDA context and take no GPU memory.
 
+Triton does not wait for another process's compile: a worker that reaches a variant first compiles it
+itself (the helpers alone took 22 s for 47 variants on an H200 host; the worker reached most of them
+sooner, 40.5 s to its first token against 47.8 without them; 2026-11-29). So each helper leaves a
+marker once a variant is in the cache, and the worker's compile hook waits for the marker of a variant
+the helpers hold (Replay.wait_for), then finds it in the cache: the keys are the worker's own
+(tests/unit/test_kernel_manifest.py compiles both ways for sm_90 without a GPU).
+
 `--kernel-manifest PATH` on the worker (a file beside the model on a shared volume, say): replayed at
 start when it exists, written (merged) once the worker has settled. `inferno warm-kernels
 --kernel-manifest PATH` records one; `python -m services.worker.kernel_manifest PATH --jobs N` replays
@@ -19,10 +26,13 @@ one. A variant that cannot be rebuilt is skipped: the worker compiles it itself,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -31,18 +41,52 @@ from pathlib import Path
 
 FORMAT = "inferno-kernel-manifest-v1"
 
+WAIT_S = 120.0  # the longest a compile waits for the helpers' copy of its variant
+
 _lock = threading.Lock()
 _recorded: dict[str, dict] = {}  # specialization data → its entry, in the order compiled
+_replay: Replay | None = None  # the helpers compiling beside this process, if any
 
 
 def note(fn, compile: dict | None) -> None:
-    """One compile (a jit_cache_hook's `fn` and `compile` arguments): recorded once."""
+    """One compile about to happen (a jit_cache_hook's `fn` and `compile` arguments): recorded once,
+    and, when the helpers hold its variant, after they have put it in the cache."""
     data = (compile or {}).get("specialization_data")
     module, name = getattr(fn, "module", None), getattr(fn, "name", None)
     if not isinstance(data, str) or not isinstance(module, str) or not isinstance(name, str):
         return
     with _lock:
         _recorded.setdefault(data, {"module": module, "name": name, "data": data})
+    replay = _replay
+    if replay is not None:
+        replay.wait_for(data)
+
+
+def digest(data: str) -> str:
+    """A variant's marker name (its specialization data hashed)."""
+    return hashlib.sha256(data.encode()).hexdigest()[:32]
+
+
+class Replay:
+    """Helper processes compiling a manifest's variants beside this process: which variants they
+    hold, and where each leaves its marker once its variant is in the cache (compiled or failed)."""
+
+    def __init__(self, proc: subprocess.Popen, done_dir: Path, wanted: set[str]):
+        self.proc, self.done_dir, self.wanted = proc, done_dir, wanted
+        self.waited = 0.0  # seconds compiles spent waiting for the helpers
+
+    def wait_for(self, data: str, timeout: float = WAIT_S) -> float:
+        """Until the helpers have this variant in the cache, or have ended; the seconds waited (0
+        for a variant they do not hold)."""
+        if data not in self.wanted:
+            return 0.0
+        marker = self.done_dir / digest(data)
+        t0 = time.monotonic()
+        while not marker.exists() and self.proc.poll() is None and time.monotonic() - t0 < timeout:
+            time.sleep(0.005)
+        waited = time.monotonic() - t0
+        self.waited += waited
+        return waited
 
 
 def recorded() -> list[dict]:
@@ -131,8 +175,9 @@ def _rebuild(entry: dict):
     return fn, signature, constexprs, attrs, options
 
 
-def compile_entries(entries: list[dict], target: dict) -> tuple[int, list[str]]:
-    """Compile each entry into Triton's cache (a helper process's share): (compiled, failures)."""
+def compile_entries(entries: list[dict], target: dict, done_dir: str = "") -> tuple[int, list[str]]:
+    """Compile each entry into Triton's cache (a helper process's share): (compiled, failures). With
+    `done_dir`, a marker there for each entry once it is done (compiled or not)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -150,11 +195,14 @@ def compile_entries(entries: list[dict], target: dict) -> tuple[int, list[str]]:
             done += 1
         except Exception as e:  # the worker compiles this one itself
             failed.append(f"{entry.get('module')}.{entry.get('name')}: {type(e).__name__}: {e}")
+        if done_dir:
+            Path(done_dir, digest(entry["data"])).touch()
     return done, failed
 
 
-def precompile(path: str | Path, jobs: int) -> dict:
-    """Every variant of the manifest at path compiled into the cache, over `jobs` processes."""
+def precompile(path: str | Path, jobs: int, done_dir: str = "") -> dict:
+    """Every variant of the manifest at path compiled into the cache, over `jobs` processes (a marker
+    for each in `done_dir`, if given)."""
     import triton
     t0 = time.perf_counter()
     doc = read(path)
@@ -169,10 +217,10 @@ def precompile(path: str | Path, jobs: int) -> dict:
     shares = [entries[i::jobs] for i in range(jobs)]
     done, failed = 0, []
     if jobs == 1:
-        done, failed = compile_entries(entries, doc["target"])
+        done, failed = compile_entries(entries, doc["target"], done_dir)
     else:
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            for d, f in pool.map(compile_entries, shares, [doc["target"]] * jobs):
+            for d, f in pool.map(compile_entries, shares, [doc["target"]] * jobs, [done_dir] * jobs):
                 done, failed = done + d, failed + f
     return {"compiled": done, "failed": failed, "seconds": round(time.perf_counter() - t0, 2), "jobs": jobs}
 
@@ -182,35 +230,47 @@ def default_jobs() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 2))
 
 
-def start_precompile(path: str | Path, jobs: int | None = None, report=None) -> subprocess.Popen | None:
-    """The replay in a process of its own, started now; the caller never waits for it. A thread
-    reaps it and hands its result line to `report` (None: no manifest at path)."""
-    if read(path) is None:
+def start_precompile(path: str | Path, jobs: int | None = None, report=None) -> Replay | None:
+    """The replay in a process of its own, started now (None: no manifest at path). This process's
+    compiles of its variants wait for it (note); a thread reaps it, hands its result line to `report`
+    and removes its markers."""
+    doc = read(path)
+    if doc is None:
         return None
-    cmd = [sys.executable, "-m", "services.worker.kernel_manifest", str(path), "--jobs", str(jobs or default_jobs())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    done_dir = Path(tempfile.mkdtemp(prefix="inferno-kernels-"))
+    cmd = [sys.executable, "-m", "services.worker.kernel_manifest", str(path), "--jobs", str(jobs or default_jobs()),
+           "--done-dir", str(done_dir)]
+    replay = Replay(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True), done_dir,
+                    {e["data"] for e in doc["kernels"]})
 
     def reap() -> None:
-        out, _ = proc.communicate()
+        global _replay
+        out, _ = replay.proc.communicate()
+        if _replay is replay:
+            _replay = None
+        shutil.rmtree(done_dir, ignore_errors=True)
         if report is not None:
             try:
-                report(json.loads(out.strip().splitlines()[-1]))
+                result = json.loads(out.strip().splitlines()[-1])
             except (ValueError, IndexError):
-                report({"exit": proc.returncode})
+                result = {"exit": replay.proc.returncode}
+            report({**result, "waited_s": round(replay.waited, 2)})
+    global _replay
+    _replay = replay
     threading.Thread(target=reap, name="kernel-manifest", daemon=True).start()
-    return proc
+    return replay
 
 
-def replay_at_start(path: str, device: str) -> subprocess.Popen | None:
+def replay_at_start(path: str, device: str) -> Replay | None:
     """A GPU process's start: the manifest's variants compiled beside it, if there is one."""
     if not path or not device.startswith("cuda"):
         return None
     import structlog
     log = structlog.get_logger("worker.kernels")
-    proc = start_precompile(path, report=lambda result: log.info("kernel manifest compiled", manifest=path, **result))
-    if proc is not None:
-        log.info("kernel manifest replayed beside the start", manifest=path, jobs=default_jobs(), pid=proc.pid)
-    return proc
+    replay = start_precompile(path, report=lambda result: log.info("kernel manifest compiled", manifest=path, **result))
+    if replay is not None:
+        log.info("kernel manifest replayed beside the start", manifest=path, jobs=default_jobs(), pid=replay.proc.pid)
+    return replay
 
 
 def save(path: str) -> int | None:
@@ -231,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Compile a kernel manifest's variants into Triton's cache.")
     ap.add_argument("manifest")
     ap.add_argument("--jobs", type=int, default=default_jobs())
+    ap.add_argument("--done-dir", default="", help="a marker here for each variant once it is in the cache")
     args = ap.parse_args(argv)
-    result = precompile(args.manifest, args.jobs)
+    result = precompile(args.manifest, args.jobs, args.done_dir)
     print(json.dumps({**result, "failed": result["failed"][:5], "failed_count": len(result["failed"])}), flush=True)
     return 0
 

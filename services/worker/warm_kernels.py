@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     release_model(built, cfg)
     if helpers is not None:
-        helpers.wait()
+        helpers.proc.wait()
     if cfg.kernel_manifest and cfg.device.startswith("cuda"):
         held = kernel_manifest.save(cfg.kernel_manifest)
         print(f"inferno warm-kernels: {len(kernel_manifest.recorded())} kernel variants compiled or loaded, "

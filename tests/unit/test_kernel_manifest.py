@@ -51,23 +51,51 @@ def test_a_compile_watch_records_what_it_sees():
     assert entry in km.recorded()
 
 
-def test_a_manifest_compiles_over_processes_into_the_cache_and_then_hits_it(tmp_path):
-    path = tmp_path / "kernels.json"
-    km.write(path, [silu_entry(1024, True), silu_entry(512, False), silu_entry(64, False, module="no.such.module")],
-             TARGET)
+def test_the_helpers_compile_the_workers_own_cache_entries_and_mark_each(tmp_path):
+    """The question the replay stands on: a variant the helpers compile from the manifest is the
+    entry the worker's own launch looks for. The worker's JIT path runs for sm_90 without a GPU
+    (tests/unit/jit_without_gpu.py): recorded into a manifest, compiled by two helper processes into an
+    empty cache (a marker each; a variant they cannot rebuild is left to the worker), then the worker's
+    path again finds every variant there and writes nothing."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
 
-    def replay() -> dict:
-        done = subprocess.run([sys.executable, "-m", "services.worker.kernel_manifest", str(path), "--jobs", "2"],
-                              env=env, capture_output=True, text=True, timeout=300)
+    def worker_path(cache: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "tests.unit.jit_without_gpu"], env={**env, "TRITON_CACHE_DIR": cache},
+                              capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    first = replay()
-    assert (first["compiled"], first["failed_count"], first["jobs"]) == (2, 1, 2)
-    assert "no.such.module" in first["failed"][0]  # a variant it cannot rebuild is left to the worker
-    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*") if p.is_file())
-    assert any(str(p).endswith(".cubin") for p in files)
-    assert replay()["compiled"] == 2  # the same keys: loads from the cache, nothing new written
-    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*") if p.is_file()) == files
+    first = worker_path(str(tmp_path / "a"))
+    assert first["before"] == 0 and first["after"] > 0 and len(first["recorded"]) == 2
+    manifest, done_dir = tmp_path / "kernels.json", tmp_path / "done"
+    done_dir.mkdir()
+    lost = silu_entry(64, False, module="no.such.module")
+    km.write(manifest, [*first["recorded"], lost], TARGET)
+    helpers = subprocess.run([sys.executable, "-m", "services.worker.kernel_manifest", str(manifest), "--jobs", "2",
+                              "--done-dir", str(done_dir)], env={**env, "TRITON_CACHE_DIR": str(tmp_path / "b")},
+                             capture_output=True, text=True, timeout=300)
+    result = json.loads(helpers.stdout.strip().splitlines()[-1])
+    assert (result["compiled"], result["failed_count"], result["jobs"]) == (2, 1, 2), helpers.stderr[-2000:]
+    assert "no.such.module" in result["failed"][0]
+    marked = [*first["recorded"], lost]
+    assert sorted(p.name for p in done_dir.iterdir()) == sorted(km.digest(e["data"]) for e in marked)
+    again = worker_path(str(tmp_path / "b"))
+    assert again["recorded"] == first["recorded"]  # the same variants, named the same: what note() waits for
+    assert again["before"] == again["after"] > 0  # every one found in the cache: nothing compiled
+
+
+def test_a_compile_waits_for_the_helpers_copy_of_its_variant(tmp_path):
+    """note() holds a compile of a variant the helpers hold until its marker is there, not one they
+    do not hold, and not once they have ended."""
+    marker = tmp_path / km.digest("held")
+    helper = subprocess.Popen([sys.executable, "-c", "import pathlib, sys, time; time.sleep(0.4); "
+                               "pathlib.Path(sys.argv[1]).touch(); time.sleep(30)", str(marker)])
+    try:
+        replay = km.Replay(helper, tmp_path, {"held"})
+        assert replay.wait_for("other") == 0.0
+        assert 0.3 < replay.wait_for("held") < 5 and marker.exists()
+    finally:
+        helper.kill()
+        helper.wait()
+    assert replay.wait_for(json.dumps("never marked")) == 0.0  # not held
+    km.Replay(helper, tmp_path, {"gone"}).wait_for("gone")  # the helpers ended: no wait (would hang otherwise)
