@@ -135,6 +135,7 @@ class GatewayConfig:
     share_prefix_cache: bool = False  # with a keys file: tenants share prefix-cache blocks
     log_requests: bool = False  # one info line per finished request (off by default, as vLLM's)
     heartbeat_ttl: float = 3.0  # a worker unheard for this long is gone: its requests move or fail
+    heartbeat_interval: float = 1.0  # this gateway's beats to the workers (they end a silent one's requests)
     stream_interval: int = 1  # streamed tokens per SSE event (SGLang's --stream-interval): fewer writes
     tool_call_parser: str = "auto"  # the served model's tool-call syntax (services/gateway/tool_calls.py)
     gateway_id: str = field(default_factory=lambda: _new_id("gw"))
@@ -153,7 +154,7 @@ class GatewayConfig:
         if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
             _fail(self, "api_keys", "must be a tuple of non-empty strings")
         _positive(self, "max_body_bytes", "max_n", "request_timeout", "first_token_timeout", "heartbeat_ttl",
-                  "stream_interval")
+                  "heartbeat_interval", "stream_interval")
         if self.max_n > MAX_N:
             _fail(self, "max_n", f"must be at most {MAX_N}")
         if self.max_tokens_default is not None:

@@ -29,7 +29,6 @@ from shared.subjects import DEFAULT_PREFIX, Subjects
 from shared.tokenizer import Tokenizer
 
 WATCH_INTERVAL = 0.25  # how often in-flight requests are checked against worker heartbeats
-BEAT_INTERVAL = 1.0  # this gateway's heartbeat: workers end the requests of one gone silent (gateway_watch.py)
 
 log = get_logger("gateway")
 
@@ -131,14 +130,15 @@ class Gateway:
             log.warning("abort_publish_failed", worker_id=worker_id, error=repr(e))
 
     async def _beat(self, conn: NatsConnection) -> None:
-        """Tell the workers, every BEAT_INTERVAL, that this gateway still reads its inbox."""
+        """Tell the workers, every cfg.heartbeat_interval, that this gateway still reads its inbox (they
+        end the requests of one gone silent: services/worker/gateway_watch.py)."""
         while True:
             try:
                 await conn.publish(self.subjects.gateway_heartbeat, GatewayHeartbeat(
                     gateway_id=self.cfg.gateway_id, inbox=self.inbox, in_flight=len(self.router.streams())))
             except Exception as e:  # NATS away: the next beat goes after the reconnect
                 log.debug("gateway_beat_failed", error=repr(e))
-            await asyncio.sleep(BEAT_INTERVAL)
+            await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def _watch_workers(self) -> None:
         """Requests of workers that went silent: their tokens are not coming, so a request that has

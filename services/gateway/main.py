@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat-ttl", type=float, default=3.0,
                    help="seconds without a worker's heartbeat after which its requests move to another worker "
                         "(no token yet) or fail; as the scheduler's --heartbeat-ttl")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between this gateway's heartbeats; a worker that misses them for its "
+                        "--gateway-ttl ends this gateway's requests")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"],
                    default=env_default("INFERNO_TOOL_CALL_PARSER", "auto"),
                    help="how the served model writes tool calls (vLLM's names); auto: from its chat template")
@@ -109,7 +112,8 @@ def make_config(args: argparse.Namespace) -> tuple[GatewayConfig, NatsConfig]:
                         max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, first_token_timeout=args.first_token_timeout,
                         share_prefix_cache=args.share_prefix_cache, log_requests=args.log_requests,
-                        heartbeat_ttl=args.heartbeat_ttl, stream_interval=args.stream_interval,
+                        heartbeat_ttl=args.heartbeat_ttl, heartbeat_interval=args.heartbeat_interval,
+                        stream_interval=args.stream_interval,
                         tool_call_parser=args.tool_call_parser, reuse_port=args.reuse_port, **extra)
     return cfg, NatsConfig(url=args.nats_url, subject_prefix=args.subject_prefix, **nats_tls_settings(args))
 

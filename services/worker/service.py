@@ -4,6 +4,7 @@ serves (services/worker/model_manager.py attaches and detaches that model)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections import defaultdict
@@ -195,16 +196,20 @@ class WorkerService:
         if not left:
             return
         log.warning("aborting requests", count=len(left), reason=reason)
-        batches = defaultdict(list)
-        for rid in left:
-            batches[loop_thread.reply_to.get(rid, "")].append(
-                TokenDelta(request_id=rid, finish_reason="abort", error=reason))
+        inboxes = {rid: loop_thread.reply_to.get(rid, "") for rid in left}
         loop_thread.submit(AbortCommand(left))
         if self.sender is not None:
             await self.sender.forward_aborts(left)
-        for subject, items in batches.items():
-            if subject:
-                await self.conn.publish(subject, TokenBatch.of(self.cfg.worker_id, items))
+        await self._send_ends(inboxes, reason)
+
+    async def _send_ends(self, inboxes: dict[str, str], error: str) -> None:
+        """Each request's end, aborted with `error`, to its gateway's inbox (one batch an inbox)."""
+        batches = defaultdict(list)
+        for rid, inbox in inboxes.items():
+            if inbox:
+                batches[inbox].append(TokenDelta(request_id=rid, finish_reason="abort", error=error))
+        for inbox, deltas in batches.items():
+            await self.conn.publish(inbox, TokenBatch.of(self.cfg.worker_id, deltas))
 
     async def detach(self) -> None:
         """Stop the model's step thread and everything built around it; its engine is the
@@ -529,7 +534,14 @@ class WorkerService:
         self._orphans = orphans  # those still here next time are not ended twice
         if new:
             log.warning("gateway silent, its requests ended", requests=len(new), gateways=sorted(silent))
-            asyncio.ensure_future(self._on_abort(AbortRequest(request_ids=sorted(new), reason="gateway silent")))
+            asyncio.ensure_future(self._end_orphans_now(sorted(new), {rid: inbox for rid, inbox in routes}))
+
+    async def _end_orphans_now(self, rids: list[str], inboxes: dict[str, str]) -> None:
+        """Abort them here, and tell their inboxes: a gateway that was only slow to beat then ends its
+        streams with an error instead of waiting for tokens that will not come."""
+        await self._on_abort(AbortRequest(request_ids=rids, reason="gateway silent"))
+        with contextlib.suppress(Exception):  # NATS away: nobody reads them anyway
+            await self._send_ends({rid: inboxes[rid] for rid in rids}, "its gateway stopped sending heartbeats")
 
     async def _put_kv_snapshot(self) -> None:
         """The announced prefix-cache blocks into JetStream every few seconds while they change (and

@@ -210,7 +210,7 @@ def test_gateways_share_the_port_and_one_may_die(tiny_model, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     stack = start_stack(tmp_path, tiny_model, api_server_count=2, kvstore_capacity_gb=0,
-                        worker_args=("--gateway-ttl", "1"))
+                        worker_args=("--gateway-ttl", "1"), gateway_args=("--heartbeat-interval", "0.2"))
     try:
         gateways = [stack.child("gateway-0"), stack.child("gateway-1")]
         assert all(g.proc.poll() is None for g in gateways)
