@@ -6,7 +6,7 @@ load kept its worker busy for the whole of their answers, 2026-11-29). A worker 
 gateway it heard before ends that gateway's requests. Only gateways heard before count: a client
 of the workers' subjects without beats (a test, the emitter's bench) is never ended by this.
 
-The bound is generous (GATEWAY_TTL): a gateway's event loop may stall for seconds under a burst of
+The bound is generous (--gateway-ttl, 15 s): a gateway's event loop may stall for seconds under a burst of
 thousands of connections, and ending a live gateway's requests costs far more than a few seconds of
 a dead one's. This process's own NATS outage is no gateway's silence: the watch says nothing while
 the connection is down and for one bound after it is back.
@@ -20,12 +20,12 @@ from typing import Callable
 from shared import subjects
 from shared.messages import GatewayHeartbeat
 
-GATEWAY_TTL = 15.0  # seconds without a beat after which a gateway's requests are ended
 FORGET_S = 3600.0  # a silent gateway's entry is dropped after this (its requests were ended long ago)
 
 
 class GatewayWatch:
-    def __init__(self, ttl: float = GATEWAY_TTL, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic):
+        """ttl: seconds without a beat after which a gateway's requests are ended."""
         self.ttl = ttl
         self.clock = clock
         self.last_beat: dict[str, float] = {}  # gateway inbox → when its last beat came

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from collections import defaultdict
 from typing import Callable
@@ -18,6 +17,7 @@ from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.grammar import GrammarError, Grammars
 from services.worker.handoff import HandoffReceiver, HandoffSender
+from services.worker.heartbeat import heartbeat_period, worker_heartbeat
 from services.worker.host_staging import HostStaging
 from services.worker.kv_snapshot import SNAPSHOT_TTL, KvMirror
 from services.worker.step_loop import AbortCommand, AddCommand, InsertCachedCommand, Rejected, StepLoop
@@ -26,8 +26,7 @@ from shared import hop_trace, subjects
 from shared.config import WorkerServiceConfig
 from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply
 from shared.kv_transfer import TransferClient
-from shared.messages import (AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta,
-                             WorkerHeartbeat)
+from shared.messages import AbortRequest, GenerateRequest, KvEvents, RouteReply, TokenBatch, TokenDelta
 from shared.wire import encode
 
 log = structlog.get_logger("worker")
@@ -46,20 +45,6 @@ STORE_WARM_S = 5.0  # seconds a model's readiness waits for the cluster store's 
 
 _NOT_SERVING = {"no_model": "the worker has no model loaded", "loading": "the worker is loading its model",
                 "unloading": "the worker is unloading its model"}
-
-
-PREFILL_BEAT_S = 0.1  # a prefill worker's heartbeat period at most
-
-
-def heartbeat_period(cfg: WorkerServiceConfig) -> float:
-    """Seconds between heartbeats. A prefill worker beats at least every 0.1 s: the scheduler sends a
-    prompt to its decode worker instead once the prefill queue passes its bound, and counts what it
-    routed since the last beat as queued. At 1 s, at 5 long prompts a second (two H200s, 2026-11-29),
-    a second's prompts always looked queued, and 27 % of them were prefilled by the decode worker
-    for nothing: its inter-token latency paid, and the first tokens came no sooner."""
-    if cfg.role == "prefill":
-        return min(cfg.heartbeat_interval, PREFILL_BEAT_S)
-    return cfg.heartbeat_interval
 
 
 class WorkerService:
@@ -564,71 +549,5 @@ class WorkerService:
             log.debug("heartbeat not sent", exc_info=True)
 
     async def _publish_heartbeat(self) -> None:
-        loop_thread = self.loop_thread
         self.seq += 1
-        ready = self.state == "ready" and loop_thread is not None and not self.draining
-        hb = dict(worker_id=self.cfg.worker_id, role=self.cfg.role, model=self.model_name, state=self.state,
-                  ready=ready, draining=self.draining, generate_subject=self.generate_subject,
-                  abort_subject=self.abort_subject, timestamp=time.time(), seq=self.seq,
-                  block_size=self.block_size, max_model_len=self.max_model_len, host=self.host,
-                  model_dir=self.model_dir, memory_share=self.cfg.memory_share, num_waiting=len(self.parked))
-        if loop_thread is not None:
-            s = loop_thread.stats
-            hb.update(num_running=s.num_running, num_waiting=s.num_waiting + loop_thread.commands.qsize() + len(self.parked),
-                      queued_prefill_tokens=s.queued_prefill_tokens, active_decode_tokens=s.active_decode_tokens,
-                      kv_usage=min(1.0, max(0.0, s.kv_usage)), num_free_blocks=s.num_free_blocks,
-                      num_total_blocks=s.num_total_blocks, prefix_cache_hits=s.prefix_cache_hits,
-                      prefix_cache_queries=s.prefix_cache_queries, spec_by_method=s.draft_counts,
-                      expert_tokens=s.expert_tokens, expert_ranks=expert_ranks(loop_thread.engine),
-                      steps=loop_thread.steps_done, busy_seconds=loop_thread.busy_seconds,
-                      computed_tokens=loop_thread.computed_tokens, output_tokens=loop_thread.output_tokens,
-                      **describe_engine(loop_thread.engine), **self._handoff_counts())
-        cache = self.cluster_cache
-        hb["store_fetch_cost"] = -1.0 if cache is None else min(cache.fetch_cost_ratio, 10.0)
-        await self.conn.publish(subjects.heartbeat(self.prefix), WorkerHeartbeat(**hb))
-
-    def _handoff_counts(self) -> dict:
-        if self.sender is not None:
-            stats = self.sender.stats
-            recent = sorted(self.sender.recent_seconds)
-            return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                    "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"],
-                    "kv_handoff_p50_ms": 1e3 * recent[len(recent) // 2] if recent else 0.0}
-        if self.receiver is not None:
-            stats = self.receiver.stats
-            return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
-                    "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                    "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"]}
-        return {}
-
-
-def expert_ranks(engine) -> int:
-    """The GPUs an MoE model's experts are spread over (1: every rank holds every expert)."""
-    layout = getattr(engine, "layout", None)
-    return layout.tp if layout is not None and layout.expert_parallel else 1
-
-
-def describe_engine(engine) -> dict:
-    """The heartbeat's device, dtype and graph count of an engine (the model-free emitter has none)."""
-    device = getattr(engine, "device", None)
-    if device is None:
-        return {}
-    name = str(device)
-    if device.type == "cuda":
-        name = f"{device} {_gpu_name(device.index or 0)}"
-    layout = getattr(engine, "layout", None)
-    if layout is not None and layout.world_size > 1:
-        name += f" +{layout.world_size - 1}"
-    runner = getattr(engine, "runner", None)
-    graphs = getattr(runner, "graphs", None)
-    dtype = getattr(engine, "dtype", None)
-    return {"device": name, "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "",
-            "graphs": len(getattr(graphs, "graphs", ())) if graphs is not None else 0}
-
-
-@functools.cache
-def _gpu_name(index: int) -> str:
-    import torch
-    return torch.cuda.get_device_name(index)
-
+        await self.conn.publish(subjects.heartbeat(self.prefix), worker_heartbeat(self))

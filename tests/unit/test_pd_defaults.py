@@ -4,7 +4,7 @@ defaults: the decode worker's own prefills in small steps, and a prefill worker'
 from __future__ import annotations
 
 from services.worker.model_build import chunked_prefill_size
-from services.worker.service import heartbeat_period
+from services.worker.heartbeat import heartbeat_period
 from shared.config import RouterConfig, WorkerServiceConfig
 
 

@@ -155,6 +155,8 @@ class LLMEngine:
                                         self.device, dtype, self.ops)
         self.draft_block_bytes = draft_kv_bytes_per_block(draft, config.block_size, self.kv_dtype)
         self.sampler = Sampler(self.ops, self.model_config.vocab_size, self.device, config.max_num_seqs, dtype)
+        if self.layout.is_driver and config.warm_sampler_later:  # the only rank that samples; the KV
+            self.sampler.warm_up_later(config.max_num_seqs)  # sizing reserves what its warm-up will hold
         num_blocks = kv_cache.num_blocks if kv_cache is not None else config.num_blocks or self._blocks_from_memory()
         if self.group is not None:
             num_blocks = self.group.min_over_ranks(num_blocks)  # one block table for every rank
@@ -174,9 +176,7 @@ class LLMEngine:
         self.runner.block_tables = self.block_manager.tables
         self.runner.share_ids = self.group is not None and self._depth > 0 and self.layout.pp == 1
         t_warm = time.perf_counter()
-        if self.layout.is_driver and config.warm_sampler_later:  # the only rank that samples
-            self.sampler.warm_up_later(config.max_num_seqs)
-        elif self.layout.is_driver:  # its kernel variants, before serving
+        if self.layout.is_driver and not config.warm_sampler_later:  # its kernel variants, before serving
             self.sampler.warm_up(config.max_num_seqs)
         self.sampler_warm_seconds = time.perf_counter() - t_warm
         self.graph_capture_seconds = 0.0

@@ -113,8 +113,7 @@ def profile_kv_blocks(engine) -> int:
     # the CUDA context, cuBLAS workspaces, loaded kernels, and any other process on the GPU.
     reserved = torch.cuda.memory_reserved(device)
     # The sampler's warm-up, when it compiles beside the first steps (sampler_warmup.py), holds its own.
-    warming = engine.config.warm_sampler_later and engine.layout.is_driver
-    warm_bytes = engine.sampler.warmup(engine.config.max_num_seqs).reserve_bytes() if warming else 0
+    warm_bytes = engine.sampler.warm_reserve_bytes()
     overheads = activation_peak + GRAPH_RESERVE_BYTES + mixed_graph_bytes(engine) + warm_bytes
     budget = int(total * engine.config.gpu_memory_utilization) - in_use - overheads
     share = engine.config.memory_share

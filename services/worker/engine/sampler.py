@@ -133,7 +133,7 @@ class Sampler:
             logprobs = tuple(self._host_copy(t) for t in log_probs(raw, token_ids, k))
         return self._pending(token_ids, logprobs)
 
-    def warmup(self, max_rows: int) -> Warmup:
+    def _warmup(self, max_rows: int) -> Warmup:
         """The draws at every batch size that needs a kernel variant of its own (dummy logits, the
         parameters' dtypes as in serving), so that no step compiles one (seconds) mid-serving: run
         now (warm_up) or on a thread (warm_up_later). sampler_warmup.py says why."""
@@ -142,7 +142,7 @@ class Sampler:
 
     def warm_up(self, max_rows: int) -> int:
         """Every kernel variant compiled now; returns how many draws that took."""
-        warm = self.warmup(max_rows)
+        warm = self._warmup(max_rows)
         self._warming = warm
         return warm.run()
 
@@ -150,7 +150,7 @@ class Sampler:
         """The kernel variants to compile on a thread, once start_warm_up() is called (after the CUDA
         graphs are captured: no launch of its then breaks a capture); every draw is sample_ref's
         until they are compiled."""
-        self._warming = self.warmup(max_rows)
+        self._warming = self._warmup(max_rows)
         return self._warming
 
     def start_warm_up(self) -> None:
@@ -158,6 +158,11 @@ class Sampler:
         warm = self._warming
         if warm is not None and not warm.ready and not warm.started:
             warm.start()
+
+    def warm_reserve_bytes(self) -> int:
+        """Device bytes a pending warm-up will hold beside the steps (0: none pending)."""
+        warm = self._warming
+        return warm.reserve_bytes() if warm is not None and not warm.ready else 0
 
     @property
     def kernels_ready(self) -> bool:
