@@ -78,7 +78,8 @@ def itls(r):  # the load generator's RequestRecord.itls: a chunk's gap over its 
 
 result = {}
 for lane in ("mixed", "pd", "pd_b", "pd_bytes", "pd_tcp"):
-    runs = [json.load(open(p)) for p in sorted(glob.glob(f"{raw}/long_{lane}_*.json"))]
+    # long_pd_1.json, not long_pd_tcp_1.json: a lane's runs are numbered, other lanes' names go on.
+    runs = [json.load(open(p)) for p in sorted(glob.glob(f"{raw}/long_{lane}_[0-9]*.json"))]
     if not runs:
         continue
     # Every run's requests pooled: a p99 of 100 requests moved +-20 % between calls (2026-11-29).

@@ -17,8 +17,10 @@ marker once a variant is in the cache, and the worker's compile hook waits for t
 the helpers hold (Replay.wait_for), then finds it in the cache: the keys are the worker's own
 (tests/unit/test_kernel_manifest.py compiles both ways for sm_90 without a GPU).
 
-`--kernel-manifest PATH` on the worker (a file beside the model on a shared volume, say): replayed at
-start when it exists, written (merged) once the worker has settled. `inferno warm-kernels
+`--kernel-manifest PATH` on the worker: replayed at start when it exists, written (merged) once the
+worker has settled. Its default, `auto`, is a file beside the model (`manifest_path`): the model's
+volume is what every new replica shares, while each one's Triton cache starts empty, so only the
+first start of a model on a volume compiles its kernels one after another; `off` keeps none. `inferno warm-kernels
 --kernel-manifest PATH` records one; `python -m services.worker.kernel_manifest PATH --jobs N` replays
 one. A variant that cannot be rebuilt is skipped: the worker compiles it itself, as without a manifest.
 """
@@ -60,6 +62,21 @@ def note(fn, compile: dict | None) -> None:
     replay = _replay
     if replay is not None:
         replay.wait_for(data)
+
+
+MANIFEST_NAME = ".inferno-kernels.json"
+
+
+def manifest_path(flag: str, model_dir: str, device: str) -> str:
+    """The manifest a worker uses: `flag` itself, or for `auto` (or empty) a file beside the model on
+    a GPU (in its directory; a single-file model's name plus the suffix); "" for `off`, a CPU worker or
+    no model."""
+    if flag not in ("", "auto"):
+        return "" if flag == "off" else flag
+    if not model_dir or not device.startswith("cuda"):
+        return ""
+    model = Path(model_dir)
+    return str(model / MANIFEST_NAME) if model.is_dir() else f"{model}{MANIFEST_NAME}"
 
 
 def digest(data: str) -> str:

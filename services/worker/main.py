@@ -16,6 +16,7 @@ import time
 
 import structlog
 
+from services.worker.kernel_manifest import manifest_path
 from shared import hop_trace
 from shared.config import (CONFIG_ERROR_EXIT, NatsConfig, WorkerServiceConfig, add_nats_tls_flags, env_default,
                            nats_tls_settings, parse_bool)
@@ -106,10 +107,11 @@ def parse_args(argv):
                     help="hand-off pages through host memory where UCX would move GPU memory over TCP: "
                          "auto (when UCX_TLS has no CUDA IPC or RDMA transport, or the peer is on another host "
                          "without RDMA), host (always), off")
-    ap.add_argument("--kernel-manifest", default=env_default("INFERNO_KERNEL_MANIFEST", ""), metavar="PATH",
+    ap.add_argument("--kernel-manifest", default=env_default("INFERNO_KERNEL_MANIFEST", "auto"), metavar="PATH",
                     help="GPU: the Triton kernel variants this worker compiles, recorded into PATH once it settles; "
                          "when PATH exists at start, helper processes compile them all side by side while the "
-                         "worker loads (a fresh machine's first start; keep PATH beside the model)")
+                         "worker loads (a fresh machine's start with an empty Triton cache); auto (the default): "
+                         ".inferno-kernels.json beside the model, where every replica finds it; off: none")
     ap.add_argument("--kvstore", choices=["auto", "on", "off"], default=env_default("INFERNO_KVSTORE", "auto"),
                     help="auto: a GPU worker fetches prefixes from the cluster KV store when one answers and "
                          "that beats recomputing, a CPU worker does not use it; on: fetch too, and write every "
@@ -296,7 +298,7 @@ def service_config(args) -> tuple[WorkerServiceConfig, list[tuple[str, str, floa
                   grammar_compile_timeout=args.grammar_compile_timeout, jump_forward=args.jump_forward,
                   speculative_config=args.speculative_config, handoff_push=args.handoff_push,
                   handoff_ipc=args.handoff_ipc, handoff_staging=args.handoff_staging, kvstore=args.kvstore,
-                  kernel_manifest=args.kernel_manifest,
+                  kernel_manifest=manifest_path(args.kernel_manifest, first_dir, args.device),
                   load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, custom_all_reduce=args.custom_all_reduce,
                   fused_all_reduce_norm=args.fused_all_reduce_norm, enable_expert_parallel=args.enable_expert_parallel)

@@ -99,3 +99,16 @@ def test_a_compile_waits_for_the_helpers_copy_of_its_variant(tmp_path):
         helper.wait()
     assert replay.wait_for(json.dumps("never marked")) == 0.0  # not held
     km.Replay(helper, tmp_path, {"gone"}).wait_for("gone")  # the helpers ended: no wait (would hang otherwise)
+
+
+def test_the_default_manifest_lies_beside_the_model(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert km.manifest_path("auto", str(model), "cuda:0") == str(model / ".inferno-kernels.json")
+    assert km.manifest_path("", str(gguf), "cuda") == f"{gguf}.inferno-kernels.json"
+    assert km.manifest_path("auto", str(model), "cpu") == ""  # the CPU path compiles no Triton kernel
+    assert km.manifest_path("auto", "", "cuda") == ""  # no model at start: nothing to record yet
+    assert km.manifest_path("off", str(model), "cuda") == ""
+    assert km.manifest_path("/v/k.json", str(model), "cpu") == "/v/k.json"  # a path is taken as given
