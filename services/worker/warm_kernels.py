@@ -14,14 +14,8 @@ them side by side (services/worker/kernel_manifest.py).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from pathlib import Path
-
-
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     helpers = kernel_manifest.replay_at_start(cfg.kernel_manifest, cfg.device)  # a manifest's variants, side by side
     if cfg.kernel_manifest and cfg.device.startswith("cuda"):
         kernel_manifest.install_recorder()
-    cache = triton_cache_dir()
+    cache = kernel_manifest.triton_cache_dir()
     before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     t0 = time.perf_counter()
     checked = check_model(ModelSpec.of(cfg, cfg.model_dir, cfg.model_name), cfg)

@@ -112,3 +112,20 @@ def test_the_default_manifest_lies_beside_the_model(tmp_path):
     assert km.manifest_path("auto", "", "cuda") == ""  # no model at start: nothing to record yet
     assert km.manifest_path("off", str(model), "cuda") == ""
     assert km.manifest_path("/v/k.json", str(model), "cpu") == "/v/k.json"  # a path is taken as given
+
+
+def test_a_cache_that_holds_the_whole_manifest_starts_no_helpers(tmp_path, monkeypatch):
+    """A worker that compiled or loaded every variant of the manifest marks its cache; the next start
+    with that cache leaves the helpers out, while a manifest with more in it replays again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(km, "current_target", lambda: TARGET)
+    a, b = silu_entry(1024, True), silu_entry(512, False)
+    path = tmp_path / "kernels.json"
+    monkeypatch.setattr(km, "_recorded", {a["data"]: a})
+    assert km.save(str(path)) == 1 and km.cache_marker(km.read(path)).exists()
+    assert km.start_precompile(path) is None  # nothing to compile: no helper process
+    km.write(path, [b], TARGET)  # another replica recorded one more
+    assert not km.cache_marker(km.read(path)).exists()
+    monkeypatch.setattr(km, "_recorded", {a["data"]: a})
+    km.save(str(path))  # this process lacks b: its cache is not marked as holding the manifest
+    assert not km.cache_marker(km.read(path)).exists()
