@@ -399,6 +399,9 @@ def parse_args(argv):
                     help="decode workers (they also prefill prompts too short to be worth a hand-off)")
     ap.add_argument("--disagg-max-prefill-queue-tokens", type=int, default=None,
                     help="the scheduler's queue bound for a remote prefill (default: its own, 4096; 0: none)")
+    ap.add_argument("--disagg-by-time", action=argparse.BooleanOptionalAction, default=None,
+                    help="the scheduler weighs a remote prefill against the decode worker's own by time "
+                         "(default: its own, on)")
     ap.add_argument("--kvstore-capacity-gb", type=float, default=None,
                     help="host memory of the cluster KV store (prefix reuse across workers); 0: none "
                          "(default: 2 with two or more workers, none with one)")
@@ -504,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_args += ["--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens)]
     if args.disagg_max_prefill_queue_tokens is not None:
         scheduler_args += ["--disagg-max-prefill-queue-tokens", str(args.disagg_max_prefill_queue_tokens)]
+    if args.disagg_by_time is not None:
+        scheduler_args += ["--disagg-by-time" if args.disagg_by_time else "--no-disagg-by-time"]
     if args.max_queue_seconds is not None:
         scheduler_args += ["--max-queue-seconds", str(args.max_queue_seconds)]
     gateway_args = ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []

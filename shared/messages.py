@@ -439,6 +439,9 @@ class WorkerHeartbeat(Message):
     busy_seconds: float = 0.0
     computed_tokens: int = 0
     output_tokens: int = 0
+    # Prompt tokens a second over the recent steps that computed prompts (0: none yet), decodes beside
+    # them included: the scheduler weighs a remote prefill against a decode worker's own with it.
+    prefill_tokens_per_s: float = 0.0
 
     def _check(self) -> None:
         _require(bool(self.worker_id), "worker_id must not be empty")

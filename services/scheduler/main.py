@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     default=d["disagg_max_prefill_queue_tokens"].default,
                     help="a decode worker prefills a prompt itself while every prefill worker has more tokens "
                          "than this queued (0: no bound)")
+    ap.add_argument("--disagg-by-time", action=argparse.BooleanOptionalAction, default=d["disagg_by_time"].default,
+                    help="a decode worker also prefills a prompt itself when its first token comes sooner that "
+                         "way (both sides' queues and reported prompt rates, the recent hand-off time)")
     ap.add_argument("--max-queue-seconds", type=float, default=d["max_queue_seconds"].default,
                     help="answer 429 at once when a request's estimated queueing time passes this (0: no bound)")
     ap.add_argument("--admission-tokens-per-second", type=float, default=d["admission_tokens_per_second"].default,
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                   overload_kv_usage=args.overload_kv_usage, affinity_bucket=args.affinity_bucket,
                   affinity_ttl=args.affinity_ttl, disagg_min_prefill_tokens=args.disagg_min_prefill_tokens,
                   disagg_max_prefill_queue_tokens=args.disagg_max_prefill_queue_tokens,
+                  disagg_by_time=args.disagg_by_time,
                   max_queue_seconds=args.max_queue_seconds,
                   admission_tokens_per_second=args.admission_tokens_per_second)
     if args.scheduler_id:

@@ -25,6 +25,7 @@ class WorkerState:
     kv: KvIndex
     routed_requests: int = 0
     routed_tokens: int = 0
+    local_prefill_tokens: int = 0  # of routed_tokens: prompts a decode worker prefills itself
 
     @property
     def worker_id(self) -> str:
@@ -100,6 +101,7 @@ class Registry:
         state.last_seen = now
         state.routed_requests = 0
         state.routed_tokens = 0
+        state.local_prefill_tokens = 0
         return state
 
     def on_kv_snapshot(self, worker_id: str, seq: int, blocks: set[bytes], now: float) -> bool:

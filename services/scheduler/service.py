@@ -163,8 +163,10 @@ class Scheduler:
                 worker = result.worker
                 prefill = choose_prefill(self.registry.live(self.clock()), result, req,
                                          self.cfg.disagg_min_prefill_tokens, self.cfg.disagg_max_prefill_queue_tokens,
-                                         self.registry.store_kv)
+                                         self.registry.store_kv, self.cfg.disagg_by_time)
                 target, forwarded = worker, req.forwarded_to(worker.worker_id, store_cached_tokens=result.store_tokens)
+                if prefill is None and worker.role == "decode":
+                    worker.local_prefill_tokens += max(req.num_prompt_tokens - result.cached_tokens, 0)
                 if prefill is not None:  # the prefill worker takes it and hands it to `worker`
                     prefill.worker.note_routed(req.num_prompt_tokens)
                     target, forwarded = prefill.worker, req.forwarded_to(prefill.worker.worker_id, worker.worker_id,

@@ -43,6 +43,7 @@ def worker_heartbeat(service) -> WorkerHeartbeat:
                   expert_tokens=s.expert_tokens, expert_ranks=expert_ranks(loop_thread.engine),
                   steps=loop_thread.steps_done, busy_seconds=loop_thread.busy_seconds,
                   computed_tokens=loop_thread.computed_tokens, output_tokens=loop_thread.output_tokens,
+                  prefill_tokens_per_s=loop_thread.prefill_rate.rate,
                   **describe_engine(loop_thread.engine), **handoff_counts(service.sender, service.receiver))
     cache = service.cluster_cache
     hb["store_fetch_cost"] = -1.0 if cache is None else min(cache.fetch_cost_ratio, 10.0)

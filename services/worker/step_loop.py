@@ -16,6 +16,7 @@ from typing import Any, Callable
 import structlog
 
 from services.worker.engine.cuda_device import bind_thread
+from services.worker.prefill_rate import PrefillRate
 from services.worker.step_trace import StepTrace
 from shared import hop_trace
 from shared.sampling_params import SamplingParams
@@ -116,6 +117,7 @@ class StepLoop(threading.Thread):
         self.busy_seconds = 0.0
         self.computed_tokens = 0
         self.output_tokens = 0
+        self.prefill_rate = PrefillRate()
         self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
         self.trace = StepTrace.from_env()
@@ -164,6 +166,8 @@ class StepLoop(threading.Thread):
             self.steps_done += 1
             self.busy_seconds += elapsed
             self.computed_tokens += getattr(self.engine, "last_step_tokens", 0)
+            self.prefill_rate.add(getattr(self.engine, "last_step_tokens", 0) - getattr(self.engine, "last_step_rows", 0),
+                                  elapsed)
             self.output_tokens += len(getattr(outputs, "token_ids", ()))
             if self.on_step is not None:
                 self.on_step(getattr(self.engine, "last_step_tokens", 0), elapsed)

@@ -28,14 +28,14 @@ def aggregated(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1P+1D", "1P+2D"])
 def pd_stack(request, tiny_model, tmp_path_factory):
-    # Every prompt is prefilled remotely (threshold 1), so each request is handed off.
+    # Every prompt is prefilled remotely (threshold 1, no weighing by time), so each request is handed off.
     # Heartbeats may wait seconds on a 2-core machine running three workers flat out (20 hand-offs
     # at once below): a worker is gone after 10 s here, not 3 (the fault tests keep the defaults).
     # With two decode workers the pages go through host staging buffers on both sides (as they do
     # where UCX would move GPU memory over TCP), so every test below checks that path too.
     s = start_stack(tmp_path_factory.mktemp("pd"), tiny_model, workers=0, prefill_workers=1,
                     decode_workers=request.param,
-                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time", "--heartbeat-ttl", "10"),
                     gateway_args=("--heartbeat-ttl", "10"),
                     worker_args=("--handoff-staging", "host") if request.param == 2 else ())
     yield s
@@ -224,7 +224,7 @@ def stream_until_killed(stack, victim: str, prompt: str, kill_after_chunks: int)
 @pytest.fixture
 def fault_stack(tiny_model, tmp_path):
     s = start_stack(tmp_path, tiny_model, workers=0, prefill_workers=2, decode_workers=2,
-                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "1.5"),
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time", "--heartbeat-ttl", "1.5"),
                     worker_args=("--handoff-timeout", "3"))
     yield s
     s.stop()

@@ -34,7 +34,7 @@ def slow_prefill(request, tiny_model, tmp_path_factory):
         pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
         s = start_stack(tmp_path_factory.mktemp("migration-pd"), tiny_model, workers=0, prefill_workers=2,
                         decode_workers=1, worker_args=worker_args,
-                        scheduler_args=("--disagg-min-prefill-tokens", "1"))
+                        scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time"))
     yield s
     s.stop()
 

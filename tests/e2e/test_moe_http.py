@@ -30,7 +30,7 @@ def moe_model(request, tmp_path_factory):
 def pd_stack(moe_model, tmp_path_factory):
     # Every prompt is prefilled on the prefill worker and handed over (threshold 1).
     s = start_stack(tmp_path_factory.mktemp("moe-pd"), moe_model, workers=0, prefill_workers=1, decode_workers=1,
-                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time", "--heartbeat-ttl", "10"),
                     gateway_args=("--heartbeat-ttl", "10"))
     yield s
     s.stop()

@@ -59,7 +59,7 @@ def split_stack(tiny_model, other_host, tmp_path_factory):
     stack = start_stack(tmp_path_factory.mktemp("two-hosts"), tiny_model, workers=0, decode_workers=1,
                         nats_host=HERE, kvstore_capacity_gb=0, env=UCX_ENV,
                         decode_worker_args=("--kv-transfer-host", HERE),
-                        scheduler_args=("--disagg-min-prefill-tokens", "1", "--heartbeat-ttl", "10"),
+                        scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time", "--heartbeat-ttl", "10"),
                         gateway_args=("--heartbeat-ttl", "10"))
     try:
         stack.start_process("prefill-0", [

@@ -135,7 +135,7 @@ def test_an_eagle3_head_on_the_decode_worker_of_a_split_stack(tiny_model, tmp_pa
                         target_vocab_size=vocab)
     eagle = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     stack = start_stack(tmp_path_factory.mktemp("spec-pd"), tiny_model, workers=0, prefill_workers=1,
-                        decode_workers=1, scheduler_args=("--disagg-min-prefill-tokens", "1"),
+                        decode_workers=1, scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time"),
                         decode_worker_args=("--speculative-config", json.dumps(eagle)))
     try:
         same_answers(stack, ["Tell me a story.", "one two three one two three", "Hello there"])
