@@ -92,12 +92,18 @@ for lane in ("mixed", "pd", "pd_b", "pd_bytes", "pd_tcp"):
            "ttft_p99_each": [round(run["summary"]["ttft"]["p99"], 1) for run in runs],
            "itl_p99_each": [round(run["summary"]["itl"]["p99"], 1) for run in runs],
            "total_tok_s": sum(run["summary"]["total_throughput"] for run in runs) / len(runs)}
+    # The requests behind the p99 (start s, prompt tokens, TTFT ms), and why any failed.
+    row["slowest"] = [(round(r.get("start") or 0.0, 2), r.get("prompt_tokens") or r.get("planned_input_len"), round(1e3 * r["ttft"]))
+                      for r in sorted(reqs, key=lambda r: -r["ttft"])[:4]]
+    row["errors"] = sorted({(r.get("error_detail") or r.get("error") or "")[:120]
+                            for run in runs for r in run.get("requests", []) if r.get("error")})[:3]
     try:
         h = json.load(open(f"{raw}/handoff_{lane}.json"))
         row["handoff"] = h
     except Exception:
         pass
     result[lane] = row
+    print(f"{lane:9} slowest (start s, prompt, TTFT ms): {row['slowest']}  errors: {row['errors']}")
     print(f"{lane:9} x{row['runs']} TTFT p50 / p99 {row['ttft_p50']:7.1f} / {row['ttft_p99']:7.1f} ms   ITL p50 / p99 "
           f"{row['itl_p50']:5.1f} / {row['itl_p99']:6.1f} ms   failed {row['failed']}   p99s a run: TTFT "
           f"{row['ttft_p99_each']} ITL {row['itl_p99_each']}")
