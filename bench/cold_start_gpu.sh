@@ -9,7 +9,7 @@
 #   4. the same again with 3's cache (warm);
 #   5. the replay alone into an empty cache (`python -m services.worker.kernel_manifest`, its --jobs);
 #   6. the drive's read floor for the weights, then a start with the page cache dropped (warm Triton cache);
-#   7. with two GPUs: the 70B TP=2 start (--load-format dummy), empty cache then warm.
+#   7. with two GPUs (and WITH_70B=1, the default): the 70B TP=2 start (--load-format dummy), empty cache then warm.
 # Targets (H200, 8B bf16): empty cache <= 12 s to the first token, warm <= 6 s, page cache dropped <=
 # the drive's floor + 3 s. Worker defaults (--max-num-seqs 1024 on a GPU). Needs .whl/
 # (WITH_UCX=0 ../shared/tools/gpu-wheels.sh). Usage: COMMIT=<sha> bash bench/cold_start_gpu.sh
@@ -56,7 +56,7 @@ PY
 echo "6 (drive floor): $(cat $RAW/6_floor.json)"
 TRITON_CACHE_DIR=/tmp/tc-3 timeout 240 python3 bench/cold_start.py $M $FLAGS --drop-caches | tail -1 > "$RAW/6_dropped.json"
 echo "6 (page cache dropped) at ${SECONDS} s: $(head -c 160 $RAW/6_dropped.json)"
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+if [ "${WITH_70B:-1}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   M70=/tmp/llama-3.1-70b
   [ -f $M70/config.json ] || python3 -m services.cli make-model $M70 --preset llama-3.1-70b --dtype bfloat16 --config-only --quiet
   for k in 7_70b_empty 7_70b_warm; do

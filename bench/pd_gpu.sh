@@ -37,8 +37,10 @@ for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do  # a lane named again runs ag
   UP=$!
   for _ in $(seq 400); do curl -sf localhost:8001/ready > /dev/null 2>&1 && break; sleep 0.5; done
   sleep 3  # both workers registered
+  # Both workers settled: graphs captured and the sampler's kernels compiled (a thread of the worker
+  # compiles them once it serves; a lane measured during that had first tokens of ~1 s, 2026-11-29).
   for _ in $(seq 240); do
-    [ "$(grep -l "graphs captured" $run/*-*.log 2>/dev/null | wc -l)" -ge 2 ] && break; sleep 0.5
+    [ "$(grep -l "sampler kernels compiled" $run/*-*.log 2>/dev/null | wc -l)" -ge 2 ] && break; sleep 0.5
   done
   echo "$lane ready at ${SECONDS} s"
   python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests 30 --input-len 1000:3000 \

@@ -7,13 +7,14 @@ cheapest prefill worker is not that far behind; otherwise the decode worker pref
 Among prefill workers of the model the cheapest wins: uncached prompt tokens on it plus its
 queued prefill, ties to fewer waiting requests, then the smaller id.
 
-With `by_time`, the decode worker also prefills a prompt itself when its first token comes sooner
-that way: each side's queued prompt tokens and this prompt over the prompt tokens a second it
-reports (the decode worker's in chunks beside its decodes, services/worker/prefill_rate.py), plus
-the prefill worker's recent hand-off time. A token bound alone sent a prompt to a busy prefill
-worker while the decode worker's chunks sat idle (1P+1D at 1.25-1.55 x the TTFT p99 of 2 mixed
-workers, H200s, 2026-11-29), and to a prefill worker behind a slow link (hand-offs of 1-2.4 s over
-TCP, 13 of 100 requests timed out).
+With `by_time`, the decode worker also prefills a prompt itself when its first token comes clearly
+sooner that way (LOCAL_MARGIN): each side's queued prompt tokens and this prompt over the prompt
+tokens a second it reports (the decode worker's in chunks beside its decodes,
+services/worker/prefill_rate.py), plus the prefill worker's recent hand-off time. A token bound
+alone sent every prompt to a prefill worker behind a slow link (hand-offs of 0.7-2.4 s over TCP
+between two H200s: 13 of 100 long prompts timed out; none with this, 2026-11-29). The margin is
+there because a local prefill also slows the decode worker's own decodes, and its estimate was
+optimistic: weighed evenly, the TTFT p99 over a fast link rose from 196 to 250 ms.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.scheduler.router import Choice, prefix_hits, request_cost, store_h
 from shared.messages import GenerateRequest
 
 PREFILL_ROLE = "prefill"
+LOCAL_MARGIN = 2.0  # a decode worker's own prefill must promise the first token this many times sooner
 
 
 def choose_prefill(live: Sequence[WorkerState], decode: Choice, req: GenerateRequest,
@@ -67,4 +69,4 @@ def sooner_at_decode(decode: Choice, prefill: WorkerState, remote_tokens: int, l
         return False
     local = (d.heartbeat.queued_prefill_tokens + d.local_prefill_tokens + local_tokens) / local_rate
     remote = remote_tokens / remote_rate + p.kv_handoff_p50_ms / 1e3
-    return local < remote
+    return LOCAL_MARGIN * local < remote

@@ -341,19 +341,21 @@ def test_a_queue_bound_sends_the_prompt_to_its_decode_worker_when_every_prefill_
 def test_by_time_the_decode_worker_prefills_when_its_first_token_comes_sooner():
     """Each side's queue and this prompt over the prompt rate it reports, plus the prefill worker's
     recent hand-off time; a side that reports no rate yet leaves the prompt to the prefill worker."""
-    router = make_router(heartbeat("d", role="decode", prefill_tokens_per_s=20_000.0, queued_prefill_tokens=1000),
+    router = make_router(heartbeat("d", role="decode", prefill_tokens_per_s=40_000.0, queued_prefill_tokens=1000),
                          heartbeat("p", role="prefill", prefill_tokens_per_s=40_000.0, queued_prefill_tokens=2000,
                                    kv_handoff_p50_ms=5.0))
     decode = router.route(request(prompt(2000)), 0.0)
     live = router.registry.live(0.0)
     d, p = (next(w for w in live if w.worker_id == i) for i in ("d", "p"))
     long_prompt = request(prompt(2000))
-    # local (1000 + 2000) / 20k = 150 ms against remote (2000 + 2000) / 40k + 5 ms = 105 ms
+    # local (1000 + 2000) / 40k = 75 ms, twice that (the margin) against remote (2000 + 2000) / 40k + 5 ms = 105 ms
     assert choose_prefill(live, decode, long_prompt, 256, by_time=True).worker.worker_id == "p"
-    p.note_routed(2000)  # remote now 155 ms
+    p.note_routed(1600)  # remote now 145 ms: sooner at the decode worker, but not by the margin
+    assert choose_prefill(live, decode, long_prompt, 256, by_time=True).worker.worker_id == "p"
+    p.note_routed(4000)  # remote now 245 ms
     assert choose_prefill(live, decode, long_prompt, 256, by_time=True) is None
     assert choose_prefill(live, decode, long_prompt, 256, by_time=False).worker.worker_id == "p"
-    d.local_prefill_tokens = 1000  # another prompt it prefills itself: local 200 ms
+    d.local_prefill_tokens = 3000  # other prompts it prefills itself: local 150 ms
     assert choose_prefill(live, decode, long_prompt, 256, by_time=True).worker.worker_id == "p"
     d.local_prefill_tokens = 0
     p.heartbeat = dataclasses.replace(p.heartbeat, kv_handoff_p50_ms=1000.0)  # a slow link: hand-offs of a second
