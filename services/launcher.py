@@ -401,7 +401,7 @@ def parse_args(argv):
                     help="the scheduler's queue bound for a remote prefill (default: its own, 4096; 0: none)")
     ap.add_argument("--disagg-by-time", action=argparse.BooleanOptionalAction, default=None,
                     help="the scheduler weighs a remote prefill against the decode worker's own by time "
-                         "(default: its own, on)")
+                         "(default: its own, off; on where hand-offs cross a slow link)")
     ap.add_argument("--kvstore-capacity-gb", type=float, default=None,
                     help="host memory of the cluster KV store (prefix reuse across workers); 0: none "
                          "(default: 2 with two or more workers, none with one)")

@@ -198,9 +198,11 @@ class RouterConfig:
     # decode role's 512-token prefill chunks, 4,096 put 1P+1D at 0.95 x the TTFT p99 and 0.35 x the ITL
     # p99 of 2 mixed workers (10 long prompts a second, H100s, 2026-11-27); no bound 1.79 x / 0.22 x.
     disagg_max_prefill_queue_tokens: int = 4096
-    # ... and when its own prefill gives the first token sooner, from both sides' queues, reported
-    # prompt rates and the recent hand-off time (services/scheduler/disagg.py).
-    disagg_by_time: bool = True
+    # ... and, with this, when its own prefill promises the first token twice as soon, from both sides'
+    # queues, reported prompt rates and the recent hand-off time (services/scheduler/disagg.py). Off by
+    # default: over CUDA IPC it raised the TTFT p99 (252 against 187 ms, two H200s); over TCP it
+    # turned 13 timed-out requests of 100 into none.
+    disagg_by_time: bool = False
     # Load shedding: a request whose estimated wait in every worker's queue passes this many seconds
     # gets 429 at once (0: no bound). The estimate divides queued prompt tokens by each worker's drain
     # rate, learnt from its heartbeats and starting at admission_tokens_per_second.

@@ -13,8 +13,10 @@ tokens a second it reports (the decode worker's in chunks beside its decodes,
 services/worker/prefill_rate.py), plus the prefill worker's recent hand-off time. A token bound
 alone sent every prompt to a prefill worker behind a slow link (hand-offs of 0.7-2.4 s over TCP
 between two H200s: 13 of 100 long prompts timed out; none with this, 2026-11-29). The margin is
-there because a local prefill also slows the decode worker's own decodes, and its estimate was
-optimistic: weighed evenly, the TTFT p99 over a fast link rose from 196 to 250 ms.
+there because a local prefill also slows the decode worker's own decodes. Off by default: over CUDA
+IPC it still raised the TTFT p99, 252 against 187 ms with the token bound alone, and a prompt it
+kept local (2,986 tokens in a burst) took 279 ms against 172 remote: the decode worker's reported
+rate looks optimistic (its step calls' seconds, overlapped, are shorter than its steps).
 """
 
 from __future__ import annotations

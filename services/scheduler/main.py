@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "than this queued (0: no bound)")
     ap.add_argument("--disagg-by-time", action=argparse.BooleanOptionalAction, default=d["disagg_by_time"].default,
                     help="a decode worker also prefills a prompt itself when its first token comes sooner that "
-                         "way (both sides' queues and reported prompt rates, the recent hand-off time)")
+                         "way by a margin (both sides' queues and reported prompt rates, the recent hand-off time); "
+                         "for hand-offs over a slow link")
     ap.add_argument("--max-queue-seconds", type=float, default=d["max_queue_seconds"].default,
                     help="answer 429 at once when a request's estimated queueing time passes this (0: no bound)")
     ap.add_argument("--admission-tokens-per-second", type=float, default=d["admission_tokens_per_second"].default,

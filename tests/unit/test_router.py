@@ -367,6 +367,7 @@ def test_by_time_the_decode_worker_prefills_when_its_first_token_comes_sooner():
 
 def test_the_queue_bound_is_a_non_negative_int():
     assert RouterConfig().disagg_max_prefill_queue_tokens == 4096  # past it a decode worker prefills too
+    assert RouterConfig().disagg_by_time is False  # weighing by time is for slow links (disagg.py)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError):
             RouterConfig(disagg_max_prefill_queue_tokens=bad)
