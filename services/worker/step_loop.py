@@ -118,6 +118,7 @@ class StepLoop(threading.Thread):
         self.computed_tokens = 0
         self.output_tokens = 0
         self.prefill_rate = PrefillRate()
+        self._last_end = 0.0  # when the last step ended, or the thread last found work after idling
         self._stopping = threading.Event()
         self._waiting_reserves: list[ReserveCommand] = []
         self.trace = StepTrace.from_env()
@@ -150,6 +151,8 @@ class StepLoop(threading.Thread):
             if self.background is not None:
                 timeout = max(0.0, min(timeout, background_due - time.monotonic()))
             rejected = self._drain(block=idle, timeout=timeout)
+            if idle:  # a step after idling is timed from here, not from the last one
+                self._last_end = time.perf_counter()
             if rejected:
                 self.on_outputs(rejected, [r.reply_to for r in rejected], False)
             if self._waiting_reserves:
@@ -162,12 +165,17 @@ class StepLoop(threading.Thread):
             except Exception:  # the engine already fails bad steps; this is a last line of defence
                 log.exception("step failed")
                 continue
-            elapsed = time.perf_counter() - started
+            ended = time.perf_counter()
+            elapsed = ended - started
             self.steps_done += 1
             self.busy_seconds += elapsed
             self.computed_tokens += getattr(self.engine, "last_step_tokens", 0)
+            # Timed from the last step's end, not this call's start: with overlapped steps a call
+            # waits only for what is left of the step before, and the host's work between calls
+            # (outputs, commands) overlaps the GPU's.
             self.prefill_rate.add(getattr(self.engine, "last_step_tokens", 0) - getattr(self.engine, "last_step_rows", 0),
-                                  elapsed)
+                                  ended - self._last_end)
+            self._last_end = ended
             self.output_tokens += len(getattr(outputs, "token_ids", ()))
             if self.on_step is not None:
                 self.on_step(getattr(self.engine, "last_step_tokens", 0), elapsed)
