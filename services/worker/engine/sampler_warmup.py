@@ -27,7 +27,12 @@ from services.worker.kernels.sampling_ref import sample_ref
 log = structlog.get_logger("worker.sampler")
 
 FALLBACK_ROWS = 32  # rows of one sample_ref call while the kernels compile (~190 MB at a 128k vocabulary)
-WARM_THREADS = 8  # warm-up draws compiling at once (a GPU host has 16 cores or more)
+# Warm-up draws compiling at once. Each holds the GIL for much of its compile, and the step thread
+# and the event loop queue behind every one of them: with 8, a worker's first lane had first tokens
+# of ~1 s (two H200s, 2026-11-29); a 2.2 ms stand-in step beside 1 / 2 / 4 / 8 compiling threads took
+# 10.5 / 17.8 / 22.0 / 30.9 ms at worst (a 2-core CPU, bench-free probe). Two keep the 22 variants to
+# ~15 s, and a later start's are compiled by the kernel manifest's helper processes instead.
+WARM_THREADS = 2
 
 
 def draw_exact(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:
