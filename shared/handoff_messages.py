@@ -56,7 +56,9 @@ class KvPushTarget(Message):
 @dataclass(slots=True, frozen=True, kw_only=True)
 class KvHandoffOffer(Message):
     """prefill worker → decode worker (request/reply on worker_handoff): take this request, whose
-    prompt is prefilled and first token sampled; its KV is `num_pages` pages of `page_bytes`."""
+    prompt is prefilled and first token sampled; its KV is `num_pages` pages of `page_bytes`. With
+    `recompute`, no pages come (the hand-off failed): the decode worker computes the prompt's KV
+    itself and goes on from the first token, which the gateway has already."""
 
     TYPE = "kv_handoff_offer"
     VERSION = 1
@@ -70,6 +72,7 @@ class KvHandoffOffer(Message):
     num_pages: int
     prefill_worker_id: str
     transfer_id: str
+    recompute: bool = False
 
     def _check(self) -> None:
         if not (0 <= self.first_token and 0 < self.num_pages <= MAX_PAGES and self.page_bytes > 0

@@ -410,6 +410,9 @@ class WorkerHeartbeat(Message):
     kv_handoffs_ipc: int = 0  # of kv_handoffs: copied over CUDA IPC (one host), not sent over UCXX
     kv_handoffs_pushed: int = 0  # of kv_handoffs_ipc: written into the decode worker's slot by the prefill worker
     kv_handoffs_staged: int = 0  # of kv_handoffs: sent through host buffers (services/worker/host_staging.py)
+    # Failed hand-offs whose requests the decode worker computed from the prompt and first token instead
+    # (services/worker/handoff.py): asked for and taken (prefill role), taken (decode role). Not in kv_handoffs.
+    kv_handoffs_recomputed: int = 0
     kv_handoff_p50_ms: float = 0.0  # a prefill worker's latest hand-offs (up to 256): their median time
     state: str = "ready"  # MODEL_STATES: no_model | loading | ready | unloading | standby
     # A worker process holding several models answers for each as a worker of its own (a model slot,

@@ -5,7 +5,9 @@ transfer). Usually the decode worker the scheduler chose has reserved the blocks
 prompt was prefilled (the scheduler's prepare) and said so (KvHandoffReady: its UCXX address, the
 pages it caches already), so the pages go straight there with the offer in the frame's header:
 one UCXX message, no NATS round trip. Otherwise the KV is offered over NATS (offer → reply with
-the address) and then pushed. A refusal or a failed transfer ends the request with a clean error.
+the address) and then pushed. After a refusal or a failed transfer the decode worker is asked to
+compute the prompt's KV itself and go on from the first token (a "recompute" offer); only when it
+cannot either does the request end with a clean error.
 Between two GPU workers of one host the frame carries no pages. Usually the ready notice names a
 receive slot of the decode worker's hand-off buffer, and the prefill worker writes the pages into it
 over CUDA IPC (cuda_ipc.py) before it sends the frame: the decode worker's handler only queues the
@@ -27,7 +29,7 @@ import structlog
 from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcImporter
 from services.worker.grammar import GrammarError
 from services.worker.host_staging import HostStaging, copy_pages, flat_bytes, should_stage
-from services.worker.step_loop import AbortCommand, ImportCommand, ReserveCommand
+from services.worker.step_loop import AbortCommand, AddCommand, ImportCommand, ReserveCommand
 from shared import subjects
 from shared.errors import ServiceError
 from shared.handoff_messages import KvHandoffOffer, KvHandoffReady, KvHandoffReply, KvPushTarget
@@ -42,6 +44,7 @@ READY_KEPT_FOR = 60.0  # seconds a decode worker's ready notice waits for its re
 # Seconds a receive slot stays held past the last moment a prefill worker may start writing it (the
 # write itself takes milliseconds): a dropped request's slot is never handed on under a late write.
 PUSH_GRACE = 5.0
+RECOMPUTE_TIMEOUT = 5.0  # seconds a decode worker has to take a failed hand-off's request to recompute
 
 
 class HandoffSender:
@@ -62,7 +65,8 @@ class HandoffSender:
         self.pending: dict[str, GenerateRequest] = {}  # request id → its request, until handed off
         self.handed: dict[str, tuple[str, float]] = {}  # request id → (decode worker, when)
         self.ready: dict[str, tuple[KvHandoffReady, float]] = {}  # request id → decode worker's blocks wait
-        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0, "staged": 0}
+        self.stats = {"handoffs": 0, "failed": 0, "bytes": 0, "direct": 0, "ipc": 0, "pushed": 0, "staged": 0,
+                      "recomputed": 0}
         self.recent_seconds: deque[float] = deque(maxlen=256)  # the latest hand-offs' times (their p50 in heartbeats)
 
     async def on_ready(self, msg: KvHandoffReady) -> None:
@@ -145,14 +149,14 @@ class HandoffSender:
         except (ServiceError, TransferError, HandoffRefused, asyncio.TimeoutError) as e:
             self.stats["failed"] += 1
             log.warning("handoff_failed", request_id=msg.request_id, decode_worker=msg.decode_worker_id, error=str(e))
-            await self.conn.publish(msg.reply_to, TokenBatch.of(self.worker_id, [TokenDelta(
-                request_id=msg.request_id, finish_reason="error",
-                error=f"the decode worker could not take the request: {e}")]))
+            if await self._recompute_there(msg, output.new_token_ids[0], handoff.seed):
+                await self._now_on_decode(msg)
+            else:
+                await self.conn.publish(msg.reply_to, TokenBatch.of(self.worker_id, [TokenDelta(
+                    request_id=msg.request_id, finish_reason="error",
+                    error=f"the decode worker could not take the request: {e}")]))
             return
-        self.handed[msg.request_id] = (msg.decode_worker_id, time.monotonic())
-        # Tell the gateway the request lives on the decode worker now (before that worker's first
-        # tokens), so it notices if that worker dies and sends aborts there.
-        await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
+        await self._now_on_decode(msg)
         t_end = time.perf_counter()
         self.recent_seconds.append(t_end - t0)
         self.stats["handoffs"] += 1
@@ -162,6 +166,29 @@ class HandoffSender:
         log.debug("handoff_done", request_id=msg.request_id, pages=int(pages.shape[0]), bytes=nbytes_of(pages),
                   skipped=skip, direct=direct, ipc=via_ipc, export_s=t_ready - t0, offer_s=t_offer - t_ready,
                   push_s=t_end - t_offer, push_copy_s=push_copy_s, total_s=t_end - t0)
+
+    async def _now_on_decode(self, msg: GenerateRequest) -> None:
+        """Tell the gateway the request lives on the decode worker now (before that worker's first
+        tokens), so it notices if that worker dies and sends aborts there; ours go there too."""
+        self.handed[msg.request_id] = (msg.decode_worker_id, time.monotonic())
+        await self.conn.publish(msg.reply_to, TokenBatch.of(msg.decode_worker_id, [TokenDelta(request_id=msg.request_id)]))
+
+    async def _recompute_there(self, msg: GenerateRequest, first_token: int, seed: int) -> bool:
+        """After a failed hand-off: whether the decode worker took the request to compute its KV
+        itself (from the prompt and the first token, which the gateway has), so that a refused or
+        timed-out transfer costs the request time, not its answer."""
+        offer = KvHandoffOffer(request=msg, first_token=first_token, seed=seed, num_cached_tokens=0,
+                               layout=self.layout, page_bytes=self.page_bytes, num_pages=1,
+                               prefill_worker_id=self.worker_id, transfer_id=uuid.uuid4().hex, recompute=True)
+        try:
+            reply = await self.conn.request(subjects.worker_handoff(self.prefix, msg.decode_worker_id), offer,
+                                            KvHandoffReply, timeout=RECOMPUTE_TIMEOUT)
+        except (ServiceError, asyncio.TimeoutError) as e:
+            log.warning("handoff_recompute_failed", request_id=msg.request_id, error=str(e))
+            return False
+        if reply.accepted:
+            self.stats["recomputed"] += 1
+        return reply.accepted
 
     def _fits(self, ready: KvHandoffReady, offer: KvHandoffOffer) -> bool:
         return (ready.decode_worker_id == offer.request.decode_worker_id and ready.layout == self.layout
@@ -290,7 +317,10 @@ class HandoffReceiver:
         self.prepared: dict[str, tuple[asyncio.Future, asyncio.TimerHandle]] = {}
         self.waiting: dict[str, tuple[KvHandoffOffer, object, asyncio.TimerHandle]] = {}
         self.stats = {"imports": 0, "refused": 0, "expired": 0, "bytes": 0, "prepared": 0, "direct": 0, "ipc": 0,
-                      "pushed": 0, "staged": 0}
+                      "pushed": 0, "staged": 0, "recomputed": 0}
+        # Requests whose pages landed lately: a prefill worker that gave up on such a hand-off (its
+        # reply lost or late) and asks for a recompute finds the request running here already.
+        self.imported: deque[str] = deque(maxlen=4096)
 
     def on_prepare(self, msg: GenerateRequest) -> None:
         """The scheduler paired this worker with a prefill worker for `msg`: reserve its blocks now,
@@ -376,6 +406,8 @@ class HandoffReceiver:
             self.step_loop.submit(AbortCommand([request_id]))
 
     async def on_offer(self, offer: KvHandoffOffer) -> KvHandoffReply:
+        if offer.recompute:
+            return await self._take_over(offer)
         refusal = self._check(offer)
         req = offer.request
         entry = self.prepared.pop(req.request_id, None)
@@ -405,6 +437,36 @@ class HandoffReceiver:
         self.waiting[offer.transfer_id] = (offer, result, expiry)
         return KvHandoffReply(accepted=True, skip_pages=result.skip_blocks, address=self.address,
                               host_id=self.host_id)
+
+    async def _take_over(self, offer: KvHandoffOffer) -> KvHandoffReply:
+        """The prefill worker could not hand the KV over: drop what waits for its pages, and queue the
+        request to be computed here from its prompt and first token (nothing lost but the time)."""
+        req = offer.request
+        rid = req.request_id
+        if rid in self.imported:
+            return KvHandoffReply(accepted=True)  # its pages came after all: it runs here
+        if not self.accepting:
+            return KvHandoffReply(accepted=False, reason="the decode worker is draining")
+        matcher = None
+        if req.sampling.grammar_kind:
+            grammars = self.grammars()
+            try:
+                if grammars is None:
+                    raise GrammarError("this worker has no vocabulary to compile grammars against")
+                matcher = await grammars.matcher(req.sampling.grammar_kind, req.sampling.grammar)
+            except GrammarError as e:
+                return KvHandoffReply(accepted=False, reason=str(e))
+            if rid in self.imported:
+                return KvHandoffReply(accepted=True)
+        self.abort([rid])
+        # In the step loop's order: the reservation's blocks freed, then the request added.
+        self.step_loop.submit(AbortCommand([rid]))
+        self.step_loop.submit(AddCommand(rid, req.prompt_token_ids, req.sampling.to_params(), req.reply_to,
+                                         req.cache_salt.encode(), matcher=matcher,
+                                         resume=(offer.first_token, offer.seed)))
+        self.stats["recomputed"] += 1
+        log.info("handoff_recomputed", request_id=rid, prefill_worker=offer.prefill_worker_id)
+        return KvHandoffReply(accepted=True)
 
     def _check(self, offer: KvHandoffOffer) -> str:
         if not self.accepting:
@@ -517,6 +579,7 @@ class HandoffReceiver:
         self.stats["pushed"] += pushed
         self.stats["bytes"] += nbytes_of(reservation.buffer)
         req = offer.request
+        self.imported.append(req.request_id)
         self.step_loop.submit(ImportCommand(req.request_id, req.reply_to, offer.first_token, offer.seed,
                                             offer.num_cached_tokens))
 

@@ -58,12 +58,14 @@ def handoff_counts(sender, receiver) -> dict:
         return {"kv_handoffs": stats["handoffs"], "kv_handoff_bytes": stats["bytes"],
                 "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
                 "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"],
+                "kv_handoffs_recomputed": stats["recomputed"],
                 "kv_handoff_p50_ms": 1e3 * recent[len(recent) // 2] if recent else 0.0}
     if receiver is not None:
         stats = receiver.stats
         return {"kv_handoffs": stats["imports"], "kv_handoff_bytes": stats["bytes"],
                 "kv_handoffs_direct": stats["direct"], "kv_handoffs_ipc": stats["ipc"],
-                "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"]}
+                "kv_handoffs_pushed": stats["pushed"], "kv_handoffs_staged": stats["staged"],
+                "kv_handoffs_recomputed": stats["recomputed"]}
     return {}
 
 

@@ -41,6 +41,7 @@ class AddCommand:
     cache_salt: bytes = b""
     handoff: bool = False  # a prefill worker's request: stop after the first token, hand the KV on
     matcher: Any = None  # its grammar's matcher (services/worker/grammar.py), compiled before it came
+    resume: tuple[int, int] | None = None  # (first token, seed) drawn by a prefill worker whose KV never came
 
 
 @dataclass(slots=True)
@@ -241,9 +242,14 @@ class StepLoop(threading.Thread):
         while command is not None:
             if isinstance(command, AddCommand):
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            self.eos_token_ids, command.cache_salt, handoff=command.handoff,
-                                            matcher=command.matcher)
+                    if command.resume is not None:
+                        self.engine.add_resumed(command.request_id, command.prompt_token_ids, command.params,
+                                                *command.resume, self.eos_token_ids, command.cache_salt,
+                                                matcher=command.matcher)
+                    else:
+                        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                                self.eos_token_ids, command.cache_salt, handoff=command.handoff,
+                                                matcher=command.matcher)
                     self.reply_to[command.request_id] = command.reply_to
                     if hop_trace.TRACE is not None:
                         hop_trace.TRACE.mark(command.request_id, "wk_added")

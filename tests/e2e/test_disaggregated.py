@@ -123,6 +123,36 @@ def test_seeded_sampling_equals_the_aggregated_worker(pd_stack, aggregated):
     assert ours.choices[0].text == ref.choices[0].text
 
 
+@pytest.fixture(scope="module")
+def refusing_stack(tiny_model, tmp_path_factory):
+    # The decode worker's pages are another size (blocks of 32 tokens against 16): it refuses every offer.
+    s = start_stack(tmp_path_factory.mktemp("pd-refused"), tiny_model, workers=0, prefill_workers=1, decode_workers=1,
+                    scheduler_args=("--disagg-min-prefill-tokens", "1", "--no-disagg-by-time", "--heartbeat-ttl", "10"),
+                    gateway_args=("--heartbeat-ttl", "10"), decode_worker_args=("--block-size", "32"))
+    yield s
+    s.stop()
+
+
+def test_a_refused_hand_off_is_computed_at_the_decode_worker(refusing_stack, aggregated):
+    """A hand-off that fails costs time, not the answer: the decode worker computes the prompt's KV
+    itself and goes on from the first token the prefill worker drew (and the gateway has), with the
+    same seeded draws, as one worker answers."""
+    for prompt in PROMPTS:
+        ours, ref = completion(refusing_stack, prompt), completion(aggregated, prompt)
+        assert ours.choices[0].text == ref.choices[0].text
+        assert ours.usage.completion_tokens == ref.usage.completion_tokens == 24
+        a, b = ours.choices[0].logprobs.token_logprobs, ref.choices[0].logprobs.token_logprobs
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    kw = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
+    ours = client(refusing_stack).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], **kw)
+    ref = client(aggregated).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], **kw)
+    assert ours.choices[0].text == ref.choices[0].text
+    hbs = wait_blocks_free(refusing_stack)
+    decode = next(hb for w, hb in hbs.items() if w.startswith("decode"))
+    assert hbs["prefill-0"].kv_handoffs == decode.kv_handoffs == 0
+    assert hbs["prefill-0"].kv_handoffs_recomputed == decode.kv_handoffs_recomputed == len(PROMPTS) + 1
+
+
 def test_structured_output_with_n_is_handed_off_and_equals_the_aggregated_worker(pd_stack, aggregated):
     """The prefill worker draws the first token of each choice under the schema; each decode side
     compiles it too, and its matcher goes on from that token (engine.complete_import)."""

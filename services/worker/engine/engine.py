@@ -236,6 +236,22 @@ class LLMEngine:
         self.batcher.add_request(request)
         return request
 
+    def add_resumed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
+                    seed: int, eos_token_ids: tuple[int, ...] = (), cache_salt: bytes = b"", matcher=None) -> Request:
+        """A request another worker prefilled and drew its first token for, whose KV never came (a
+        failed hand-off): computed here from the prompt and that token, as a preempted request is
+        recomputed, it goes on from its second token with the same seeded draws."""
+        request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=seed)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if matcher is not None:
+            constrain(request, matcher, self._jump_forward)
+            if not request.matcher.accept(first_token):
+                raise ValueError(f"first token {first_token} is not one the request's grammar allows")
+        request.all_token_ids.append(first_token)
+        self.batcher.add_request(request)
+        return request
+
     def _new_request(self, request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=None) -> Request:
         params.validate(self.model_config.vocab_size)
         if not prompt_token_ids:
