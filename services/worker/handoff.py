@@ -389,15 +389,19 @@ class HandoffReceiver:
         """A structured output goes on here from the prefill worker's first token: its grammar is
         compiled (cached by text) while the prompt is prefilled there, and the fresh matcher takes
         that token at the import (engine.complete_import)."""
-        grammars = self.grammars()
         try:
-            if grammars is None:
-                raise GrammarError("this worker has no vocabulary to compile grammars against")
-            matcher = await grammars.matcher(req.sampling.grammar_kind, req.sampling.grammar)
+            matcher = await self._matcher(req)
         except GrammarError as e:
             _resolve(done, str(e))
             return
         submit(matcher)
+
+    async def _matcher(self, req: GenerateRequest):
+        """A fresh matcher of the request's grammar (compiled once per text); GrammarError when none."""
+        grammars = self.grammars()
+        if grammars is None:
+            raise GrammarError("this worker has no vocabulary to compile grammars against")
+        return await grammars.matcher(req.sampling.grammar_kind, req.sampling.grammar)
 
     def _expire_prepared(self, request_id: str) -> None:
         """No offer came (the prompt ended on the prefill side, or that worker died)."""
@@ -449,14 +453,11 @@ class HandoffReceiver:
             return KvHandoffReply(accepted=False, reason="the decode worker is draining")
         matcher = None
         if req.sampling.grammar_kind:
-            grammars = self.grammars()
             try:
-                if grammars is None:
-                    raise GrammarError("this worker has no vocabulary to compile grammars against")
-                matcher = await grammars.matcher(req.sampling.grammar_kind, req.sampling.grammar)
+                matcher = await self._matcher(req)
             except GrammarError as e:
                 return KvHandoffReply(accepted=False, reason=str(e))
-            if rid in self.imported:
+            if rid in self.imported:  # landed while the grammar compiled
                 return KvHandoffReply(accepted=True)
         self.abort([rid])
         # In the step loop's order: the reservation's blocks freed, then the request added.
