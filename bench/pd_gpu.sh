@@ -50,7 +50,7 @@ for lane in ${LANES:-mixed pd pd_bytes pd_tcp}; do  # a lane named again runs ag
   timeout 150 python3 -m services.cli bench --base-url http://127.0.0.1:8001 --num-requests ${LONG_REQUESTS:-100} \
     --input-len 1000:3000 --output-len 100:300 --vocab-size 128000 --request-rate ${LONG_RATE:-5} --seed 11 \
     --no-progress --save-requests --pids-file $run/pids.json --out "$RAW/long_${lane}_$k.json" 2>&1 | tail -1
-  curl -s localhost:8001/metrics | grep -E "^inferno:(scheduler_disaggregated|requests_disaggregated|kv_handoffs)" > "$RAW/metrics_$lane.txt"
+  curl -s localhost:8001/metrics | grep -E "^inferno:kv_handoffs" > "$RAW/metrics_$lane.txt"
   kill -INT $UP; wait $UP
   grep -h "handoff_done\|handoff_landed" $run/prefill-*.log $run/decode-*.log >> "$RAW/handoffs_$lane.jsonl" 2>/dev/null
   [ -s "$RAW/handoffs_$lane.jsonl" ] && python3 bench/handoff_stats.py "$RAW/handoffs_$lane.jsonl" > "$RAW/handoff_$lane.json"

@@ -111,6 +111,9 @@ class WorkerStatsCollector:
         prefill = [hb for hb in live if hb.role == "prefill"]
         yield CounterMetricFamily("inferno:kv_handoffs", "Requests handed from prefill to decode workers.",
                                   sum(hb.kv_handoffs for hb in prefill))
+        yield CounterMetricFamily("inferno:kv_handoffs_recomputed", "Failed hand-offs whose requests the "
+                                  "decode workers computed from the prompt and first token instead.",
+                                  sum(hb.kv_handoffs_recomputed for hb in prefill))
         yield GaugeMetricFamily("inferno:kv_handoff_seconds_p50", "The median hand-off time of the prefill "
                                 "worker slowest at it (its latest 256).",
                                 max((hb.kv_handoff_p50_ms for hb in prefill), default=0.0) / 1e3)

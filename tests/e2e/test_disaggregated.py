@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared.messages import WorkerHeartbeat
-from tests.e2e.conftest import MODEL_NAME, TEST_DEVICE, heartbeats, start_stack
+from tests.e2e.conftest import MODEL_NAME, TEST_DEVICE, heartbeats, metrics, start_stack
 
 pytest.importorskip("ucxx", reason="UCXX (ucxx-cu12) moves the KV pages")
 
@@ -151,6 +151,10 @@ def test_a_refused_hand_off_is_computed_at_the_decode_worker(refusing_stack, agg
     decode = next(hb for w, hb in hbs.items() if w.startswith("decode"))
     assert hbs["prefill-0"].kv_handoffs == decode.kv_handoffs == 0
     assert hbs["prefill-0"].kv_handoffs_recomputed == decode.kv_handoffs_recomputed == len(PROMPTS) + 1
+    deadline = time.monotonic() + 5  # /metrics has them with the prefill worker's next heartbeat
+    while metrics(refusing_stack).get("inferno:kv_handoffs_recomputed_total") != len(PROMPTS) + 1:
+        assert time.monotonic() < deadline, metrics(refusing_stack)
+        time.sleep(0.2)
 
 
 def test_structured_output_with_n_is_handed_off_and_equals_the_aggregated_worker(pd_stack, aggregated):
@@ -195,8 +199,6 @@ def test_a_request_that_ends_with_its_first_token_releases_the_decode_reservatio
 
 def test_metrics_count_hand_offs_and_their_median_time(pd_stack):
     """By now the module's requests were handed off: /metrics counts them, with a median time."""
-    from tests.e2e.conftest import metrics
-
     deadline = time.monotonic() + 5  # the counts come with the prefill worker's heartbeats
     while True:
         m = metrics(pd_stack)
