@@ -79,7 +79,8 @@ def parse_args(argv):
     ap.add_argument("--kv-transfer-host", default=env_default("INFERNO_KV_TRANSFER_HOST", "127.0.0.1"),
                     help="decode role: the address prefill workers reach this worker's UCXX listener at")
     ap.add_argument("--handoff-timeout", type=float, default=10.0,
-                    help="seconds a prefill → decode hand-off may take before the request fails")
+                    help="seconds a prefill → decode hand-off may take; past it the decode worker computes the "
+                         "request's KV itself (a recompute), and the request fails only if it cannot")
     ap.add_argument("--grammar-compile-timeout", type=float,
                     default=float(env_default("INFERNO_GRAMMAR_COMPILE_TIMEOUT", "10")),
                     help="seconds a structured output's grammar may take to compile; past it the request fails "
