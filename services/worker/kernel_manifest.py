@@ -21,7 +21,7 @@ the helpers hold (Replay.wait_for), then finds it in the cache: the keys are the
 worker has settled. Its default, `auto`, is a file beside the model (`manifest_path`): the model's
 volume is what every new replica shares, while each one's Triton cache starts empty, so only the
 first start of a model on a volume compiles its kernels one after another; `off` keeps none. A cache
-that holds every variant of the manifest as it stands carries a marker saying so (`in_cache`), and a
+that holds every variant of the manifest as it stands carries a marker saying so (`cache_marker`), and a
 start then leaves the helpers out: 16 processes importing Triton beside the worker's own imports cost
 a warm start ~3 s, and 13 s more with the page cache dropped (2026-11-29). `inferno warm-kernels
 --kernel-manifest PATH` records one; `python -m services.worker.kernel_manifest PATH --jobs N` replays
@@ -96,9 +96,10 @@ def cache_marker(doc: dict) -> Path:
 
 
 def mark_in_cache(doc: dict) -> None:
+    marker = cache_marker(doc)
     try:
-        cache_marker(doc).parent.mkdir(parents=True, exist_ok=True)
-        cache_marker(doc).touch()
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
     except OSError:
         pass  # a read-only cache: the next start replays again, as without the marker
 
@@ -169,6 +170,11 @@ def read(path: str | Path) -> dict | None:
 def write(path: str | Path, entries: list[dict], target: dict) -> int:
     """Merge entries into the manifest at path (one per triton version and target; another's is
     replaced); returns how many entries it holds. Written whole, then renamed into place."""
+    return len(write_doc(path, entries, target)["kernels"])
+
+
+def write_doc(path: str | Path, entries: list[dict], target: dict) -> dict:
+    """write(), returning the manifest as written."""
     import triton
     doc = read(path)
     if doc is None or doc.get("triton") != triton.__version__ or doc.get("target") != target:
@@ -179,7 +185,7 @@ def write(path: str | Path, entries: list[dict], target: dict) -> int:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=0))
     tmp.replace(path)
-    return len(doc["kernels"])
+    return doc
 
 
 def _tuples(value):
@@ -326,11 +332,10 @@ def save(path: str) -> int | None:
     if not path or not entries:
         return None
     try:
-        held = write(path, entries, current_target())
-        doc = read(path)
-        if doc is not None and {e["data"] for e in doc["kernels"]} <= {e["data"] for e in entries}:
+        doc = write_doc(path, entries, current_target())
+        if {e["data"] for e in doc["kernels"]} <= {e["data"] for e in entries}:
             mark_in_cache(doc)  # this process compiled or loaded every one of them: they are in its cache
-        return held
+        return len(doc["kernels"])
     except OSError as e:
         import structlog
         structlog.get_logger("worker.kernels").warning("kernel manifest not written", manifest=path, error=str(e))

@@ -16,7 +16,8 @@ from services.worker.engine.cuda_device import bind_thread
 from services.worker.engine.cuda_ipc import IpcExporter, IpcImporter, host_id
 from services.worker.engine.step_outputs import StepOutputs
 from services.worker.grammar import GrammarError, Grammars
-from services.worker.handoff import HandoffReceiver, HandoffSender
+from services.worker.handoff import HandoffSender
+from services.worker.handoff_receiver import HandoffReceiver
 from services.worker.heartbeat import heartbeat_period, worker_heartbeat
 from services.worker.host_staging import HostStaging
 from services.worker.kv_snapshot import SNAPSHOT_TTL, KvMirror

@@ -170,16 +170,16 @@ class StepLoop(threading.Thread):
             elapsed = ended - started
             self.steps_done += 1
             self.busy_seconds += elapsed
-            self.computed_tokens += getattr(self.engine, "last_step_tokens", 0)
+            computed = getattr(self.engine, "last_step_tokens", 0)
+            self.computed_tokens += computed
             # Timed from the last step's end, not this call's start: with overlapped steps a call
             # waits only for what is left of the step before, and the host's work between calls
             # (outputs, commands) overlaps the GPU's.
-            self.prefill_rate.add(getattr(self.engine, "last_step_tokens", 0) - getattr(self.engine, "last_step_rows", 0),
-                                  ended - self._last_end)
+            self.prefill_rate.add(computed - getattr(self.engine, "last_step_rows", 0), ended - self._last_end)
             self._last_end = ended
             self.output_tokens += len(getattr(outputs, "token_ids", ()))
             if self.on_step is not None:
-                self.on_step(getattr(self.engine, "last_step_tokens", 0), elapsed)
+                self.on_step(computed, elapsed)
             if self.trace is not None:
                 self._trace_step(time.perf_counter() - started)
             self.hand_over(outputs)

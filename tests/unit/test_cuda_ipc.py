@@ -17,7 +17,8 @@ import torch
 
 from services.worker.engine.cuda_ipc import REFUSED, IpcError, IpcExporter, IpcImporter, _fields, host_id
 from services.worker.engine.kv_export import Handoff
-from services.worker.handoff import PUSH_GRACE, HandoffReceiver, HandoffSender
+from services.worker.handoff import HandoffSender
+from services.worker.handoff_receiver import PUSH_GRACE, HandoffReceiver
 from services.worker.step_loop import ImportCommand
 from shared.handoff_messages import KvHandoffOffer, KvHandoffReady
 from shared.kv_transfer import TransferClient, TransferServer

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -26,6 +25,7 @@ from services.worker.engine.engine_stats import EngineStats, engine_stats
 from services.worker.engine.drafts import advance_matchers, checked_drafts, constrain, make_drafts
 from services.worker.engine.kv_cache import CacheLayout, KVCache, kv_cache_dtype
 from services.worker.engine.kv_export import Handoff, PageExporter, handoff_buffer_blocks
+from services.worker.engine.kv_import import ImportReservation
 from services.worker.engine.kv_pages import empty_pages, scatter_pages
 from services.worker.engine.loader import load_model
 from services.worker.engine.expert_load import ExpertLoad
@@ -56,24 +56,6 @@ class PromptSink:
     def take(self, hashes: list[bytes], pages: torch.Tensor, event) -> None:
         """Pages [n, L, 2, bs, H, D] of these hashes; `event` (CUDA) marks when they are written."""
         raise NotImplementedError
-
-
-@dataclass(slots=True)
-class ImportReservation:
-    """Blocks held for a request whose prompt KV another worker sends: the first `skip_blocks`
-    pages are cached here already; `buffer` receives the others."""
-
-    request: Request
-    skip_blocks: int
-    buffer: torch.Tensor
-    # A CUDA event on the step stream after the buffer was allocated: another stream that writes
-    # the buffer waits for it (kernels that used its memory before were queued ahead of it), not
-    # for the steps queued since.
-    allocated: object = None
-    release: Callable[[], None] | None = None  # the receive slot's (a hand-off buffer run), or None
-    # time.monotonic() until which a prefill worker may write the slot (it was told where it lies):
-    # a dropped reservation's slot stays held that long (kv_export.PageExporter.retire).
-    hold_until: float = 0.0
 
 
 _REASONS = {status: status.value for status in FINISHED if status is not RequestStatus.HANDED_OFF}
@@ -242,15 +224,19 @@ class LLMEngine:
         failed hand-off): computed here from the prompt and that token, as a preempted request is
         recomputed, it goes on from its second token with the same seeded draws."""
         request = self._new_request(request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=seed)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
         if matcher is not None:
             constrain(request, matcher, self._jump_forward)
-            if not request.matcher.accept(first_token):
-                raise ValueError(f"first token {first_token} is not one the request's grammar allows")
-        request.all_token_ids.append(first_token)
+        self._take_first_token(request, first_token)
         self.batcher.add_request(request)
         return request
+
+    def _take_first_token(self, request: Request, first_token: int) -> None:
+        """Append the token another worker drew first (its grammar's matcher, if any, takes it too)."""
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if request.matcher is not None and not request.matcher.accept(first_token):
+            raise ValueError(f"first token {first_token} is not one the request's grammar allows")
+        request.all_token_ids.append(first_token)
 
     def _new_request(self, request_id, prompt_token_ids, params, eos_token_ids, cache_salt, seed=None) -> Request:
         params.validate(self.model_config.vocab_size)
@@ -306,20 +292,18 @@ class LLMEngine:
         the prefill worker sampled (with its resolved seed, so seeded draws go on) and decode on."""
         res = self._imports[request_id]
         r = res.request
-        if not 0 <= first_token < self.model_config.vocab_size:
+        try:
+            self._take_first_token(r, first_token)
+        except ValueError:
             self.cancel_import(request_id)
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        if r.matcher is not None and not r.matcher.accept(first_token):
-            self.cancel_import(request_id)
-            raise ValueError(f"first token {first_token} is not one the request's grammar allows")
+            raise
         del self._imports[request_id]
-        r.all_token_ids.append(first_token)
         r.seed = seed & ((1 << 63) - 1)
         r.num_cached_tokens = max(r.num_cached_tokens, num_cached_tokens)
         scatter_pages(self.kv_cache, r.block_ids[res.skip_blocks:], res.buffer)
         # The pages came, so no write into the slot is still on its way (a prefill worker's push
         # ends before its frame is sent): only the scatter must read it before it is reused.
-        self._free_receive_slot(res, hold_until=0.0)
+        res.free_slot(self.exporter, hold_until=0.0)
         return self.batcher.start_imported(request_id)
 
     def cancel_import(self, request_id: str) -> bool:
@@ -327,17 +311,8 @@ class LLMEngine:
         if res is None:
             return False
         self.batcher.cancel_reserved(request_id)
-        self._free_receive_slot(res, res.hold_until)
+        res.free_slot(self.exporter, res.hold_until)
         return True
-
-    def _free_receive_slot(self, res: ImportReservation, hold_until: float) -> None:
-        if res.release is None:
-            return
-        event = None
-        if res.buffer.is_cuda:  # behind the scatter just queued (or whatever last read the slot)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(res.buffer.device))
-        self.exporter.retire(res.release, event, hold_until)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished() or bool(self._inflight)
